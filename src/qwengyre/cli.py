@@ -1,0 +1,97 @@
+"""The ``qwengyre`` command: one subcommand per job.
+
+User errors (bad config, bad input files, bad arguments) exit non-zero with one line
+on stderr; ``--verbose`` shows the traceback as well. Heavy imports (torch,
+transformers, matplotlib) happen inside the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from qwengyre import __version__
+from qwengyre.config import Config, ConfigError, config_to_yaml, load_config
+
+USER_ERRORS = (ConfigError, ValueError, OSError)
+"""Exceptions that describe bad input rather than a bug in qwengyre."""
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config_file", nargs="?", help="YAML config file (optional)")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted.key=value overrides, e.g. groups.size=8"
+    )
+
+
+def _resolve_config(args: argparse.Namespace) -> Config:
+    """The config file is optional: a first positional holding '=' is an override."""
+    config_file, overrides = args.config_file, list(args.overrides)
+    if config_file is not None and "=" in config_file:
+        overrides.insert(0, config_file)
+        config_file = None
+    return load_config(config_file, overrides)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    print(config_to_yaml(_resolve_config(args)), end="")
+    return 0
+
+
+def cmd_model_init_tiny(args: argparse.Namespace) -> int:
+    from qwengyre.models import build_tiny_model
+
+    out = build_tiny_model(Path(args.dir), size=args.size, seed=args.seed, overwrite=args.force)
+    print(f"built the {args.size} tiny model in {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qwengyre",
+        description="Elastic reinforcement learning for long-horizon LLM agents.",
+    )
+    parser.add_argument("--version", action="version", version=f"qwengyre {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    config = sub.add_parser("config", help="inspect the configuration tree")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_sub.add_parser("show", help="print the resolved config as YAML")
+    _add_config_args(show)
+    show.set_defaults(func=cmd_config_show)
+
+    model = sub.add_parser("model", help="build and inspect models")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    tiny = model_sub.add_parser(
+        "init-tiny", help="build the offline tiny model and tokenizer (HF format) in DIR"
+    )
+    tiny.add_argument("dir", help="output directory (must be empty or absent)")
+    tiny.add_argument("--size", choices=["test", "demo"], default="demo")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
+    tiny.set_defaults(func=cmd_model_init_tiny)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except USER_ERRORS as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"qwengyre: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("qwengyre: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The typed configuration tree: one place for every knob and its default.
+
+A configuration is loaded from YAML (:func:`load_config`) and adjusted with
+``dotted.key=value`` overrides; everything is validated by pydantic models that
+refuse unknown keys, wrong types and out-of-range values. Every refusal is raised
+as :class:`ConfigError` with one line naming the key, the value given and what is
+allowed.
+
+Defaults are the paper's where it states one (N=16, B=32, J_max=5, token weight
+cap 5, execution clip [0.995, 1.005], Adam at a constant 1e-6, mu=1, phi=0, the
+8-cell x 144-concurrency NL2RepoBench layout and its measured switch times).
+The paper gives no values for rho_min and tau; ours are documented on
+:class:`SchedulerConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qwengyre.scheduler.staleness import burst_for_staleness
+
+Policy = Literal["elastic", "async", "colocate"]
+Dispatch = Literal["boundary", "continuous"]
+
+
+class ConfigError(ValueError):
+    """A configuration value was refused; the message is one line meant for the user."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GroupsConfig(_Section):
+    """Rollout groups and batches."""
+
+    size: int = Field(16, ge=1, description="N: valid executions per rollout group")
+    oversample: int = Field(
+        0, ge=0, description="extra executions dispatched per group; surplus is cancelled"
+    )
+    batch: int = Field(32, ge=1, description="B: rollout groups per training step")
+    max_topups: int = Field(
+        4,
+        ge=0,
+        description="executions launched beyond size+oversample to replace ones without a"
+        " valid reward; a group that still falls short is dropped and replaced",
+    )
+
+
+class SchedulerConfig(_Section):
+    """Dispatch and role transitions (DESIGN.md §2, Eqs 1-6).
+
+    ``rho_min`` and ``tau_s`` (the supply check of Eq 5) are not given by the paper.
+    ``rho_min = 0.25``: a cell moves only when a quarter of a batch is ready and
+    unassigned, enough work to pay back an 8.5 s switch on any realistic model.
+    ``tau_s = 30``: a few switch times, so a momentary spike of terminations does
+    not move a cell, yet negligible against executions that last hours.
+    """
+
+    policy: Policy = "elastic"
+    dispatch: Dispatch = "boundary"
+    mu: int = Field(1, ge=1, description="training steps per burst")
+    phi: float = Field(0.0, ge=0.0, description="extra dispatch, in units of B groups")
+    target_staleness: float | None = Field(
+        None,
+        ge=0.0,
+        description="if set, mu and phi are chosen per policy for this E[d] (Eq 2)",
+    )
+    rho_min: float = Field(0.25, gt=0.0, le=1.0, description="supply fraction of B (Eq 5)")
+    tau_s: float = Field(30.0, ge=0.0, description="seconds the supply check must hold")
+    streaming: bool = Field(True, description="train on ready groups before the batch is full")
+    async_training_cells: int = Field(
+        2, ge=1, description="async only: cells fixed in training (the rest roll out)"
+    )
+
+    @model_validator(mode="after")
+    def _resolve_target_staleness(self) -> SchedulerConfig:
+        """With a target E[d], mu and phi follow from the policy (given ones must agree)."""
+        if self.target_staleness is None:
+            return self
+        shape = burst_for_staleness(self.policy, self.target_staleness)
+        for key in ("mu", "phi"):
+            given, picked = getattr(self, key), getattr(shape, key)
+            if key in self.model_fields_set and not math.isclose(given, picked):
+                raise ValueError(
+                    f"scheduler.{key}={given} contradicts target_staleness="
+                    f"{self.target_staleness}, which gives {key}={picked:g} for"
+                    f" {self.policy}; set one or the other"
+                )
+            # Bypass validate_assignment: it would re-run this validator recursively.
+            self.__dict__[key] = picked
+        return self
+
+
+class CellsConfig(_Section):
+    """Elastic cells and the standalone pool (Eq 3)."""
+
+    count: int = Field(8, ge=1, description="K: elastic cells; cell 0 is the core")
+    capacity: int = Field(144, ge=1, description="C_e: concurrent executions per rollout cell")
+    standalone_capacity: int = Field(0, ge=0, description="C_s: standalone rollout pool")
+    rollout_to_training_s: float = Field(8.52, ge=0.0, description="switch cost (paper)")
+    training_to_rollout_s: float = Field(3.46, ge=0.0, description="switch cost (paper)")
+
+
+class TrainerConfig(_Section):
+    """Trajectory selection and the execution-level objective (DESIGN.md §2)."""
+
+    j_max: int = Field(5, ge=1, description="trajectories admitted per execution")
+    token_weight_cap: float = Field(5.0, gt=0.0, description="cap on exp(l_t - b_t)")
+    clip_low: float = Field(0.995, gt=0.0, le=1.0, description="execution ratio clip, low")
+    clip_high: float = Field(1.005, ge=1.0, description="execution ratio clip, high")
+    optimizer: Literal["adam"] = "adam"
+    lr: float = Field(1e-6, gt=0.0, description="learning rate")
+    lr_schedule: Literal["constant"] = "constant"
+
+
+class ModelConfig(_Section):
+    """The policy model: a HuggingFace directory, or the built-in tiny model."""
+
+    path: Path | None = Field(None, description="HF model directory; None = the tiny model")
+    tiny_size: Literal["test", "demo"] = "demo"
+
+
+class SimConfig(_Section):
+    """The discrete-event simulator's workload and cost model."""
+
+    workload: Literal["paper-122b", "paper-2p4t", "fixed", "trace"] = "paper-122b"
+    trace: Path | None = Field(None, description="JSONL trace, for workload=trace")
+    steps: int = Field(48, ge=1, description="training steps to simulate")
+    publish_s: float = Field(30.0, ge=0.0, description="weight publication time")
+    train_tokens_per_cell_s: float = Field(
+        10_000.0, gt=0.0, description="training throughput of one cell, tokens/s"
+    )
+    train_step_overhead_s: float = Field(
+        60.0, ge=0.0, description="per-step cost: pipeline fill/drain and optimizer update"
+    )
+
+    @model_validator(mode="after")
+    def _trace_needs_path(self) -> SimConfig:
+        if self.workload == "trace" and self.trace is None:
+            raise ValueError("sim.workload=trace needs sim.trace=PATH")
+        return self
+
+
+class Config(_Section):
+    """The root of the configuration tree."""
+
+    seed: int = 0
+    groups: GroupsConfig = Field(default_factory=GroupsConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    cells: CellsConfig = Field(default_factory=CellsConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        s, c = self.scheduler, self.cells
+        if s.policy == "colocate" and s.phi > 0:
+            raise ValueError(
+                f"scheduler.phi={s.phi} with policy colocate: colocate dispatches no extra"
+                " groups (phi must be 0)"
+            )
+        if s.policy == "async" and s.async_training_cells >= c.count:
+            raise ValueError(
+                f"scheduler.async_training_cells={s.async_training_cells} must be less than"
+                f" cells.count={c.count} (async needs at least one rollout cell)"
+            )
+        depth = (s.phi + s.mu) * self.groups.batch
+        if not math.isclose(depth, round(depth), abs_tol=1e-9):
+            raise ValueError(
+                f"(scheduler.phi + scheduler.mu) * groups.batch = {depth:g} groups must be a"
+                " whole number"
+            )
+        return self
+
+
+def _format_error(err: ValidationError) -> str:
+    """One line for the first problem pydantic found: key, value given, what is allowed."""
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    value = first.get("input")
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}' (given {value!r}); {_allowed_keys(first['loc'])}"
+    message = first["msg"].removeprefix("Value error, ")
+    if not key or isinstance(value, dict):
+        return f"invalid config{' (' + key + ')' if key else ''}: {message}"
+    return f"invalid config value {key}={value!r}: {message}"
+
+
+def _allowed_keys(loc: tuple[int | str, ...]) -> str:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        model = annotation
+    where = ".".join(str(p) for p in loc[:-1]) or "the top level"
+    return f"allowed keys at {where}: {', '.join(model.model_fields)}"
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ``["a.b=1", "c=x"]`` into a nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override '{item}' must look like dotted.key=value")
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}' conflicts with an earlier override")
+            node = child
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        here = f"{prefix}{key}"
+        if isinstance(value, dict):
+            current = merged.get(key, {})
+            if not isinstance(current, dict):
+                raise ConfigError(f"'{here}' is a value, not a section (given {value!r})")
+            merged[key] = _merge(current, value, f"{here}.")
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML at ``path`` (or the defaults), apply ``overrides``, validate.
+
+    Raises :class:`ConfigError` with a one-line message on any problem.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = loaded or {}
+    data = _merge(data, parse_overrides(overrides or []))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def config_to_yaml(config: Config) -> str:
+    """The resolved configuration as YAML (paths as strings), loadable by :func:`load_config`."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

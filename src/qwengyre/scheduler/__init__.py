@@ -1,0 +1,1 @@
+"""The elastic scheduler: a pure, deterministic state machine (events in, actions out)."""

@@ -1,0 +1,24 @@
+"""The shared nouns of qwengyre: small, dependency-free types used across packages."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    """How a launched execution terminated; every launched execution has exactly one.
+
+    - ``completed``: the harness finished by itself and a valid assessment exists.
+    - ``failed``: the harness or its workspace failed; it may still have been assessed.
+    - ``harness_timeout``: the harness deadline stopped it; its work is still evaluated.
+    - ``overall_timeout``: the overall budget (evaluation retries included) expired before
+      a valid reward existed; the execution is excluded from training.
+    - ``cancelled``: stopped by the framework (e.g. a surplus execution under
+      oversampling once its group has N valid rewards).
+    """
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    HARNESS_TIMEOUT = "harness_timeout"
+    OVERALL_TIMEOUT = "overall_timeout"
+    CANCELLED = "cancelled"
