@@ -1,0 +1,570 @@
+"""The scheduler: boundary/continuous dispatch, elastic cells, bursts (DESIGN.md §2).
+
+A pure, deterministic state machine: :meth:`Scheduler.handle` takes one event and
+returns the actions to carry out. It never reads a clock, sleeps or does I/O, so
+the simulator (virtual clock) and the live runtime (real clock) drive the same code:
+
+    for action in scheduler.handle(event):
+        await execute(action)
+
+Counters (in executions): ``d`` dispatched (minus surplus withdrawn before launch),
+``p`` launched, ``f`` terminated; ``0 <= f <= p <= d``; queued = d - p,
+running = p - f, waterlevel w = d - f.
+
+Policies share everything but the grouping of cells into *units* that move together:
+
+- ``elastic``: every cell is its own unit; units join training one at a time in
+  prefix order (core first) when Eq 5 and the supply check hold;
+- ``colocate``: one unit holding every cell: the whole pool switches together,
+  which by Eq 5 (w <= C_s) waits for the rollout tail;
+- ``async``: no unit moves; cells 0..T-1 train for the whole run.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from qwengyre.scheduler.events import (
+    STANDALONE,
+    Action,
+    AssignGroups,
+    Cancel,
+    CellMoved,
+    Dispatch,
+    DropGroup,
+    Event,
+    ExecutionFinished,
+    Launch,
+    MoveCell,
+    PublicationDone,
+    Publish,
+    PullGroups,
+    Reroute,
+    Role,
+    Start,
+    StepDone,
+    Tick,
+    WakeAt,
+)
+from qwengyre.types import Outcome
+
+if TYPE_CHECKING:
+    from qwengyre.config import Config
+
+
+class SchedulerError(ValueError):
+    """An event that contradicts the scheduler's state (a driver bug); state is unchanged."""
+
+
+@dataclass(frozen=True)
+class SchedulerParams:
+    """Everything the scheduler decides with; see :class:`qwengyre.config.Config`."""
+
+    policy: str = "elastic"
+    dispatch: str = "boundary"
+    group_size: int = 16
+    oversample: int = 0
+    max_topups: int = 4
+    batch: int = 32
+    mu: int = 1
+    phi: float = 0.0
+    cells: int = 8
+    cell_capacity: int = 144
+    standalone_capacity: int = 0
+    rho_min: float = 0.25
+    tau_s: float = 30.0
+    streaming: bool = True
+    async_training_cells: int = 2
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("elastic", "async", "colocate"):
+            raise ValueError(f"policy {self.policy!r}; allowed: elastic, async, colocate")
+        if self.dispatch not in ("boundary", "continuous"):
+            raise ValueError(f"dispatch {self.dispatch!r}; allowed: boundary, continuous")
+        if self.policy == "async" and not 0 < self.async_training_cells < self.cells:
+            raise ValueError(
+                f"async_training_cells={self.async_training_cells} must be in [1, cells-1]"
+            )
+        if self.policy == "colocate" and self.phi > 0:
+            raise ValueError(f"colocate dispatches no extra groups: phi={self.phi} must be 0")
+
+    @property
+    def queue_depth(self) -> int:
+        """Eq 1: target depth in groups, ``Q = (phi + mu) * B``."""
+        return round((self.phi + self.mu) * self.batch)
+
+    @property
+    def executions_per_group(self) -> int:
+        return self.group_size + self.oversample
+
+    @classmethod
+    def from_config(cls, config: Config) -> SchedulerParams:
+        s, c, g = config.scheduler, config.cells, config.groups
+        return cls(
+            policy=s.policy,
+            dispatch=s.dispatch,
+            group_size=g.size,
+            oversample=g.oversample,
+            max_topups=g.max_topups,
+            batch=g.batch,
+            mu=s.mu,
+            phi=s.phi,
+            cells=c.count,
+            cell_capacity=c.capacity,
+            standalone_capacity=c.standalone_capacity,
+            rho_min=s.rho_min,
+            tau_s=s.tau_s,
+            streaming=s.streaming,
+            async_training_cells=s.async_training_cells,
+        )
+
+
+class GroupState(StrEnum):
+    ROLLOUT = "rollout"  # waiting for N valid rewards
+    READY = "ready"  # N valid rewards, not yet in a batch
+    ASSIGNED = "assigned"  # in the batch of step ``v_t``
+    TRAINED = "trained"  # its step is done
+    DROPPED = "dropped"  # could not reach N valid rewards
+
+
+@dataclass
+class Group:
+    """A rollout group as the scheduler sees it."""
+
+    id: int
+    v_d: int
+    state: GroupState = GroupState.ROLLOUT
+    executions: list[int] = field(default_factory=list)
+    pending: set[int] = field(default_factory=set)  # queued or running, not cancelled
+    valid: dict[int, float] = field(default_factory=dict)  # execution id -> reward, first N
+    v_t: int | None = None  # the version before the step that consumes it
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """A group assigned to training step ``v_t``; it was admitted at version ``v_d``."""
+
+    group_id: int
+    v_d: int
+    v_t: int
+
+    @property
+    def staleness(self) -> int:
+        """Scheduling staleness d = v_t - v_d (DESIGN.md §1)."""
+        return self.v_t - self.v_d
+
+
+@dataclass
+class Execution:
+    id: int
+    group: int
+    index: int
+    engine: int | None = None  # None while queued
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class Counters:
+    dispatched: int
+    launched: int
+    finished: int
+
+    @property
+    def queued(self) -> int:
+        return self.dispatched - self.launched
+
+    @property
+    def running(self) -> int:
+        return self.launched - self.finished
+
+    @property
+    def waterlevel(self) -> int:
+        return self.dispatched - self.finished
+
+
+class Scheduler:
+    """The elastic scheduler; see the module docstring for the contract."""
+
+    def __init__(self, params: SchedulerParams) -> None:
+        self.params = params
+        k = params.cells
+        if params.policy == "elastic":
+            self.units: list[tuple[int, ...]] = [(i,) for i in range(k)]
+        elif params.policy == "colocate":
+            self.units = [tuple(range(k))]
+        else:
+            self.units = []
+        self.roles = [Role.ROLLOUT] * k
+        self.groups: dict[int, Group] = {}
+        self.executions: dict[int, Execution] = {}
+        self._queue: deque[int] = deque()
+        self._load: dict[int, set[int]] = {e: set() for e in [STANDALONE, *range(k)]}
+        self._ready: list[tuple[int, int, int]] = []  # heap of (v_d, ready seq, group id)
+        self._ready_seq = 0
+        self._d = self._p = self._f = 0
+        self.version = 0  # optimizer steps done
+        self.published = 0  # latest published version
+        self._step_assigned = 0  # groups in the current step's batch
+        self._wanted = 0  # groups the packing buffer asked for and has not received
+        self._steps_in_burst = 0
+        self._publishing = False
+        self._started = False
+        self._supply_since: float | None = None
+        self._wake_at: float | None = None
+        self._now = 0.0
+        self._out: list[Action] = []
+
+    # ------------------------------------------------------------ read-only views
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(self._d, self._p, self._f)
+
+    @property
+    def capacity(self) -> int:
+        """Eq 3: rollout capacity of the engines that serve now."""
+        serving = sum(1 for r in self.roles if r is Role.ROLLOUT)
+        return serving * self.params.cell_capacity + self.params.standalone_capacity
+
+    @property
+    def training_cells(self) -> tuple[int, ...]:
+        """Cells whose transition to training is done (they may claim micro-steps)."""
+        return tuple(i for i, r in enumerate(self.roles) if r is Role.TRAINING)
+
+    @property
+    def cells_out_of_rollout(self) -> int:
+        """k(t): cells training or in transition."""
+        return sum(1 for r in self.roles if r is not Role.ROLLOUT)
+
+    @property
+    def ready_unassigned(self) -> int:
+        return len(self._ready)
+
+    @property
+    def batch_needs(self) -> int:
+        """Groups the current step's batch still needs (0 while publishing)."""
+        return 0 if self._publishing else self.params.batch - self._step_assigned
+
+    @property
+    def groups_wanted(self) -> int:
+        """Outstanding demand from the packing buffer (see :class:`PullGroups`)."""
+        return self._wanted
+
+    @property
+    def publishing(self) -> bool:
+        return self._publishing
+
+    def consumed(self) -> list[Consumed]:
+        """Groups assigned to a training step, in group id order."""
+        return [Consumed(g.id, g.v_d, g.v_t) for g in self.groups.values() if g.v_t is not None]
+
+    def running_on(self, engine: int) -> frozenset[int]:
+        return frozenset(self._load[engine])
+
+    # ------------------------------------------------------------ the one entry point
+
+    def handle(self, event: Event) -> list[Action]:
+        """Apply one event; return the actions to carry out, in order."""
+        if event.time < self._now:
+            raise SchedulerError(f"event time {event.time} is before {self._now}")
+        if not self._started and not isinstance(event, Start):
+            raise SchedulerError(f"{type(event).__name__} before Start")
+        self._now = event.time
+        self._out = []
+        match event:
+            case Start():
+                self._on_start()
+            case ExecutionFinished():
+                self._on_finished(event)
+            case CellMoved():
+                self._on_cell_moved(event.cell)
+            case StepDone():
+                self._on_step_done(event.step)
+            case PublicationDone():
+                self._on_publication_done(event.version)
+            case PullGroups():
+                if event.step != self.version or event.count < 0:
+                    raise SchedulerError(
+                        f"PullGroups for step {event.step}, count {event.count}"
+                        f" (current step {self.version})"
+                    )
+                self._wanted = event.count
+            case Tick():
+                if self._wake_at is not None and self._now >= self._wake_at:
+                    self._wake_at = None
+        self._settle()
+        return self._out
+
+    # ------------------------------------------------------------ event handlers
+
+    def _on_start(self) -> None:
+        if self._started:
+            raise SchedulerError("Start received twice")
+        self._started = True
+        if self.params.policy == "async":
+            for cell in range(self.params.async_training_cells):
+                self.roles[cell] = Role.TRAINING
+        self._refill()
+
+    def _on_finished(self, event: ExecutionFinished) -> None:
+        ex = self.executions.get(event.execution_id)
+        if ex is None or ex.engine is None:
+            raise SchedulerError(f"execution {event.execution_id} was never launched")
+        if ex.finished:
+            raise SchedulerError(f"execution {event.execution_id} finished twice")
+        if event.outcome is Outcome.CANCELLED and event.reward is not None:
+            raise SchedulerError("a cancelled execution cannot carry a reward")
+        ex.finished = True
+        self._f += 1
+        self._load[ex.engine].discard(ex.id)
+        group = self.groups[ex.group]
+        if ex.id not in group.pending:
+            return  # surplus that was cancelled, or part of a dropped group
+        group.pending.discard(ex.id)
+        if group.state is not GroupState.ROLLOUT:
+            return
+        if event.reward is not None:
+            group.valid[ex.id] = event.reward
+        if len(group.valid) >= self.params.group_size:
+            self._make_ready(group)
+        else:
+            self._top_up_or_drop(group)
+
+    def _on_cell_moved(self, cell: int) -> None:
+        if not 0 <= cell < len(self.roles):
+            raise SchedulerError(f"cell {cell} does not exist (0..{len(self.roles) - 1})")
+        role = self.roles[cell]
+        if role is Role.TO_TRAINING:
+            self.roles[cell] = Role.TRAINING
+            self._supply_since = None  # the timer resets after each transition
+        elif role is Role.TO_ROLLOUT:
+            self.roles[cell] = Role.ROLLOUT
+        else:
+            raise SchedulerError(f"cell {cell} is not in transition (it is {role})")
+
+    def _on_step_done(self, step: int) -> None:
+        if step != self.version or self._step_assigned < self.params.batch:
+            raise SchedulerError(
+                f"StepDone({step}) but step {self.version} has"
+                f" {self._step_assigned}/{self.params.batch} groups assigned"
+            )
+        for group in self.groups.values():
+            if group.state is GroupState.ASSIGNED:
+                group.state = GroupState.TRAINED
+        self.version += 1
+        self._steps_in_burst += 1
+        self._step_assigned = self._wanted = 0
+        self._supply_since = None  # the timer resets at each batch start
+        if self._steps_in_burst < self.params.mu:
+            return
+        self._steps_in_burst = 0
+        self._publishing = True
+        for unit in self.units[1:]:  # satellites return; the core publishes
+            for cell in unit:
+                if self.roles[cell] is not Role.ROLLOUT:
+                    self._move(cell, Role.ROLLOUT)
+        self._out.append(Publish(self.version))
+
+    def _on_publication_done(self, version: int) -> None:
+        if not self._publishing or version != self.version:
+            raise SchedulerError(f"PublicationDone({version}) was not asked for")
+        self._publishing = False
+        self.published = version
+        self._refill()
+        if self.units and self.roles[self.units[0][0]] is not Role.ROLLOUT:
+            self._core_stays_or_returns()
+
+    # ------------------------------------------------------------ rules
+
+    def _settle(self) -> None:
+        """After every event: assign ready groups, move cells, launch (Eqs 4-5)."""
+        self._assign_ready()
+        self._maybe_join()
+        self._launch()
+
+    def _refill(self) -> None:
+        """Eq 1 (boundary) or the continuous slot rule: dispatch up to the queue depth."""
+        for _ in range(self.params.queue_depth - self._slots_held()):
+            self._dispatch_group()
+
+    def _slots_held(self) -> int:
+        """Boundary: a group holds its slot until trained. Continuous: until ready."""
+        held = {GroupState.ROLLOUT}
+        if self.params.dispatch == "boundary":
+            held |= {GroupState.READY, GroupState.ASSIGNED}
+        return sum(1 for g in self.groups.values() if g.state in held)
+
+    def _dispatch_group(self) -> None:
+        group = Group(id=len(self.groups), v_d=self.published)
+        self.groups[group.id] = group
+        self._dispatch(group, self.params.executions_per_group, topup=False)
+
+    def _dispatch(self, group: Group, n: int, topup: bool) -> None:
+        ids = []
+        for _ in range(n):
+            ex = Execution(id=len(self.executions), group=group.id, index=len(group.executions))
+            self.executions[ex.id] = ex
+            group.executions.append(ex.id)
+            group.pending.add(ex.id)
+            ids.append(ex.id)
+        # Top-ups jump the queue: their group is already waiting on them.
+        if topup:
+            self._queue.extendleft(reversed(ids))
+        else:
+            self._queue.extend(ids)
+        self._d += n
+        self._out.append(Dispatch(group.id, tuple(ids), self.published, topup=topup))
+
+    def _make_ready(self, group: Group) -> None:
+        """N valid rewards: the group is ready; its surplus executions are cancelled."""
+        group.state = GroupState.READY
+        heapq.heappush(self._ready, (group.v_d, self._ready_seq, group.id))
+        self._ready_seq += 1
+        self._cancel_pending(group)
+        if self.params.dispatch == "continuous":
+            self._dispatch_group()
+
+    def _top_up_or_drop(self, group: Group) -> None:
+        """Replace executions without a valid reward; drop the group past the allowance."""
+        p = self.params
+        shortfall = p.group_size - len(group.valid) - len(group.pending)
+        if shortfall <= 0:
+            return
+        allowance = p.executions_per_group + p.max_topups - len(group.executions)
+        if shortfall <= allowance:
+            self._dispatch(group, shortfall, topup=True)
+            return
+        group.state = GroupState.DROPPED
+        self._cancel_pending(group)
+        self._out.append(DropGroup(group.id))
+        self._dispatch_group()  # the dropped group's slot is refilled at once
+
+    def _cancel_pending(self, group: Group) -> None:
+        for eid in sorted(group.pending):
+            ex = self.executions[eid]
+            if ex.engine is None:  # still queued: withdraw, it never launches
+                self._queue.remove(eid)
+                self._d -= 1
+                ex.finished = True
+            else:
+                self._out.append(Cancel(eid))
+        group.pending.clear()
+
+    def _assign_ready(self) -> None:
+        """Ready groups join the current batch, oldest version first.
+
+        Streaming: as many as the packing buffer wants. Not streaming: the whole
+        remainder of the batch at once, once it is all ready.
+        """
+        needs = self.batch_needs
+        if not needs or not self._ready or not self.training_cells:
+            return
+        if self.params.streaming:
+            n = min(self._wanted, needs, len(self._ready))
+        else:
+            n = needs if len(self._ready) >= needs else 0
+        if n == 0:
+            return
+        self._wanted = max(0, self._wanted - n)
+        take = [heapq.heappop(self._ready)[2] for _ in range(n)]
+        for gid in take:
+            self.groups[gid].state = GroupState.ASSIGNED
+            self.groups[gid].v_t = self.version
+        self._step_assigned += len(take)
+        closes = self._step_assigned == self.params.batch
+        self._out.append(AssignGroups(self.version, tuple(take), closes_batch=closes))
+
+    def _supply_ok(self) -> bool:
+        """The supply check: ready-unassigned groups, capped by the batch's need."""
+        available = min(self.ready_unassigned, self.batch_needs)
+        return available >= self.params.rho_min * self.params.batch
+
+    def _capacity_with_units_training(self, n_units: int) -> int:
+        serving = sum(len(u) for u in self.units[n_units:])
+        return serving * self.params.cell_capacity + self.params.standalone_capacity
+
+    def _maybe_join(self) -> None:
+        """Eq 5 plus the supply check held for tau: the next unit joins training."""
+        if not self.units or self._publishing:
+            self._supply_since = None
+            return
+        if any(r in (Role.TO_TRAINING, Role.TO_ROLLOUT) for r in self.roles):
+            return  # cells move serially
+        joined = sum(1 for u in self.units if self.roles[u[0]] is Role.TRAINING)
+        if joined == len(self.units):
+            return
+        if not self._supply_ok():
+            self._supply_since = None
+            return
+        if self._supply_since is None:
+            self._supply_since = self._now
+        w = self.counters.waterlevel
+        if w > self._capacity_with_units_training(joined + 1):
+            return
+        due = self._supply_since + self.params.tau_s
+        if self._now < due:
+            if self._wake_at is None or self._wake_at > due:
+                self._wake_at = due
+                self._out.append(WakeAt(due))
+            return
+        self._join(self.units[joined])
+
+    def _join(self, unit: tuple[int, ...]) -> None:
+        """Move a unit to training: stop accepting, reroute its executions, switch."""
+        for cell in unit:
+            self._move(cell, Role.TRAINING)
+        for cell in unit:
+            for eid in sorted(self._load[cell]):
+                destination = self._free_engine()
+                if destination is None:  # Eq 5 guarantees room; a failure is a bug here
+                    raise AssertionError(f"no rollout capacity to reroute execution {eid}")
+                self._load[cell].discard(eid)
+                self._load[destination].add(eid)
+                self.executions[eid].engine = destination
+                self._out.append(Reroute(eid, cell, destination))
+        self._supply_since = None
+
+    def _core_stays_or_returns(self) -> None:
+        """Eq 6: the core unit stays in training for the next burst, or returns."""
+        stays = self.ready_unassigned >= self.params.rho_min * self.params.batch and (
+            self.counters.waterlevel <= self._capacity_with_units_training(1)
+        )
+        if not stays:
+            for cell in self.units[0]:
+                self._move(cell, Role.ROLLOUT)
+
+    def _move(self, cell: int, role: Role) -> None:
+        self.roles[cell] = Role.TO_TRAINING if role is Role.TRAINING else Role.TO_ROLLOUT
+        self._out.append(MoveCell(cell, role))
+
+    def _engines_by_preference(self) -> list[int]:
+        """Standalone first, then rollout cells in descending index (they stay longest)."""
+        cells = [c for c in reversed(range(len(self.roles))) if self.roles[c] is Role.ROLLOUT]
+        return [STANDALONE, *cells]
+
+    def _engine_capacity(self, engine: int) -> int:
+        if engine == STANDALONE:
+            return self.params.standalone_capacity
+        return self.params.cell_capacity
+
+    def _free_engine(self) -> int | None:
+        for engine in self._engines_by_preference():
+            if len(self._load[engine]) < self._engine_capacity(engine):
+                return engine
+        return None
+
+    def _launch(self) -> None:
+        """Eq 4: launch ``min(d - p, C(t) - (p - f))`` queued executions."""
+        for engine in self._engines_by_preference():
+            free = self._engine_capacity(engine) - len(self._load[engine])
+            while free > 0 and self._queue:
+                ex = self.executions[self._queue.popleft()]
+                ex.engine = engine
+                self._load[engine].add(ex.id)
+                self._p += 1
+                free -= 1
+                self._out.append(Launch(ex.id, ex.group, ex.index, engine))

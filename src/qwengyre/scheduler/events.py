@@ -1,0 +1,184 @@
+"""What goes into the scheduler (events) and what comes out (actions).
+
+Every event carries the time at which it happened, in seconds on whatever clock the
+driver uses (virtual in the simulator, monotonic in the live runtime); the
+scheduler only compares these times and never reads a clock itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from qwengyre.types import Outcome
+
+STANDALONE = -1
+"""Engine id of the standalone rollout pool; elastic cells are 0..K-1 (0 is the core)."""
+
+
+class Role(StrEnum):
+    """A cell's role. Cells in transition serve neither rollout nor training."""
+
+    ROLLOUT = "rollout"
+    TO_TRAINING = "to_training"
+    TRAINING = "training"
+    TO_ROLLOUT = "to_rollout"
+
+
+# ---------------------------------------------------------------- events (in)
+
+
+@dataclass(frozen=True)
+class Start:
+    """The run begins: fill the dispatch queue and launch."""
+
+    time: float
+
+
+@dataclass(frozen=True)
+class ExecutionFinished:
+    """A launched execution terminated (exactly once), with its valid reward or None."""
+
+    time: float
+    execution_id: int
+    outcome: Outcome
+    reward: float | None
+
+
+@dataclass(frozen=True)
+class CellMoved:
+    """A cell finished the transition that a :class:`MoveCell` action started."""
+
+    time: float
+    cell: int
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """The optimizer update of training step ``step`` is done (policy version step+1)."""
+
+    time: float
+    step: int
+
+
+@dataclass(frozen=True)
+class PublicationDone:
+    """The weights of ``version`` reached every rollout engine."""
+
+    time: float
+    version: int
+
+
+@dataclass(frozen=True)
+class PullGroups:
+    """The packing buffer runs low: it wants ``count`` more ready groups for ``step``.
+
+    The demand replaces any earlier one and is met, oldest version first, from ready
+    groups now or as they become ready (streaming). Ready groups that nobody has
+    pulled yet are the supply that lets more cells join training (Eq 5).
+    """
+
+    time: float
+    step: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; sent at the times the scheduler asked for with :class:`WakeAt`."""
+
+    time: float
+
+
+Event = Start | ExecutionFinished | CellMoved | StepDone | PublicationDone | PullGroups | Tick
+
+
+# ---------------------------------------------------------------- actions (out)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """New executions of rollout group ``group_id`` enter the queue.
+
+    ``version`` is the published policy version at admission (v_d). A group's first
+    dispatch has ``topup=False``; later ones replace executions without valid rewards.
+    """
+
+    group_id: int
+    execution_ids: tuple[int, ...]
+    version: int
+    topup: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Start execution ``execution_id`` (index ``index`` in its group) on ``engine``."""
+
+    execution_id: int
+    group_id: int
+    index: int
+    engine: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop a running execution; the driver still reports its ExecutionFinished."""
+
+    execution_id: int
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """Route the running execution's future model calls from ``source`` to ``destination``."""
+
+    execution_id: int
+    source: int
+    destination: int
+
+
+@dataclass(frozen=True)
+class MoveCell:
+    """Start moving ``cell`` to ``role`` (TRAINING or ROLLOUT); answer with CellMoved."""
+
+    cell: int
+    role: Role
+
+
+@dataclass(frozen=True)
+class AssignGroups:
+    """Ready groups join the batch of training step ``step``, oldest version first.
+
+    Streaming: in answer to :class:`PullGroups`. Not streaming: all B at once, when
+    they are ready and a cell trains. ``closes_batch`` is true on the assignment that
+    completes the batch's B groups.
+    """
+
+    step: int
+    group_ids: tuple[int, ...]
+    closes_batch: bool
+
+
+@dataclass(frozen=True)
+class DropGroup:
+    """The group cannot reach N valid rewards; it is never trained (and is replaced)."""
+
+    group_id: int
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Publish policy ``version`` to all rollout engines; answer with PublicationDone."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class WakeAt:
+    """Send a Tick at ``time``: a timed condition (the supply check's tau) may then hold."""
+
+    time: float
+
+
+Action = (
+    Dispatch | Launch | Cancel | Reroute | MoveCell | AssignGroups | DropGroup | Publish | WakeAt
+)

@@ -1,0 +1,369 @@
+"""Each scheduler rule on small, hand-computed cases (DESIGN.md §2, Eqs 1-6)."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwengyre.scheduler.core import GroupState, Scheduler, SchedulerError, SchedulerParams
+from qwengyre.scheduler.events import (
+    STANDALONE,
+    AssignGroups,
+    Cancel,
+    CellMoved,
+    Dispatch,
+    DropGroup,
+    ExecutionFinished,
+    Launch,
+    MoveCell,
+    PublicationDone,
+    Publish,
+    PullGroups,
+    Reroute,
+    Role,
+    Start,
+    StepDone,
+    Tick,
+    WakeAt,
+)
+from qwengyre.scheduler.staleness import BurstShape, burst_for_staleness, predicted_staleness
+from qwengyre.types import Outcome
+
+
+def of(kind: type, actions: list) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def finish(s: Scheduler, t: float, eid: int, reward: float | None = 1.0) -> list:
+    outcome = Outcome.COMPLETED if reward is not None else Outcome.OVERALL_TIMEOUT
+    return s.handle(ExecutionFinished(t, eid, outcome, reward))
+
+
+# ---------------------------------------------------------------- Eq 2
+
+
+@pytest.mark.parametrize(
+    ("policy", "target", "shape"),
+    [
+        ("async", 1.5, BurstShape(1, 1.5)),
+        ("colocate", 1.5, BurstShape(4, 0.0)),
+        ("elastic", 1.5, BurstShape(3, 0.5)),
+        ("async", 1.0, BurstShape(1, 1.0)),
+        ("colocate", 1.0, BurstShape(3, 0.0)),
+        ("elastic", 1.0, BurstShape(3, 0.0)),
+        ("elastic", 0.5, BurstShape(2, 0.0)),
+        ("elastic", 0.0, BurstShape(1, 0.0)),
+        ("elastic", 2.5, BurstShape(3, 1.5)),
+    ],
+)
+def test_burst_for_staleness_matches_the_paper(policy: str, target: float, shape: BurstShape):
+    got = burst_for_staleness(policy, target)
+    assert got == shape
+    assert predicted_staleness(got.mu, got.phi) == pytest.approx(target)
+
+
+def test_burst_for_staleness_refuses_impossible_targets():
+    with pytest.raises(ValueError, match=r"multiple of 0\.5"):
+        burst_for_staleness("colocate", 1.2)
+    with pytest.raises(ValueError, match=">= 0"):
+        burst_for_staleness("elastic", -1)
+    with pytest.raises(ValueError, match="allowed: elastic, async, colocate"):
+        burst_for_staleness("fifo", 1)
+
+
+# ---------------------------------------------------------------- Eqs 1, 3, 4
+
+
+def test_initial_dispatch_fills_the_queue_depth_and_launches_up_to_capacity():
+    p = SchedulerParams(
+        batch=4, group_size=2, mu=2, phi=0.5, cells=2, cell_capacity=3, standalone_capacity=1
+    )
+    s = Scheduler(p)
+    out = s.handle(Start(0.0))
+    assert p.queue_depth == 10  # Eq 1: (0.5 + 2) * 4 groups
+    assert len(of(Dispatch, out)) == 10
+    assert s.counters.dispatched == 20  # N executions each
+    launches = of(Launch, out)
+    assert len(launches) == 7  # Eq 3/4: C = 2 * 3 + 1
+    # Standalone first, then cells in descending index (they stay in rollout longest).
+    assert [a.engine for a in launches] == [STANDALONE, 1, 1, 1, 0, 0, 0]
+    assert s.counters.queued == 13 and s.counters.running == 7
+    assert all(d.version == 0 for d in of(Dispatch, out))
+
+
+def test_a_termination_frees_one_slot_for_one_launch():
+    s = Scheduler(SchedulerParams(batch=2, group_size=2, cells=1, cell_capacity=2))
+    s.handle(Start(0.0))
+    assert s.counters.running == 2 and s.counters.queued == 2
+    out = finish(s, 1.0, 0)
+    assert [a.execution_id for a in of(Launch, out)] == [2]
+    assert s.counters == type(s.counters)(dispatched=4, launched=3, finished=1)
+    assert s.counters.waterlevel == 3
+
+
+# ---------------------------------------------------------------- groups
+
+
+def test_oversampling_cancels_the_surplus_and_counts_each_launch_once():
+    s = Scheduler(SchedulerParams(batch=1, group_size=2, oversample=1, cells=1, cell_capacity=8))
+    s.handle(Start(0.0))
+    assert s.counters.dispatched == 3 and s.counters.running == 3
+    finish(s, 1.0, 0, 0.0)
+    out = finish(s, 2.0, 1, 1.0)
+    assert of(Cancel, out) == [Cancel(2)]
+    group = s.groups[0]
+    assert group.state is GroupState.READY and group.valid == {0: 0.0, 1: 1.0}
+    assert s.counters.finished == 2  # cancelled, not yet terminated
+    s.handle(ExecutionFinished(2.5, 2, Outcome.CANCELLED, None))
+    assert s.counters.finished == 3 and s.counters.running == 0
+    with pytest.raises(SchedulerError, match="finished twice"):
+        s.handle(ExecutionFinished(3.0, 2, Outcome.CANCELLED, None))
+
+
+def test_a_missing_reward_is_never_a_zero_it_is_topped_up():
+    s = Scheduler(SchedulerParams(batch=2, group_size=2, max_topups=1, cells=1, cell_capacity=2))
+    s.handle(Start(0.0))  # group 0 = executions 0,1 (running); group 1 = 2,3 (queued)
+    out = finish(s, 1.0, 0, None)
+    (topup,) = of(Dispatch, out)
+    assert topup == Dispatch(0, (4,), 0, topup=True)
+    # The top-up jumps the queue: it launches before group 1's executions.
+    assert [a.execution_id for a in of(Launch, out)] == [4]
+    assert s.groups[0].valid == {} and s.groups[0].state is GroupState.ROLLOUT
+    finish(s, 2.0, 1, 0.0)
+    finish(s, 3.0, 4, 0.0)
+    assert s.groups[0].valid == {1: 0.0, 4: 0.0}  # real zeros, and only real ones
+    assert s.groups[0].state is GroupState.READY
+
+
+def test_a_group_past_its_topup_allowance_is_dropped_and_replaced():
+    s = Scheduler(
+        SchedulerParams(batch=1, group_size=2, max_topups=0, cells=1, cell_capacity=4, phi=1)
+    )
+    s.handle(Start(0.0))  # groups 0 and 1, executions 0..3, all running
+    out = finish(s, 1.0, 0, None)
+    assert of(DropGroup, out) == [DropGroup(0)]
+    assert of(Cancel, out) == [Cancel(1)]
+    (replacement,) = of(Dispatch, out)
+    assert replacement.group_id == 2 and not replacement.topup
+    assert s.groups[0].state is GroupState.DROPPED
+    assert s.counters.waterlevel == 3 + 2  # 1 finished; 2 new executions dispatched
+
+
+# ---------------------------------------------------------------- Eq 5, supply check, Eq 6
+
+
+def two_cell_elastic(**kw) -> Scheduler:
+    params = dict(
+        batch=2, group_size=2, mu=1, phi=1, cells=2, cell_capacity=4, rho_min=0.5, tau_s=10
+    )
+    params.update(kw)
+    return Scheduler(SchedulerParams(**params))
+
+
+def test_a_cell_joins_when_eq5_and_the_supply_check_have_held_for_tau():
+    s = two_cell_elastic()
+    out = s.handle(Start(0.0))  # 4 groups of 2; executions 0-3 on cell 1, 4-7 on cell 0
+    assert [a.engine for a in of(Launch, out)] == [1, 1, 1, 1, 0, 0, 0, 0]
+    finish(s, 1.0, 0)
+    out = finish(s, 1.0, 1)  # group 0 ready: supply 1 >= 0.5 * 2, but w = 6 > C_e = 4
+    assert s.ready_unassigned == 1 and not of(MoveCell, out) and not of(WakeAt, out)
+    finish(s, 2.0, 2)
+    out = finish(s, 2.0, 3)  # w = 4 <= (2 - 0 - 1) * 4; supply held since t=1
+    assert of(WakeAt, out) == [WakeAt(11.0)] and not of(MoveCell, out)
+    out = s.handle(Tick(11.0))
+    assert of(MoveCell, out) == [MoveCell(0, Role.TRAINING)]
+    # Cell 0 stops accepting: its four running executions move to cell 1.
+    assert of(Reroute, out) == [Reroute(e, 0, 1) for e in (4, 5, 6, 7)]
+    assert s.roles == [Role.TO_TRAINING, Role.ROLLOUT] and s.capacity == 4
+    assert s.running_on(1) == frozenset({4, 5, 6, 7})
+    assert s.handle(CellMoved(19.0, 0)) == []  # training, but nobody pulled yet
+    out = s.handle(PullGroups(19.0, 0, 2))
+    assert of(AssignGroups, out) == [AssignGroups(0, (0, 1), closes_batch=True)]
+    # Satellite 1 cannot join: w = 4 > capacity with two cells training (0).
+    assert not of(MoveCell, s.handle(Tick(40.0)))
+    out = s.handle(StepDone(50.0, 0))
+    assert of(Publish, out) == [Publish(1)]
+    out = s.handle(PublicationDone(51.0, 1))
+    # Boundary refill: the two consumed slots come back at the new version (Eq 1).
+    assert [(d.group_id, d.version) for d in of(Dispatch, out)] == [(4, 1), (5, 1)]
+    # Eq 6: nothing ready for the next batch, so the core returns to rollout.
+    assert of(MoveCell, out) == [MoveCell(0, Role.ROLLOUT)]
+    assert not of(Launch, out)  # cell 1 is full, cell 0 is still switching
+    out = s.handle(CellMoved(55.0, 0))
+    assert [a.engine for a in of(Launch, out)] == [0, 0, 0, 0]
+    assert [(g.group_id, g.v_d, g.v_t, g.staleness) for g in s.consumed()] == [
+        (0, 0, 0, 0),
+        (1, 0, 0, 0),
+    ]
+
+
+def test_the_supply_timer_resets_when_the_check_lapses():
+    s = two_cell_elastic(cells=3, cell_capacity=8, mu=2, phi=0)  # 8 executions on cell 2
+    s.handle(Start(0.0))
+    finish(s, 1.0, 0)
+    out = finish(s, 1.0, 1)  # group 0 ready: supply 1 >= 0.5 * 2
+    assert of(WakeAt, out) == [WakeAt(11.0)]
+    assert of(MoveCell, s.handle(Tick(11.0))) == [MoveCell(0, Role.TRAINING)]
+    out = s.handle(CellMoved(20.0, 0))  # the timer restarts after the transition
+    assert of(WakeAt, out) == [WakeAt(30.0)]
+    s.handle(PullGroups(22.0, 0, 1))  # the buffer takes group 0: the check lapses
+    finish(s, 25.0, 2)
+    finish(s, 25.0, 3)  # group 1 ready: the check holds again, from t=25
+    out = s.handle(Tick(30.0))
+    assert not of(MoveCell, out) and of(WakeAt, out) == [WakeAt(35.0)]
+    assert of(MoveCell, s.handle(Tick(35.0))) == [MoveCell(1, Role.TRAINING)]
+
+
+def test_satellites_join_in_prefix_order_and_return_at_the_end_of_the_burst():
+    s = Scheduler(
+        SchedulerParams(
+            batch=2, group_size=1, mu=1, phi=0, cells=3, cell_capacity=2, rho_min=0.5, tau_s=0
+        )
+    )
+    s.handle(Start(0.0))  # two groups of one execution, both on cell 2
+    out = finish(s, 1.0, 0)
+    assert of(MoveCell, out) == [MoveCell(0, Role.TRAINING)]
+    # Serially: cell 1 waits for the core's transition; then Eq 5 holds (w = 1 <= 2).
+    out = s.handle(CellMoved(2.0, 0))
+    assert of(MoveCell, out) == [MoveCell(1, Role.TRAINING)]
+    s.handle(CellMoved(3.0, 1))
+    out = finish(s, 4.0, 1)
+    assert of(MoveCell, out) == [MoveCell(2, Role.TRAINING)]
+    s.handle(CellMoved(5.0, 2))
+    assert s.training_cells == (0, 1, 2)
+    s.handle(PullGroups(5.0, 0, 2))
+    out = s.handle(StepDone(6.0, 0))
+    assert of(MoveCell, out) == [MoveCell(1, Role.ROLLOUT), MoveCell(2, Role.ROLLOUT)]
+    assert of(Publish, out) == [Publish(1)]
+    assert s.roles == [Role.TRAINING, Role.TO_ROLLOUT, Role.TO_ROLLOUT]
+
+
+def test_the_core_stays_in_training_when_eq6_holds():
+    s = Scheduler(
+        SchedulerParams(
+            batch=1, group_size=1, mu=1, phi=1, cells=2, cell_capacity=4, rho_min=1, tau_s=0
+        )
+    )
+    s.handle(Start(0.0))  # 2 groups, 2 executions on cell 1
+    finish(s, 1.0, 0)
+    s.handle(CellMoved(2.0, 0))
+    s.handle(PullGroups(2.0, 0, 1))
+    finish(s, 3.0, 1)  # group 1 ready for the next batch
+    s.handle(StepDone(4.0, 0))
+    out = s.handle(PublicationDone(5.0, 1))
+    # ready 1 >= rho_min * B and w + mu N B = 1 <= (K - 1) C_e: the core stays.
+    assert not of(MoveCell, out) and s.roles[0] is Role.TRAINING
+    assert of(AssignGroups, s.handle(PullGroups(5.0, 1, 1))) == [
+        AssignGroups(1, (1,), closes_batch=True)
+    ]
+
+
+# ---------------------------------------------------------------- policies
+
+
+def test_colocate_moves_the_whole_pool_only_when_rollout_is_done():
+    s = Scheduler(
+        SchedulerParams(policy="colocate", batch=2, group_size=1, cells=3, cell_capacity=1, tau_s=0)
+    )
+    s.handle(Start(0.0))
+    assert not of(MoveCell, finish(s, 1.0, 0))  # w = 1 > C_s = 0
+    out = finish(s, 2.0, 1)
+    assert of(MoveCell, out) == [MoveCell(c, Role.TRAINING) for c in (0, 1, 2)]
+    for c in range(3):
+        s.handle(CellMoved(3.0, c))
+    s.handle(PullGroups(3.0, 0, 2))
+    out = s.handle(StepDone(4.0, 0))
+    assert of(Publish, out) == [Publish(1)] and not of(MoveCell, out)
+    out = s.handle(PublicationDone(5.0, 1))
+    assert of(MoveCell, out) == [MoveCell(c, Role.ROLLOUT) for c in (0, 1, 2)]
+
+
+def test_async_keeps_a_fixed_split():
+    s = Scheduler(
+        SchedulerParams(
+            policy="async",
+            batch=1,
+            group_size=1,
+            cells=3,
+            cell_capacity=2,
+            async_training_cells=1,
+            phi=1,
+        )
+    )
+    out = s.handle(Start(0.0))
+    assert s.training_cells == (0,) and s.capacity == 4
+    assert [a.engine for a in of(Launch, out)] == [2, 2]  # cell 0 never rolls out
+    finish(s, 1.0, 0)
+    assert of(AssignGroups, s.handle(PullGroups(1.0, 0, 1))) == [
+        AssignGroups(0, (0,), closes_batch=True)
+    ]
+    out = s.handle(StepDone(2.0, 0))
+    assert of(Publish, out) == [Publish(1)] and not of(MoveCell, out)
+    out = s.handle(PublicationDone(3.0, 1))
+    assert [d.version for d in of(Dispatch, out)] == [1] and not of(MoveCell, out)
+
+
+def test_without_streaming_the_batch_is_assigned_whole():
+    s = Scheduler(
+        SchedulerParams(
+            policy="async",
+            batch=2,
+            group_size=1,
+            cells=2,
+            cell_capacity=4,
+            async_training_cells=1,
+            streaming=False,
+        )
+    )
+    s.handle(Start(0.0))
+    finish(s, 1.0, 0)
+    assert not of(AssignGroups, s.handle(PullGroups(1.0, 0, 1)))
+    out = finish(s, 2.0, 1)
+    assert of(AssignGroups, out) == [AssignGroups(0, (0, 1), closes_batch=True)]
+
+
+def test_continuous_dispatch_replaces_a_group_as_soon_as_it_is_ready():
+    s = Scheduler(
+        SchedulerParams(
+            policy="async",
+            dispatch="continuous",
+            batch=1,
+            group_size=1,
+            cells=2,
+            cell_capacity=4,
+            async_training_cells=1,
+        )
+    )
+    s.handle(Start(0.0))
+    out = finish(s, 1.0, 0)
+    assert [(d.group_id, d.version) for d in of(Dispatch, out)] == [(1, 0)]
+
+
+# ---------------------------------------------------------------- bad events
+
+
+def test_events_that_contradict_the_state_are_refused_and_change_nothing():
+    s = Scheduler(SchedulerParams(batch=1, group_size=1, cells=1, cell_capacity=1))
+    with pytest.raises(SchedulerError, match="before Start"):
+        s.handle(Tick(0.0))
+    s.handle(Start(1.0))
+    before = s.counters
+    with pytest.raises(SchedulerError, match="never launched"):
+        finish(s, 2.0, 99)
+    with pytest.raises(SchedulerError, match="StepDone"):
+        s.handle(StepDone(2.0, 0))
+    with pytest.raises(SchedulerError, match="not in transition"):
+        s.handle(CellMoved(2.0, 0))
+    with pytest.raises(SchedulerError, match="before"):
+        s.handle(Tick(0.5))
+    with pytest.raises(SchedulerError, match="cancelled execution cannot carry a reward"):
+        s.handle(ExecutionFinished(2.0, 0, Outcome.CANCELLED, 1.0))
+    assert s.counters == before
+
+
+def test_params_refuse_inconsistent_policies():
+    with pytest.raises(ValueError, match="phi=1 must be 0"):
+        SchedulerParams(policy="colocate", phi=1)
+    with pytest.raises(ValueError, match="async_training_cells=8"):
+        SchedulerParams(policy="async", cells=8, async_training_cells=8)
+    with pytest.raises(ValueError, match="allowed: boundary, continuous"):
+        SchedulerParams(dispatch="eager")
