@@ -49,9 +49,11 @@ def finish(s: Scheduler, t: float, eid: int, reward: float | None = 1.0) -> list
         ("elastic", 1.5, BurstShape(3, 0.5)),
         ("async", 1.0, BurstShape(1, 1.0)),
         ("colocate", 1.0, BurstShape(3, 0.0)),
-        ("elastic", 1.0, BurstShape(3, 0.0)),
-        ("elastic", 0.5, BurstShape(2, 0.0)),
+        ("elastic", 1.0, BurstShape(2, 0.5)),
+        ("elastic", 0.5, BurstShape(1, 0.5)),
+        ("elastic", 0.25, BurstShape(1, 0.25)),
         ("elastic", 0.0, BurstShape(1, 0.0)),
+        ("elastic", 2.0, BurstShape(3, 1.0)),
         ("elastic", 2.5, BurstShape(3, 1.5)),
     ],
 )
@@ -361,8 +363,14 @@ def test_events_that_contradict_the_state_are_refused_and_change_nothing():
 
 
 def test_params_refuse_inconsistent_policies():
-    with pytest.raises(ValueError, match="phi=1 must be 0"):
+    with pytest.raises(ValueError, match="colocate dispatches no extra groups"):
         SchedulerParams(policy="colocate", phi=1)
+    with pytest.raises(ValueError, match="colocate needs dispatch boundary"):
+        SchedulerParams(policy="colocate", dispatch="continuous")
+    # Continuous dispatch keeps Q (N + o) executions outstanding: 2 * 4 > (2 - 1) * 6.
+    with pytest.raises(ValueError, match="no cell could ever train"):
+        SchedulerParams(dispatch="continuous", batch=2, group_size=4, cells=2, cell_capacity=6)
+    SchedulerParams(dispatch="continuous", batch=2, group_size=4, cells=2, cell_capacity=8)
     with pytest.raises(ValueError, match="async_training_cells=8"):
         SchedulerParams(policy="async", cells=8, async_training_cells=8)
     with pytest.raises(ValueError, match="allowed: boundary, continuous"):

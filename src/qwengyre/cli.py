@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from qwengyre import __version__
-from qwengyre.config import Config, ConfigError, config_to_yaml, load_config
+from qwengyre.config import Config, ConfigError, config_to_yaml, load_config, retarget
 
 USER_ERRORS = (ConfigError, ValueError, OSError)
 """Exceptions that describe bad input rather than a bug in qwengyre."""
@@ -27,17 +27,60 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _resolve_config(args: argparse.Namespace) -> Config:
-    """The config file is optional: a first positional holding '=' is an override."""
+def _resolve_config(args: argparse.Namespace, preset: str | None = None) -> Config:
+    """The config file is optional: a first positional holding '=' is an override.
+
+    A ``preset`` (a bundled YAML file) stands in for the config file.
+    """
     config_file, overrides = args.config_file, list(args.overrides)
     if config_file is not None and "=" in config_file:
         overrides.insert(0, config_file)
         config_file = None
+    if preset is not None:
+        if config_file is not None:
+            raise ConfigError("give a config file or --preset, not both")
+        from qwengyre.presets import preset_path
+
+        config_file = preset_path(preset)
     return load_config(config_file, overrides)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     print(config_to_yaml(_resolve_config(args)), end="")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from qwengyre.sim.compare import compare_policies
+    from qwengyre.sim.report import print_table
+    from qwengyre.sim.simulator import simulate
+    from qwengyre.sim.workload import workload_from_name
+
+    config = _resolve_config(args, preset=args.preset)
+    if args.target_staleness is not None:
+        config = retarget(config, args.target_staleness)
+    workload = workload_from_name(config.sim.workload, config.seed, config.sim.trace)
+    if args.compare:
+        target = config.scheduler.target_staleness
+        if target is None:
+            raise ConfigError("--compare needs --target-staleness (or scheduler.target_staleness)")
+        comparison = compare_policies(config, workload, target)
+        results, summary = comparison.results, comparison.summary()
+    else:
+        result = simulate(config, workload)
+        results = {result.policy: result}
+        summary = {"policies": {result.policy: result.summary()}}
+    print_table(results, title=f"{config.sim.workload}: {config.sim.steps} steps")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from qwengyre.sim.plots import write_plots
+
+        for path in write_plots(results, Path(args.plot)):
+            print(f"wrote {path}")
     return 0
 
 
@@ -63,6 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the resolved config as YAML")
     _add_config_args(show)
     show.set_defaults(func=cmd_config_show)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="simulate a policy (or compare all three) on a workload with the real scheduler",
+    )
+    _add_config_args(sim)
+    sim.add_argument("--preset", help="a bundled config, e.g. paper-122b or paper-2p4t")
+    sim.add_argument(
+        "--target-staleness", type=float, help="E[d]: pick mu and phi per policy (Eq 2)"
+    )
+    sim.add_argument(
+        "--compare", action="store_true", help="run elastic, async and colocate at the target"
+    )
+    sim.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
+    sim.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    sim.set_defaults(func=cmd_simulate)
 
     model = sub.add_parser("model", help="build and inspect models")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -50,6 +50,20 @@ class GroupsConfig(_Section):
         description="executions launched beyond size+oversample to replace ones without a"
         " valid reward; a group that still falls short is dropped and replaced",
     )
+    min_valid: int | None = Field(
+        None,
+        ge=1,
+        description="fewest valid rewards a group whose executions all ended may be trained"
+        " with (advantages over the valid ones only); None = size, all N",
+    )
+
+    @model_validator(mode="after")
+    def _min_valid_at_most_size(self) -> GroupsConfig:
+        if self.min_valid is not None and self.min_valid > self.size:
+            raise ValueError(
+                f"groups.min_valid={self.min_valid} must be at most groups.size={self.size}"
+            )
+        return self
 
 
 class SchedulerConfig(_Section):
@@ -160,23 +174,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        s, c = self.scheduler, self.cells
-        if s.policy == "colocate" and s.phi > 0:
-            raise ValueError(
-                f"scheduler.phi={s.phi} with policy colocate: colocate dispatches no extra"
-                " groups (phi must be 0)"
-            )
-        if s.policy == "async" and s.async_training_cells >= c.count:
-            raise ValueError(
-                f"scheduler.async_training_cells={s.async_training_cells} must be less than"
-                f" cells.count={c.count} (async needs at least one rollout cell)"
-            )
-        depth = (s.phi + s.mu) * self.groups.batch
-        if not math.isclose(depth, round(depth), abs_tol=1e-9):
-            raise ValueError(
-                f"(scheduler.phi + scheduler.mu) * groups.batch = {depth:g} groups must be a"
-                " whole number"
-            )
+        """Cross-section rules live with the scheduler's parameters (one place)."""
+        from qwengyre.scheduler.core import SchedulerParams
+
+        SchedulerParams.from_config(self)
         return self
 
 
@@ -255,6 +256,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
     data = _merge(data, parse_overrides(overrides or []))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def retarget(config: Config, target_staleness: float, policy: Policy | None = None) -> Config:
+    """A copy of ``config`` aiming at E[d] = ``target_staleness`` (optionally for another
+    policy): mu and phi are derived again by :func:`burst_for_staleness`."""
+    data = config.model_dump()
+    scheduler = data["scheduler"]
+    del scheduler["mu"], scheduler["phi"]
+    scheduler["target_staleness"] = target_staleness
+    if policy is not None:
+        scheduler["policy"] = policy
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

@@ -23,6 +23,7 @@ Policies share everything but the grouping of cells into *units* that move toget
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -69,6 +70,7 @@ class SchedulerParams:
     group_size: int = 16
     oversample: int = 0
     max_topups: int = 4
+    min_valid: int | None = None  # None: a group needs all N valid rewards
     batch: int = 32
     mu: int = 1
     phi: float = 0.0
@@ -81,16 +83,45 @@ class SchedulerParams:
     async_training_cells: int = 2
 
     def __post_init__(self) -> None:
+        """Refuse combinations that could never train; messages name the config keys."""
         if self.policy not in ("elastic", "async", "colocate"):
-            raise ValueError(f"policy {self.policy!r}; allowed: elastic, async, colocate")
+            raise ValueError(f"scheduler.policy={self.policy!r}; allowed: elastic, async, colocate")
         if self.dispatch not in ("boundary", "continuous"):
-            raise ValueError(f"dispatch {self.dispatch!r}; allowed: boundary, continuous")
+            raise ValueError(f"scheduler.dispatch={self.dispatch!r}; allowed: boundary, continuous")
         if self.policy == "async" and not 0 < self.async_training_cells < self.cells:
             raise ValueError(
-                f"async_training_cells={self.async_training_cells} must be in [1, cells-1]"
+                f"scheduler.async_training_cells={self.async_training_cells} must be in"
+                f" [1, cells.count - 1 = {self.cells - 1}] (async needs a rollout cell)"
+            )
+        if self.min_valid is not None and not 1 <= self.min_valid <= self.group_size:
+            raise ValueError(
+                f"groups.min_valid={self.min_valid} must be in [1, groups.size = {self.group_size}]"
+            )
+        depth = (self.phi + self.mu) * self.batch
+        if not math.isclose(depth, round(depth), abs_tol=1e-9):
+            raise ValueError(
+                f"(scheduler.phi + scheduler.mu) * groups.batch = {depth:g} groups must be a"
+                " whole number"
             )
         if self.policy == "colocate" and self.phi > 0:
-            raise ValueError(f"colocate dispatches no extra groups: phi={self.phi} must be 0")
+            raise ValueError(
+                f"scheduler.phi={self.phi} with policy colocate: colocate dispatches no"
+                " extra groups (phi must be 0)"
+            )
+        if self.policy == "colocate" and self.dispatch == "continuous":
+            raise ValueError(
+                "policy colocate needs dispatch boundary: continuous dispatch keeps rollout"
+                " busy forever, so the whole pool could never switch to training"
+            )
+        outstanding = self.queue_depth * self.executions_per_group
+        room = (self.cells - 1) * self.cell_capacity + self.standalone_capacity
+        if self.policy == "elastic" and self.dispatch == "continuous" and outstanding > room:
+            raise ValueError(
+                f"elastic with continuous dispatch keeps up to {outstanding} executions"
+                f" outstanding, more than the {room} that fit with the core in training"
+                " (Eq 5), so no cell could ever train; lower scheduler.phi/mu or use"
+                " dispatch boundary"
+            )
 
     @property
     def queue_depth(self) -> int:
@@ -101,6 +132,11 @@ class SchedulerParams:
     def executions_per_group(self) -> int:
         return self.group_size + self.oversample
 
+    @property
+    def valid_needed(self) -> int:
+        """Valid rewards a finished group needs to be trained (advantages over those)."""
+        return self.group_size if self.min_valid is None else self.min_valid
+
     @classmethod
     def from_config(cls, config: Config) -> SchedulerParams:
         s, c, g = config.scheduler, config.cells, config.groups
@@ -110,6 +146,7 @@ class SchedulerParams:
             group_size=g.size,
             oversample=g.oversample,
             max_topups=g.max_topups,
+            min_valid=g.min_valid,
             batch=g.batch,
             mu=s.mu,
             phi=s.phi,
@@ -331,6 +368,8 @@ class Scheduler:
             group.valid[ex.id] = event.reward
         if len(group.valid) >= self.params.group_size:
             self._make_ready(group)
+        elif not group.pending and len(group.valid) >= self.params.valid_needed:
+            self._make_ready(group)  # every execution is done: train on the valid ones
         else:
             self._top_up_or_drop(group)
 
@@ -431,7 +470,7 @@ class Scheduler:
     def _top_up_or_drop(self, group: Group) -> None:
         """Replace executions without a valid reward; drop the group past the allowance."""
         p = self.params
-        shortfall = p.group_size - len(group.valid) - len(group.pending)
+        shortfall = p.valid_needed - len(group.valid) - len(group.pending)
         if shortfall <= 0:
             return
         allowance = p.executions_per_group + p.max_topups - len(group.executions)

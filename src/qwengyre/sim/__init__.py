@@ -1,0 +1,1 @@
+"""Discrete-event simulation of the scheduler: virtual clock, workload models and traces."""

@@ -1,0 +1,354 @@
+"""PNG plots of simulated runs: per-cell role timelines, rollout load, policy speedups.
+
+Everything here uses matplotlib's object-oriented API (a :class:`Figure` attached to
+its own :class:`FigureCanvasAgg`), never pyplot, so plotting touches no global state:
+it works headless, in threads, and next to any backend the caller has chosen.
+
+The ``*_figure`` functions build a figure (so tests and notebooks can inspect it);
+the ``plot_*`` functions build, save and release one; :func:`write_plots` writes the
+whole set for ``qwengyre simulate --plot DIR``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from qwengyre.scheduler.events import Role
+from qwengyre.sim.simulator import SimResult
+
+SECONDS_PER_HOUR = 3600.0
+FIGSIZE_IN: tuple[float, float] = (10.0, 4.0)
+DPI = 120
+
+#: Bar colour of each role in the timeline (opaque, so bar interiors are exactly this).
+ROLE_COLOURS: dict[Role, str] = {
+    Role.ROLLOUT: "#4c78a8",  # blue
+    Role.TRAINING: "#e45756",  # red
+    Role.TO_TRAINING: "#f2a516",  # amber
+    Role.TO_ROLLOUT: "#54a24b",  # green
+}
+ROLE_LABELS: dict[Role, str] = {
+    Role.ROLLOUT: "rollout",
+    Role.TRAINING: "training",
+    Role.TO_TRAINING: "rollout → training",
+    Role.TO_ROLLOUT: "training → rollout",
+}
+#: Legend / drawing order: the two steady roles, then the transitions.
+_ROLE_ORDER: tuple[Role, ...] = (Role.ROLLOUT, Role.TRAINING, Role.TO_TRAINING, Role.TO_ROLLOUT)
+#: Transitions last seconds, far below one pixel of an hours-long axis; they are drawn
+#: at least this fraction of the time axis wide so that they stay visible.
+MIN_TRANSITION_FRACTION = 0.002
+
+RUNNING_COLOUR = "#4c78a8"
+QUEUED_COLOUR = "#f58518"
+CAPACITY_COLOUR = "#333333"
+STEP_LINE_COLOUR = "#555555"
+BAR_COLOURS: dict[str, str] = {"elastic": "#4c78a8", "async": "#f58518", "colocate": "#72b7b2"}
+_FALLBACK_BAR_COLOURS = ("#b279a2", "#9d755d", "#bab0ac", "#eeca3b", "#ff9da6")
+#: The policy the speedup plot measures the others against.
+REFERENCE_POLICY = "elastic"
+
+
+def _hours(seconds: float) -> float:
+    return seconds / SECONDS_PER_HOUR
+
+
+def _new_figure() -> Figure:
+    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(path, dpi=DPI, format="png")
+    finally:
+        fig.clear()  # a pyplot-free figure has no manager to close; drop its artists
+    return path
+
+
+def _describe(result: SimResult) -> str:
+    return f"{result.policy} (μ={result.mu}, φ={result.phi:g})"
+
+
+def _cell_count(result: SimResult) -> int:
+    spans = max((s.cell for s in result.role_spans), default=-1) + 1
+    return max(len(result.cell_training_share), spans, 1)
+
+
+def _end_s(result: SimResult) -> float:
+    ends = [result.end_to_end_s, *(s.end_s for s in result.role_spans)]
+    if result.load:
+        ends.append(result.load[-1].time_s)
+    return max([e for e in ends if math.isfinite(e)] + [1.0])
+
+
+# ---------------------------------------------------------------- role timeline
+
+
+def role_timeline_figure(result: SimResult) -> Figure:
+    """One lane per cell (cell 0, the core, on top), bars coloured by role, hours on x."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    cells = _cell_count(result)
+    end_h = _hours(_end_s(result))
+    min_width_h = end_h * MIN_TRANSITION_FRACTION
+    lane_height = 0.8
+    by_cell_role: dict[tuple[int, Role], list[tuple[float, float]]] = {}
+    for span in result.role_spans:
+        start_h, width_h = _hours(span.start_s), _hours(span.end_s - span.start_s)
+        if span.role in (Role.TO_TRAINING, Role.TO_ROLLOUT):
+            width_h = max(width_h, min_width_h)
+        by_cell_role.setdefault((span.cell, span.role), []).append((start_h, width_h))
+    # Steady roles first, so that (widened) transitions are painted on top of them.
+    for role in _ROLE_ORDER:
+        for cell in range(cells):
+            bars = by_cell_role.get((cell, role))
+            if bars:
+                ax.broken_barh(
+                    bars,
+                    (cell - lane_height / 2, lane_height),
+                    facecolors=ROLE_COLOURS[role],
+                    edgecolor="none",
+                    linewidth=0,
+                )
+    for step_end in result.step_end_s:
+        ax.axvline(_hours(step_end), color=STEP_LINE_COLOUR, linewidth=0.6, alpha=0.6, zorder=3)
+
+    ax.set_ylim(cells - 0.5, -0.5)  # cell 0 at the top
+    ax.set_yticks(range(cells))
+    ax.set_yticklabels(["cell 0 (core)", *(f"cell {c}" for c in range(1, cells))])
+    if cells > 16:  # keep labels legible on big clusters
+        for i, label in enumerate(ax.get_yticklabels()):
+            label.set_visible(i == 0 or i % max(1, cells // 8) == 0)
+    ax.set_xlim(0.0, end_h)
+    ax.set_xlabel("time (hours)")
+    ax.tick_params(axis="y", length=0)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(
+        f"Cell roles — {_describe(result)}:"
+        f" {result.steps} steps in {_hours(result.end_to_end_s):.2f} h"
+    )
+    handles: list[Patch | Line2D] = [
+        Patch(facecolor=ROLE_COLOURS[r], label=ROLE_LABELS[r]) for r in _ROLE_ORDER
+    ]
+    handles.append(
+        Line2D([], [], color=STEP_LINE_COLOUR, linewidth=0.8, alpha=0.8, label="step done")
+    )
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
+    return fig
+
+
+def plot_role_timeline(result: SimResult, path: Path) -> Path:
+    """Write the per-cell role timeline of ``result`` (like the paper's Figure 6a) to ``path``."""
+    return _save(role_timeline_figure(result), path)
+
+
+# ---------------------------------------------------------------- load
+
+
+def _step_series(
+    result: SimResult,
+) -> tuple[list[float], list[int], list[int], list[int]]:
+    """Sample times (hours, closed by the run's end) and the running/queued/capacity counts."""
+    times = [_hours(s.time_s) for s in result.load]
+    running = [s.running for s in result.load]
+    queued = [s.queued for s in result.load]
+    capacity = [s.capacity for s in result.load]
+    if result.load:  # hold the last sample until the end of the run
+        end_h = max(_hours(_end_s(result)), times[-1])
+        times.append(end_h)
+        running.append(running[-1])
+        queued.append(queued[-1])
+        capacity.append(capacity[-1])
+    return times, running, queued, capacity
+
+
+def load_figure(result: SimResult) -> Figure:
+    """Running and queued executions (steps) and rollout capacity (dashed) over hours."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    times, running, queued, capacity = _step_series(result)
+    ax.fill_between(times, running, step="post", color=RUNNING_COLOUR, alpha=0.15, linewidth=0)
+    ax.step(times, running, where="post", color=RUNNING_COLOUR, linewidth=1.4, label="running")
+    ax.step(times, queued, where="post", color=QUEUED_COLOUR, linewidth=1.4, label="queued")
+    ax.step(
+        times,
+        capacity,
+        where="post",
+        color=CAPACITY_COLOUR,
+        linewidth=1.2,
+        linestyle="--",
+        label="rollout capacity",
+    )
+    ax.set_xlim(0.0, _hours(_end_s(result)))
+    peak = max([*running, *queued, *capacity, 0])
+    ax.set_ylim(0.0, peak * 1.08 if peak > 0 else 1.0)
+    ax.set_xlabel("time (hours)")
+    ax.set_ylabel("executions")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(
+        f"Rollout load — {_describe(result)}: utilisation {result.rollout_utilisation:.0%}"
+    )
+    fig.legend(loc="outside lower center", ncol=3, frameon=False)
+    return fig
+
+
+def plot_load(result: SimResult, path: Path) -> Path:
+    """Write running/queued executions and rollout capacity over time to ``path``."""
+    return _save(load_figure(result), path)
+
+
+# ---------------------------------------------------------------- speedups
+
+
+def _reference(results: Mapping[str, SimResult]) -> str | None:
+    if REFERENCE_POLICY in results:
+        return REFERENCE_POLICY
+    return next((k for k, r in results.items() if r.policy == REFERENCE_POLICY), None)
+
+
+def speedups(results: Mapping[str, SimResult]) -> dict[str, float]:
+    """End-to-end time of each other policy over elastic's (> 1: elastic is faster).
+
+    Empty when no result is elastic's.
+    """
+    ref = _reference(results)
+    if ref is None:
+        return {}
+    base = results[ref].end_to_end_s
+    return {k: r.end_to_end_s / base for k, r in results.items() if k != ref}
+
+
+def _bar_colours(names: Sequence[str], results: Mapping[str, SimResult]) -> list[str]:
+    colours, spare = [], iter(_FALLBACK_BAR_COLOURS * (1 + len(names)))
+    for name in names:
+        colour = BAR_COLOURS.get(name) or BAR_COLOURS.get(results[name].policy)
+        colours.append(colour if colour is not None else next(spare))
+    return colours
+
+
+def speedup_figure(results: Mapping[str, SimResult]) -> Figure:
+    """Bars of end-to-end hours per policy, the lower bound dashed, elastic's speedups."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    names = list(results)
+    hours = [_hours(results[n].end_to_end_s) for n in names]
+    xs = list(range(len(names)))
+    bars = ax.bar(xs, hours, width=0.6, color=_bar_colours(names, results), zorder=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{n}\nμ={results[n].mu}, φ={results[n].phi:g}" for n in names])
+    ax.set_ylabel("end-to-end time (hours)")
+    ax.grid(axis="y", alpha=0.3, zorder=0)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+    bounds = [_hours(results[n].lower_bound_s) for n in names]
+    finite = [b for b in bounds if math.isfinite(b) and b > 0]
+    if finite and max(finite) - min(finite) <= 1e-9 * max(finite):
+        ax.axhline(
+            finite[0],
+            color=CAPACITY_COLOUR,
+            linestyle="--",
+            linewidth=1.2,
+            zorder=3,
+            label=f"lower bound {finite[0]:.2f} h",
+        )
+    else:  # different workloads or step counts: one bound per bar
+        for i, (x, b) in enumerate(zip(xs, bounds, strict=True)):
+            if math.isfinite(b) and b > 0:
+                ax.hlines(
+                    b,
+                    x - 0.4,
+                    x + 0.4,
+                    colors=CAPACITY_COLOUR,
+                    linestyles="--",
+                    linewidth=1.2,
+                    zorder=3,
+                    label="lower bound" if i == 0 else "_nolegend_",
+                )
+
+    ratio = speedups(results)
+    top = max([*hours, *finite, 0.0])
+    for name, bar, h in zip(names, bars, hours, strict=True):
+        x = bar.get_x() + bar.get_width() / 2
+        ax.annotate(
+            f"{h:.2f} h",
+            (x, h),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
+        if name in ratio and h > 0:
+            ax.annotate(
+                f"{ratio[name]:.2f}x",
+                (x, h),
+                xytext=(0, -8),
+                textcoords="offset points",
+                ha="center",
+                va="top",
+                fontsize=13,
+                fontweight="bold",
+                color="white",
+                zorder=4,
+                # the bar's own colour behind the text masks the lower-bound line
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": bar.get_facecolor(), "lw": 0},
+            )
+    ax.set_ylim(0.0, top * 1.15 if top > 0 else 1.0)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ref = _reference(results)
+    steps = sorted({r.steps for r in results.values()})
+    steps_txt = f"{steps[0]} steps" if len(steps) == 1 else "steps " + "/".join(map(str, steps))
+    suffix = f"; bars show {ref}'s speedup over each" if ref is not None and ratio else ""
+    ax.set_title(f"End-to-end time for {steps_txt}{suffix}")
+    if ax.get_legend_handles_labels()[0]:
+        fig.legend(loc="outside lower center", frameon=False)
+    return fig
+
+
+def plot_speedups(results: Mapping[str, SimResult], path: Path) -> Path:
+    """Write end-to-end hours per policy with elastic's speedup over the others to ``path``."""
+    if not results:
+        raise ValueError("plot_speedups needs at least one result")
+    return _save(speedup_figure(results), path)
+
+
+# ---------------------------------------------------------------- all at once
+
+
+def _file_stem(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "run"
+
+
+def write_plots(results: Mapping[str, SimResult], out_dir: Path) -> list[Path]:
+    """Write ``timeline_<policy>.png`` and ``load_<policy>.png`` per result into ``out_dir``.
+
+    ``<policy>`` is the mapping key (the policy name for ``qwengyre simulate``), made
+    safe for a file name. With more than one result, ``speedup.png`` too. Returns the
+    paths written, in that order.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    for name, result in results.items():
+        stem = _file_stem(name)
+        paths.append(plot_role_timeline(result, out / f"timeline_{stem}.png"))
+        paths.append(plot_load(result, out / f"load_{stem}.png"))
+    if len(results) > 1:
+        paths.append(plot_speedups(results, out / "speedup.png"))
+    return paths

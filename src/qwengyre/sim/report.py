@@ -1,0 +1,52 @@
+"""The simulator's table on the terminal."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rich.console import Console
+from rich.table import Table
+
+from qwengyre.sim.simulator import SimResult
+
+
+def print_table(
+    results: Mapping[str, SimResult], title: str, console: Console | None = None
+) -> None:
+    """One row per policy: time, the lower bound, staleness measured vs Eq 2, usage.
+
+    With an ``elastic`` row and others, a last column gives each baseline's time over
+    elastic's (the speedup of elastic).
+    """
+    table = Table(title=title)
+    columns = ["policy", "mu", "phi", "hours", "bound h", "/bound", "E[d]", "Eq 2"]
+    columns += ["training", "rollout use", "dropped", "speedup"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    elastic = results.get("elastic")
+    for name, r in results.items():
+        speedup = (
+            ""
+            if elastic is None or name == "elastic"
+            else (f"{r.end_to_end_s / elastic.end_to_end_s:.2f}x")
+        )
+        share = sum(r.cell_training_share) / len(r.cell_training_share)
+        table.add_row(
+            name,
+            str(r.mu),
+            f"{r.phi:g}",
+            f"{r.end_to_end_s / 3600:.2f}",
+            f"{r.lower_bound_s / 3600:.2f}",
+            f"{r.end_to_end_s / r.lower_bound_s:.2f}",
+            f"{r.mean_staleness:.2f}",
+            f"{r.predicted_staleness:.2f}",
+            f"{share:.0%}",
+            f"{r.rollout_utilisation:.0%}",
+            str(r.groups_dropped),
+            speedup,
+        )
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=120)
+    console.print(table)

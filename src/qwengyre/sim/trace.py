@@ -1,0 +1,293 @@
+"""The execution trace: one JSON object per line, per terminated execution.
+
+The live runtime writes it (with :class:`TraceWriter`) and the simulator replays it
+(with :class:`TraceWorkload`).  A line::
+
+    {"query": "repo-17", "group": 3, "index": 5, "start_s": 120.0, "end_s": 7321.5,
+     "outcome": "completed", "reward": 0.0, "train_tokens": 81234,
+     "calls": [{"start_s": 121.0, "end_s": 130.2, "input_tokens": 5120, "output_tokens": 310}]}
+
+- ``query``: the task id (string or integer; ``"7"`` and ``7`` are different queries);
+- ``group``: the rollout group's sequence number; ``index``: the execution's index in it;
+- ``start_s`` / ``end_s``: launch and termination, seconds since the run started;
+- ``outcome``: an :class:`~qwengyre.types.Outcome` value;
+- ``reward``: the valid reward, or ``null`` when there is no valid assessment (always
+  ``null`` for ``overall_timeout``; never ``null`` for ``completed``);
+- ``train_tokens`` (optional, default 0): target tokens contributed to training after
+  trajectory selection; 0 also means "not recorded";
+- ``calls`` (optional, default ``[]``): the model calls, each with its own times and
+  token counts.
+
+Unknown fields are rejected, times and counts are non-negative and finite, and an end
+never precedes its start.  :func:`read_trace` reports the file, line and field of the
+first bad line, e.g. ``trace.jsonl:7: field 'end_s': end_s (3.0) < start_s (5.0)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Annotated, Any, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from qwengyre.sim.workload import ExecutionSpec
+from qwengyre.types import Outcome
+
+Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0)]
+
+
+def _check_end(end_s: float, info: ValidationInfo) -> float:
+    start_s = info.data.get("start_s")
+    if start_s is not None and end_s < start_s:
+        raise ValueError(f"end_s ({end_s}) < start_s ({start_s})")
+    return end_s
+
+
+class TraceCall(BaseModel):
+    """One model call made by an execution."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start_s: Seconds
+    end_s: Seconds
+    input_tokens: Count
+    output_tokens: Count
+
+    @field_validator("end_s")
+    @classmethod
+    def _end_not_before_start(cls, end_s: float, info: ValidationInfo) -> float:
+        return _check_end(end_s, info)
+
+
+class TraceRecord(BaseModel):
+    """One terminated execution."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    query: StrictStr | StrictInt
+    group: Count
+    index: Count
+    start_s: Seconds
+    end_s: Seconds
+    outcome: Outcome
+    reward: Annotated[float, Field(allow_inf_nan=False)] | None
+    train_tokens: Count = 0
+    calls: list[TraceCall] = Field(default_factory=list)
+
+    @field_validator("end_s")
+    @classmethod
+    def _end_not_before_start(cls, end_s: float, info: ValidationInfo) -> float:
+        return _check_end(end_s, info)
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_matches_outcome(cls, reward: float | None, info: ValidationInfo) -> float | None:
+        outcome = info.data.get("outcome")
+        if outcome is Outcome.OVERALL_TIMEOUT and reward is not None:
+            raise ValueError("an overall_timeout execution has no valid reward (use null)")
+        if outcome is Outcome.COMPLETED and reward is None:
+            raise ValueError("a completed execution has a valid reward (not null)")
+        return reward
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file, line and field."""
+
+    def __init__(self, path: Path, message: str, line: int | None = None) -> None:
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        super().__init__(f"{where}: {message}")
+        self.path = path
+        self.line = line
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors(include_url=False):
+        message = str(item["msg"]).removeprefix("Value error, ")
+        loc = tuple(item["loc"])
+        if item["type"] == "missing":
+            message = "missing (required)"
+        elif item["type"] == "extra_forbidden":
+            message = "unknown field"
+        if loc and loc[0] == "query" and len(loc) > 1:  # one error per union member
+            loc, message = ("query",), "should be a string or an integer"
+        field = _location(loc)
+        parts.append(f"field {field!r}: {message}" if field else message)
+    return "; ".join(dict.fromkeys(parts))
+
+
+def parse_trace_line(
+    text: str, path: Path | str = "<trace>", line: int | None = None
+) -> TraceRecord:
+    """Parse one trace line; errors are :class:`TraceError` naming ``path:line`` and field."""
+    path = Path(path)
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TraceError(path, f"invalid JSON: {error}", line) from None
+    if not isinstance(data, dict):
+        raise TraceError(path, f"expected a JSON object, got {type(data).__name__}", line)
+    try:
+        return TraceRecord.model_validate(data)
+    except ValidationError as error:
+        raise TraceError(path, _describe(error), line) from None
+
+
+def read_trace(path: Path | str, *, allow_empty: bool = False) -> list[TraceRecord]:
+    """Read every record of a JSONL trace; blank lines are skipped.
+
+    Raises :class:`TraceError` for the first bad line, and for a trace without records
+    unless ``allow_empty``.
+    """
+    path = Path(path)
+    records: list[TraceRecord] = []
+    with path.open(encoding="utf-8") as stream:
+        for number, text in enumerate(stream, start=1):
+            if text.strip():
+                records.append(parse_trace_line(text, path, number))
+    if not records and not allow_empty:
+        raise TraceError(path, "empty trace: no execution records")
+    return records
+
+
+def _line(record: TraceRecord) -> str:
+    return record.model_dump_json() + "\n"
+
+
+def write_trace(path: Path | str, records: Iterable[TraceRecord]) -> None:
+    """Write ``records`` to ``path`` (replacing it), one JSON line each."""
+    with Path(path).open("w", encoding="utf-8") as stream:
+        for record in records:
+            stream.write(_line(record))
+
+
+class TraceWriter:
+    """Appends records to a trace, flushing each line (``fsync=True`` also syncs it).
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, path: Path | str, *, fsync: bool = False) -> None:
+        self.path = Path(path)
+        self._fsync = fsync
+        self._stream = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: TraceRecord) -> None:
+        self._stream.write(_line(record))
+        self._stream.flush()
+        if self._fsync:
+            os.fsync(self._stream.fileno())
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class TraceWorkload:
+    """A :class:`~qwengyre.sim.workload.Workload` replaying a recorded trace.
+
+    Records are grouped by ``query`` in order of first appearance; within a query they
+    are ordered by ``(group, index)`` (then file order), so a recorded execution keeps
+    its index when ``index`` < the query's record count.  ``query_id`` k replays the
+    (k mod Q)-th recorded query and ``index`` i its (i mod n)-th execution, so any number
+    of queries and oversampled indices can be asked for.
+
+    ``cancelled`` records are skipped: cancellation is the simulated scheduler's
+    decision, and a cancelled run says nothing about how the execution would have ended.
+
+    Duration is ``end_s - start_s``; outcome and reward are copied.  ``train_tokens`` is
+    copied when positive; when 0 (absent) it is estimated as the sum of the calls'
+    ``output_tokens`` -- the engine-sampled tokens, which are the only possible training
+    targets, so this is an upper bound that assumes trajectory selection admitted all of
+    them -- and it is 0 for ``overall_timeout`` executions, whose trajectories are
+    discarded from training.
+    """
+
+    def __init__(self, records: Sequence[TraceRecord], name: str = "trace") -> None:
+        by_query: dict[str | int, list[TraceRecord]] = {}
+        for record in records:
+            if record.outcome is not Outcome.CANCELLED:
+                by_query.setdefault(record.query, []).append(record)
+        if not by_query:
+            raise ValueError("trace has no replayable records (all are cancelled, or none)")
+        self._name = name
+        self._queries: list[list[TraceRecord]] = [
+            sorted(group, key=lambda r: (r.group, r.index)) for group in by_query.values()
+        ]
+
+    @classmethod
+    def from_path(cls, path: Path | str) -> TraceWorkload:
+        path = Path(path)
+        records = read_trace(path)
+        try:
+            return cls(records, name="trace")
+        except ValueError as error:
+            raise TraceError(path, str(error)) from None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def n_queries(self) -> int:
+        """The number of distinct recorded queries with replayable records."""
+        return len(self._queries)
+
+    def query_key(self, query_id: int) -> str | int:
+        """The recorded ``query`` that ``query_id`` replays."""
+        return self._queries[query_id % len(self._queries)][0].query
+
+    def execution(self, query_id: int, index: int) -> ExecutionSpec:
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        executions = self._queries[query_id % len(self._queries)]
+        record = executions[index % len(executions)]
+        if record.outcome is Outcome.OVERALL_TIMEOUT:
+            train_tokens = 0
+        elif record.train_tokens > 0:
+            train_tokens = record.train_tokens
+        else:
+            train_tokens = sum(call.output_tokens for call in record.calls)
+        return ExecutionSpec(
+            query_id=query_id,
+            index=index,
+            duration_s=record.duration_s,
+            outcome=record.outcome,
+            reward=record.reward,
+            train_tokens=train_tokens,
+        )

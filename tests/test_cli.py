@@ -1,0 +1,110 @@
+"""The ``qwengyre`` command: help, config show, model init-tiny, simulate, user errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "qwengyre", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def test_help_lists_the_subcommands():
+    out = run("--help")
+    assert out.returncode == 0
+    for command in ("config", "model", "simulate"):
+        assert command in out.stdout
+
+
+def test_config_show_prints_the_resolved_yaml(tmp_path: Path):
+    file = tmp_path / "c.yaml"
+    file.write_text("groups:\n  size: 8\n")
+    out = run("config", "show", str(file), "scheduler.policy=async")
+    assert out.returncode == 0, out.stderr
+    shown = yaml.safe_load(out.stdout)
+    assert shown["groups"]["size"] == 8 and shown["scheduler"]["policy"] == "async"
+    # Overrides alone work too (no file).
+    assert yaml.safe_load(run("config", "show", "groups.batch=4").stdout)["groups"]["batch"] == 4
+
+
+def test_user_errors_are_one_line_without_traceback():
+    for args, fragment in [
+        (("config", "show", "trainer.nonexistent=1"), "trainer.nonexistent"),
+        (("config", "show", "groups.size=-4"), "groups.size=-4"),
+        (("config", "show", "/nonexistent/c.yaml"), "cannot read config file"),
+        (("simulate", "--preset", "nope"), "unknown preset 'nope'"),
+        (("simulate", "sim.steps=2", "--compare"), "--compare needs --target-staleness"),
+    ]:
+        out = run(*args)
+        assert out.returncode != 0
+        assert out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_verbose_shows_the_traceback():
+    out = run("--verbose", "config", "show", "groups.size=-4")
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_model_init_tiny_builds_an_offline_hf_model(tmp_path: Path):
+    target = tmp_path / "m"
+    out = run("model", "init-tiny", str(target), "--size", "test", env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert (target / "config.json").exists() and (target / "tokenizer.json").exists()
+    again = run("model", "init-tiny", str(target), "--size", "test")
+    assert again.returncode != 0 and "Traceback" not in again.stderr
+
+
+def test_simulate_compare_writes_json_and_plots(tmp_path: Path):
+    out = run(
+        "simulate",
+        "--preset",
+        "paper-122b",
+        "--compare",
+        "--target-staleness",
+        "1.5",
+        "sim.steps=3",
+        "groups.batch=4",
+        "cells.capacity=18",
+        "--json",
+        str(tmp_path / "o.json"),
+        "--plot",
+        str(tmp_path / "plots"),
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert data["target_staleness"] == 1.5
+    elastic = data["policies"]["elastic"]
+    for key in (
+        "end_to_end_s",
+        "step_times_s",
+        "mean_staleness",
+        "predicted_staleness",
+        "lower_bound_s",
+        "cell_training_share",
+        "rollout_utilisation",
+        "speedup_vs_async",
+        "speedup_vs_colocate",
+    ):
+        assert key in elastic
+    assert (elastic["mu"], elastic["phi"]) == (3, 0.5)
+    assert data["policies"]["colocate"]["mu"] == 4 and data["policies"]["async"]["phi"] == 1.5
+    assert len(elastic["step_times_s"]) == 3
+    assert elastic["speedup_vs_async"] == (
+        data["policies"]["async"]["end_to_end_s"] / elastic["end_to_end_s"]
+    )
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert "speedup.png" in pngs and "timeline_elastic.png" in pngs
+    assert "elastic" in out.stdout and "colocate" in out.stdout

@@ -1,0 +1,107 @@
+"""The typed config tree: defaults, YAML, overrides and one-line refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qwengyre.config import Config, ConfigError, config_to_yaml, load_config, retarget
+
+
+def test_defaults_are_the_papers():
+    c = load_config()
+    assert (c.groups.size, c.groups.batch, c.trainer.j_max) == (16, 32, 5)
+    assert c.trainer.token_weight_cap == 5.0
+    assert (c.trainer.clip_low, c.trainer.clip_high) == (0.995, 1.005)
+    assert (c.trainer.optimizer, c.trainer.lr, c.trainer.lr_schedule) == ("adam", 1e-6, "constant")
+    assert (c.scheduler.mu, c.scheduler.phi) == (1, 0.0)
+    assert (c.cells.rollout_to_training_s, c.cells.training_to_rollout_s) == (8.52, 3.46)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("trainer.nonexistent=1", ["unknown config key 'trainer.nonexistent'", "j_max"]),
+        ("nonexistent=1", ["unknown config key 'nonexistent'", "top level"]),
+        ("groups.size=-3", ["groups.size=-3", "greater than or equal to 1"]),
+        ("groups.size=abc", ["groups.size='abc'", "valid integer"]),
+        ("scheduler.policy=fifo", ["scheduler.policy='fifo'", "'elastic', 'async' or"]),
+        ("scheduler.rho_min=1.5", ["scheduler.rho_min=1.5", "less than or equal to 1"]),
+        ("trainer.lr=0", ["trainer.lr=0", "greater than 0"]),
+        ("scheduler.phi=0.3", ["(scheduler.phi + scheduler.mu) * groups.batch = 41.6"]),
+        ("scheduler", ["must look like dotted.key=value"]),
+    ],
+)
+def test_bad_values_are_refused_with_one_line_naming_key_and_value(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    message = str(err.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="colocate dispatches no extra groups"):
+        load_config(None, ["scheduler.policy=colocate", "scheduler.phi=1"])
+    with pytest.raises(
+        ConfigError, match=r"async_training_cells=8 must be in \[1, cells\.count - 1 = 7\]"
+    ):
+        load_config(None, ["scheduler.policy=async", "scheduler.async_training_cells=8"])
+    with pytest.raises(ConfigError, match=r"sim\.trace=PATH"):
+        load_config(None, ["sim.workload=trace"])
+
+
+def test_target_staleness_derives_mu_and_phi_per_policy():
+    c = load_config(None, ["scheduler.target_staleness=1.5"])
+    assert (c.scheduler.mu, c.scheduler.phi) == (3, 0.5)
+    c = load_config(None, ["scheduler.target_staleness=1.5", "scheduler.policy=colocate"])
+    assert (c.scheduler.mu, c.scheduler.phi) == (4, 0.0)
+    # Agreeing values are accepted; contradicting ones are refused.
+    assert load_config(None, ["scheduler.target_staleness=1.5", "scheduler.mu=3"]).scheduler.mu == 3
+    with pytest.raises(ConfigError, match=r"scheduler\.mu=2 contradicts target_staleness=1\.5"):
+        load_config(None, ["scheduler.target_staleness=1.5", "scheduler.mu=2"])
+
+
+def test_retarget_switches_policy_and_rederives_the_burst():
+    c = retarget(load_config(None, ["scheduler.mu=2"]), 1.5, "async")
+    assert (c.scheduler.policy, c.scheduler.mu, c.scheduler.phi) == ("async", 1, 1.5)
+
+
+def test_yaml_file_plus_overrides_and_round_trip(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("groups:\n  size: 8\ncells:\n  count: 3\n")
+    c = load_config(path, ["groups.batch=4", "scheduler.target_staleness=1"])
+    assert (c.groups.size, c.groups.batch, c.cells.count) == (8, 4, 3)
+    again = tmp_path / "again.yaml"
+    again.write_text(config_to_yaml(c))
+    assert load_config(again) == c
+    assert yaml.safe_load(config_to_yaml(c))["scheduler"]["mu"] == 2  # elastic at E[d]=1
+
+
+def test_bad_files_are_refused(tmp_path: Path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("groups: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(scalar)
+    section = tmp_path / "section.yaml"
+    section.write_text("groups: 3\n")
+    with pytest.raises(ConfigError, match="'groups' is a value, not a section"):
+        load_config(section, ["groups.size=4"])
+
+
+def test_override_into_a_value_is_refused():
+    with pytest.raises(ConfigError, match="conflicts with an earlier override"):
+        load_config(None, ["groups.size=4", "groups.size.x=1"])
+
+
+def test_config_is_a_plain_pydantic_tree():
+    assert Config().model_dump()["groups"]["size"] == 16
