@@ -136,6 +136,29 @@ def test_a_missing_reward_is_never_a_zero_it_is_topped_up():
     assert s.groups[0].state is GroupState.READY
 
 
+def test_with_min_valid_a_finished_group_trains_on_its_valid_rewards_only():
+    s = Scheduler(
+        SchedulerParams(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3)
+    )
+    s.handle(Start(0.0))
+    finish(s, 1.0, 0, 1.0)
+    out = finish(s, 2.0, 1, None)  # 1 valid + 1 pending can still reach min_valid: wait
+    assert not of(Dispatch, out) and s.groups[0].state is GroupState.ROLLOUT
+    finish(s, 3.0, 2, 0.0)
+    assert s.groups[0].state is GroupState.READY
+    assert s.groups[0].valid == {0: 1.0, 2: 0.0}  # the missing reward is not a zero
+
+
+def test_below_min_valid_the_group_is_topped_up():
+    s = Scheduler(
+        SchedulerParams(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3)
+    )
+    s.handle(Start(0.0))
+    finish(s, 1.0, 0, None)
+    out = finish(s, 2.0, 1, None)  # 0 valid + 1 pending < 2: one top-up
+    assert [d.execution_ids for d in of(Dispatch, out)] == [(3,)]
+
+
 def test_a_group_past_its_topup_allowance_is_dropped_and_replaced():
     s = Scheduler(
         SchedulerParams(batch=1, group_size=2, max_topups=0, cells=1, cell_capacity=4, phi=1)
@@ -237,6 +260,26 @@ def test_satellites_join_in_prefix_order_and_return_at_the_end_of_the_burst():
     assert of(MoveCell, out) == [MoveCell(1, Role.ROLLOUT), MoveCell(2, Role.ROLLOUT)]
     assert of(Publish, out) == [Publish(1)]
     assert s.roles == [Role.TRAINING, Role.TO_ROLLOUT, Role.TO_ROLLOUT]
+
+
+def test_a_satellite_whose_burst_ends_mid_switch_finishes_the_switch_then_returns():
+    s = Scheduler(
+        SchedulerParams(
+            batch=2, group_size=1, mu=1, phi=0, cells=3, cell_capacity=2, rho_min=0.5, tau_s=0
+        )
+    )
+    s.handle(Start(0.0))
+    finish(s, 1.0, 0)
+    assert of(MoveCell, s.handle(CellMoved(2.0, 0))) == [MoveCell(1, Role.TRAINING)]
+    s.handle(PullGroups(2.0, 0, 2))
+    out = finish(s, 2.5, 1)
+    assert of(AssignGroups, out) == [AssignGroups(0, (1,), closes_batch=True)]
+    out = s.handle(StepDone(3.0, 0))  # cell 1 is still switching to training
+    assert of(Publish, out) == [Publish(1)] and not of(MoveCell, out)
+    assert s.roles[1] is Role.TO_TRAINING
+    assert of(MoveCell, s.handle(CellMoved(4.0, 1))) == [MoveCell(1, Role.ROLLOUT)]
+    s.handle(CellMoved(5.0, 1))
+    assert s.roles[1] is Role.ROLLOUT
 
 
 def test_the_core_stays_in_training_when_eq6_holds():

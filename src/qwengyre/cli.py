@@ -84,6 +84,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_proxy_serve(args: argparse.Namespace) -> int:
+    from qwengyre.proxy.serve import ServeOptions, serve
+
+    print(f"proxy on http://{args.host}:{args.port} (model {args.model})", flush=True)
+    serve(
+        ServeOptions(
+            model=Path(args.model),
+            script=Path(args.script),
+            store=Path(args.store),
+            host=args.host,
+            port=args.port,
+            admin_token=args.admin_token,
+            max_context=args.max_context,
+        )
+    )
+    return 0
+
+
 def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     from qwengyre.models import build_tiny_model
 
@@ -122,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
     sim.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     sim.set_defaults(func=cmd_simulate)
+
+    proxy = sub.add_parser("proxy", help="the OpenAI/Anthropic-API model proxy")
+    proxy_sub = proxy.add_subparsers(dest="proxy_command", required=True, metavar="ACTION")
+    serve = proxy_sub.add_parser("serve", help="serve a model through the proxy")
+    serve.add_argument("--model", required=True, help="HF model directory (tokenizer, template)")
+    serve.add_argument("--engine", choices=["scripted"], default="scripted")
+    serve.add_argument("--script", required=True, help="JSON script for the scripted engine")
+    serve.add_argument("--store", required=True, help="directory for the durable store")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--admin-token", help="admin API token (default: generated, printed)")
+    serve.add_argument("--max-context", type=int, help="default: the model's limit")
+    serve.set_defaults(func=cmd_proxy_serve)
 
     model = sub.add_parser("model", help="build and inspect models")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -22,3 +23,14 @@ class Outcome(StrEnum):
     HARNESS_TIMEOUT = "harness_timeout"
     OVERALL_TIMEOUT = "overall_timeout"
     CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What an engine samples with; ``max_tokens`` is required by both APIs' clients."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    stop: tuple[str, ...] = ()

@@ -236,6 +236,7 @@ class Scheduler:
         else:
             self.units = []
         self.roles = [Role.ROLLOUT] * k
+        self._return_after_move: set[int] = set()  # ordered back while moving to training
         self.groups: dict[int, Group] = {}
         self.executions: dict[int, Execution] = {}
         self._queue: deque[int] = deque()
@@ -380,6 +381,9 @@ class Scheduler:
         if role is Role.TO_TRAINING:
             self.roles[cell] = Role.TRAINING
             self._supply_since = None  # the timer resets after each transition
+            if cell in self._return_after_move:  # its burst ended while it was moving
+                self._return_after_move.discard(cell)
+                self._move(cell, Role.ROLLOUT)
         elif role is Role.TO_ROLLOUT:
             self.roles[cell] = Role.ROLLOUT
         else:
@@ -577,6 +581,10 @@ class Scheduler:
                 self._move(cell, Role.ROLLOUT)
 
     def _move(self, cell: int, role: Role) -> None:
+        """Order a move; a cell still moving to training finishes that move first."""
+        if role is Role.ROLLOUT and self.roles[cell] is Role.TO_TRAINING:
+            self._return_after_move.add(cell)
+            return
         self.roles[cell] = Role.TO_TRAINING if role is Role.TRAINING else Role.TO_ROLLOUT
         self._out.append(MoveCell(cell, role))
 

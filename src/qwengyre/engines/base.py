@@ -1,0 +1,57 @@
+"""The engine interface the proxy and the cells use (DESIGN.md §3).
+
+An engine generates from token ids and returns the ids it sampled with their
+behaviour log-probs and the policy version of the weights that produced them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from qwengyre.types import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineAborted(Exception):
+    """The request was aborted on this engine (e.g. it is draining); retry elsewhere."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """``tags`` carry routing facts (execution id, request class) an engine may use."""
+
+    request_id: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    policy_version: int
+    finish_reason: FinishReason
+
+
+class InferenceEngine(Protocol):
+    """What every backend implements."""
+
+    name: str
+    capacity: int  # concurrent requests it serves well
+
+    @property
+    def load(self) -> int:
+        """Requests in flight."""
+        ...
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate; raises :class:`EngineAborted` if aborted before finishing."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def health(self) -> bool: ...

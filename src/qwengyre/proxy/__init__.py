@@ -1,0 +1,1 @@
+"""The black-box model proxy: OpenAI and Anthropic APIs in, token ids to engines out."""

@@ -1,0 +1,523 @@
+"""The Anthropic Messages API adapter: request bodies in, response bodies and SSE events out.
+
+Pure functions, no I/O. :func:`parse_messages_request` turns a ``POST /v1/messages`` body
+into an API-neutral :class:`~qwengyre.proxy.types.ChatRequest`; :func:`message_body` and
+:func:`stream_events` turn a :class:`~qwengyre.proxy.types.Completion` back into the JSON
+body or the SSE byte stream the API sends. Errors are :class:`~qwengyre.proxy.types.ApiError`
+and render with :func:`error_body` / :func:`error_headers` / :func:`stream_error_event`.
+
+What real clients send (see ``shared/HARNESSES.md``) is accepted: unknown top-level fields
+(``thinking``, ``context_management``, ``output_config``, ``metadata``, ...) and
+``cache_control`` anywhere are ignored; ``role: "system"`` messages may appear inside
+``messages``; ``thinking`` blocks in history are dropped; server tools are skipped.
+Images and documents are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import string
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from qwengyre.proxy.types import (
+    ApiError,
+    ChatRequest,
+    Completion,
+    Message,
+    SamplingParams,
+    ToolCall,
+    ToolSpec,
+)
+
+__all__ = [
+    "count_tokens_body",
+    "error_body",
+    "error_headers",
+    "message_body",
+    "new_message_id",
+    "new_tool_use_id",
+    "parse_count_tokens_request",
+    "parse_messages_request",
+    "prompt_too_long",
+    "stream_error_event",
+    "stream_events",
+]
+
+# --------------------------------------------------------------------------------------
+# ids
+
+_BASE62 = string.digits + string.ascii_letters
+
+
+def _random_base62(n: int) -> str:
+    return "".join(secrets.choice(_BASE62) for _ in range(n))
+
+
+def new_message_id() -> str:
+    """A fresh message id: ``msg_`` + 24 random base62 characters."""
+    return "msg_" + _random_base62(24)
+
+
+def new_tool_use_id() -> str:
+    """A fresh tool-use id: ``toolu_`` + 24 random base62 characters."""
+    return "toolu_" + _random_base62(24)
+
+
+# --------------------------------------------------------------------------------------
+# request validation models (pydantic v2; strict types, unknown fields ignored)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+_M = TypeVar("_M", bound=_Model)
+
+
+class _MessageParam(_Model):
+    role: Literal["user", "assistant", "system"]
+    content: Any  # str | list of blocks: checked by hand for precise error paths
+
+
+class _Body(_Model):
+    model: str
+    messages: list[_MessageParam] = Field(min_length=1)
+    system: Any = None  # str | list of text blocks: checked by hand
+    tools: list[dict[str, Any]] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+
+
+class _MessagesBody(_Body):
+    max_tokens: int = Field(ge=1)
+
+
+class _CountTokensBody(_Body):
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
+class _TextBlock(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class _ToolUseBlock(_Model):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class _ToolResultBlock(_Model):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Any = None  # None | str | list of text blocks: checked by hand
+    is_error: bool | None = None
+
+
+class _ToolParam(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+# Block types we accept in ``messages[*].content`` (thinking blocks are accepted and dropped).
+_ALLOWED_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+_ROLE_BLOCKS: dict[str, frozenset[str]] = {
+    "user": frozenset({"text", "tool_result"}),
+    "assistant": frozenset({"text", "tool_use"}),
+    "system": frozenset({"text"}),
+}
+_MEDIA_BLOCKS = {"image": "images", "document": "documents"}
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+# Header names we copy into ChatRequest.headers (request-class rules look at them).
+_HEADER_PREFIXES = ("x-claude-code-", "anthropic-")
+# ...unless the name suggests a credential.
+_SECRET_HEADER_WORDS = ("key", "auth", "token", "secret", "cookie", "password")
+
+
+# --------------------------------------------------------------------------------------
+# error helpers
+
+
+def _invalid(loc: str, msg: str) -> ApiError:
+    return ApiError("invalid_request_error", f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+
+def _join_loc(parts: tuple[str | int, ...]) -> str:
+    return ".".join(str(p) for p in parts)
+
+
+def _validate(model: type[_M], data: Any, loc: tuple[str | int, ...] = ()) -> _M:
+    """Validate ``data`` as ``model``; the first error becomes an ``invalid_request_error``
+    whose message names the full field path (``messages.2.content.0.text: ...``)."""
+    if not isinstance(data, dict):
+        raise _invalid(_join_loc(loc), "Input should be an object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise _invalid(_join_loc((*loc, *first["loc"])), first["msg"]) from None
+
+
+# --------------------------------------------------------------------------------------
+# request parsing
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _load_body(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ApiError(
+            "invalid_request_error", f"The request body is not valid JSON: {exc}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ApiError(
+            "invalid_request_error",
+            f"The request body should be a JSON object, not {type(data).__name__}",
+        )
+    # Clients that cut strings mid-emoji send lone surrogates ("\ud83d"); they cannot be
+    # encoded to UTF-8 later, so replace them with U+FFFD (json.loads already pairs the
+    # valid ones into one code point).
+    if b"\\ud" in body or b"\\uD" in body:
+        data = _clean_surrogates(data)
+    return data
+
+
+def _clean_surrogates(x: Any) -> Any:
+    if isinstance(x, str):
+        return _SURROGATE.sub("\ufffd", x)
+    if isinstance(x, list):
+        return [_clean_surrogates(v) for v in x]
+    if isinstance(x, dict):
+        return {_clean_surrogates(k): _clean_surrogates(v) for k, v in x.items()}
+    return x
+
+
+def _text_content(content: Any, loc: tuple[str | int, ...], what: str) -> str:
+    """A string, or a list of text blocks joined with blank lines (``system``, system
+    messages, tool_result content). ``None`` is the empty string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(_join_loc(loc), f"Input should be a valid string or a list of {what}")
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        btype = _block_type(block, (*loc, j))
+        if btype != "text":
+            raise _unsupported_block(btype, (*loc, j), ("text",))
+        texts.append(_validate(_TextBlock, block, (*loc, j)).text)
+    return "\n\n".join(texts)
+
+
+def _block_type(block: Any, loc: tuple[str | int, ...]) -> str:
+    if not isinstance(block, dict):
+        raise _invalid(_join_loc(loc), "Input should be an object (a content block)")
+    if "type" not in block:
+        raise _invalid(_join_loc((*loc, "type")), "Field required")
+    btype = block["type"]
+    if not isinstance(btype, str):
+        raise _invalid(_join_loc((*loc, "type")), "Input should be a valid string")
+    return btype
+
+
+def _unsupported_block(
+    btype: str, loc: tuple[str | int, ...], allowed: tuple[str, ...]
+) -> ApiError:
+    media = _MEDIA_BLOCKS.get(btype)
+    why = f" ({media} are not supported)" if media else ""
+    return _invalid(
+        _join_loc((*loc, "type")),
+        f"{btype!r} is not supported{why}; allowed: {', '.join(allowed)}",
+    )
+
+
+def _convert_message(m: _MessageParam, i: int) -> list[Message]:
+    loc: tuple[str | int, ...] = ("messages", i, "content")
+    if m.role == "system":
+        return [Message(role="system", content=_text_content(m.content, loc, "text blocks"))]
+    if isinstance(m.content, str):
+        return [Message(role=m.role, content=m.content)]
+    if not isinstance(m.content, list):
+        raise _invalid(_join_loc(loc), "Input should be a valid string or a list of content blocks")
+
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    results: list[Message] = []
+    for j, block in enumerate(m.content):
+        bloc = (*loc, j)
+        btype = _block_type(block, bloc)
+        if btype in _DROPPED_BLOCKS:
+            continue
+        if btype not in _ALLOWED_BLOCKS:
+            raise _unsupported_block(btype, bloc, _ALLOWED_BLOCKS)
+        if btype not in _ROLE_BLOCKS[m.role]:
+            raise _invalid(
+                _join_loc((*bloc, "type")),
+                f"{btype!r} blocks are not allowed in {m.role} messages; "
+                f"allowed: {', '.join(sorted(_ROLE_BLOCKS[m.role]))}",
+            )
+        if btype == "text":
+            texts.append(_validate(_TextBlock, block, bloc).text)
+        elif btype == "tool_use":
+            tu = _validate(_ToolUseBlock, block, bloc)
+            calls.append(ToolCall(id=tu.id, name=tu.name, arguments=tu.input))
+        else:  # tool_result
+            tr = _validate(_ToolResultBlock, block, bloc)
+            text = _text_content(tr.content, (*bloc, "content"), "text blocks")
+            results.append(Message(role="tool", content=text, tool_call_id=tr.tool_use_id))
+
+    if m.role == "assistant":
+        return [Message(role="assistant", content="\n\n".join(texts), tool_calls=tuple(calls))]
+    if results and not texts:
+        return results
+    return [*results, Message(role="user", content="\n\n".join(texts))]
+
+
+def _convert_tools(tools: list[dict[str, Any]] | None) -> tuple[ToolSpec, ...]:
+    out: list[ToolSpec] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools or ()):
+        ttype = tool.get("type")
+        if "input_schema" not in tool and isinstance(ttype, str) and ttype != "custom":
+            # Server tools (web_search_20250305, ...) and Anthropic-defined client tools
+            # (bash_20250124, ...) carry no schema we could show the model: skip them.
+            continue
+        spec = _validate(_ToolParam, tool, ("tools", i))
+        if spec.name in seen:
+            raise _invalid(f"tools.{i}.name", f"tool names must be unique ({spec.name!r} repeated)")
+        seen.add(spec.name)
+        out.append(
+            ToolSpec(
+                name=spec.name, description=spec.description or "", parameters=spec.input_schema
+            )
+        )
+    return tuple(out)
+
+
+def _select_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        low = name.lower()
+        if not low.startswith(_HEADER_PREFIXES):
+            continue
+        if any(word in low for word in _SECRET_HEADER_WORDS):
+            continue
+        out[low] = value
+    return out
+
+
+def _to_chat_request(b: _Body, max_tokens: int, headers: Mapping[str, str]) -> ChatRequest:
+    messages: list[Message] = []
+    if b.system is not None:
+        system = _text_content(b.system, ("system",), "text blocks")
+        if system:
+            messages.append(Message(role="system", content=system))
+    for i, m in enumerate(b.messages):
+        messages.extend(_convert_message(m, i))
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if b.temperature is None else float(b.temperature),
+        top_p=1.0 if b.top_p is None else float(b.top_p),
+        top_k=b.top_k if b.top_k else -1,  # None or 0: no top-k
+        stop=tuple(b.stop_sequences or ()),
+    )
+    return ChatRequest(
+        api="anthropic",
+        model=b.model,
+        messages=tuple(messages),
+        sampling=sampling,
+        tools=_convert_tools(b.tools),
+        stream=bool(b.stream),
+        headers=_select_headers(headers),
+    )
+
+
+def parse_messages_request(body: bytes, headers: Mapping[str, str]) -> ChatRequest:
+    """Parse and validate a ``POST /v1/messages`` body.
+
+    Raises :class:`ApiError` (``invalid_request_error``) naming the offending field path.
+    """
+    b = _validate(_MessagesBody, _load_body(body))
+    return _to_chat_request(b, b.max_tokens, headers)
+
+
+def parse_count_tokens_request(body: bytes, headers: Mapping[str, str]) -> ChatRequest:
+    """Parse ``POST /v1/messages/count_tokens``: like a messages body, ``max_tokens``
+    optional (1 when absent)."""
+    b = _validate(_CountTokensBody, _load_body(body))
+    return _to_chat_request(b, b.max_tokens or 1, headers)
+
+
+def count_tokens_body(input_tokens: int) -> dict[str, Any]:
+    """The count_tokens response body."""
+    return {"input_tokens": input_tokens}
+
+
+# --------------------------------------------------------------------------------------
+# responses
+
+
+def _message_id(c: Completion) -> str:
+    if c.id.startswith("msg_"):
+        return c.id
+    return "msg_" + c.id if c.id else new_message_id()
+
+
+def _content(c: Completion) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if c.text or not c.tool_calls:
+        blocks.append({"type": "text", "text": c.text})
+    for call in c.tool_calls:
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call.id or new_tool_use_id(),
+                "name": call.name,
+                "input": call.arguments,
+            }
+        )
+    return blocks
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": input_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": output_tokens,
+    }
+
+
+def message_body(c: Completion) -> dict[str, Any]:
+    """The non-streaming ``/v1/messages`` response body for ``c``."""
+    return {
+        "id": _message_id(c),
+        "type": "message",
+        "role": "assistant",
+        "model": c.model,
+        "content": _content(c),
+        "stop_reason": c.stop_reason,
+        "stop_sequence": c.stop_sequence,
+        "usage": _usage(c.input_tokens, c.output_tokens),
+    }
+
+
+def _sse(event: str, data: Mapping[str, Any]) -> bytes:
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event}\ndata: {payload}\n\n".encode("utf-8", "replace")
+
+
+def _chunks(s: str, n: int) -> Iterator[str]:
+    for k in range(0, len(s), n):
+        yield s[k : k + n]
+
+
+def stream_events(c: Completion, chunk_chars: int = 64) -> Iterator[bytes]:
+    """The SSE stream for ``c``, event by event, as the API sends it.
+
+    ``message_start`` (empty content, ``output_tokens`` 1), then per content block
+    ``content_block_start`` / ``content_block_delta``\\* / ``content_block_stop`` (a ``ping``
+    follows the first ``content_block_start``, as in the API), then ``message_delta``
+    (stop reason, final ``output_tokens``) and ``message_stop``. Text is sent in
+    ``text_delta`` chunks of ``chunk_chars`` characters; tool input as ``input_json_delta``
+    chunks of its compact JSON.
+    """
+    if chunk_chars < 1:
+        raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
+    start = message_body(c)
+    start["content"] = []
+    start["stop_reason"] = None
+    start["stop_sequence"] = None
+    start["usage"] = _usage(c.input_tokens, 1)
+    yield _sse("message_start", {"type": "message_start", "message": start})
+    pinged = False
+    for index, block in enumerate(_content(c)):
+        if block["type"] == "text":
+            first: dict[str, Any] = {"type": "text", "text": ""}
+            deltas = [
+                {"type": "text_delta", "text": t} for t in _chunks(block["text"], chunk_chars)
+            ]
+        else:
+            first = {**block, "input": {}}
+            js = json.dumps(block["input"], ensure_ascii=False, separators=(",", ":"))
+            deltas = [
+                {"type": "input_json_delta", "partial_json": p} for p in _chunks(js, chunk_chars)
+            ]
+        yield _sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": first},
+        )
+        if not pinged:
+            yield _sse("ping", {"type": "ping"})
+            pinged = True
+        for delta in deltas:
+            yield _sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": delta},
+            )
+        yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+    yield _sse(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": c.stop_reason, "stop_sequence": c.stop_sequence},
+            "usage": {"output_tokens": c.output_tokens},
+        },
+    )
+    yield _sse("message_stop", {"type": "message_stop"})
+
+
+# --------------------------------------------------------------------------------------
+# errors
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    """The Anthropic error body: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": e.kind, "message": e.message}}
+
+
+_RETRYABLE_STATUS = frozenset({429, 500, 529})
+
+
+def error_headers(e: ApiError) -> dict[str, str]:
+    """Extra response headers for an error: ``retry-after`` (whole seconds, rounded up)
+    when ``e.retry_after_s`` is set; ``x-should-retry: true`` for 429/500/529."""
+    out: dict[str, str] = {}
+    if e.retry_after_s is not None:
+        out["retry-after"] = str(max(0, math.ceil(e.retry_after_s)))
+    if e.status in _RETRYABLE_STATUS:
+        out["x-should-retry"] = "true"
+    return out
+
+
+def stream_error_event(e: ApiError) -> bytes:
+    """An ``event: error`` SSE event, for errors after a stream has started."""
+    return _sse("error", error_body(e))
+
+
+def prompt_too_long(tokens: int, limit: int) -> ApiError:
+    """The 400 Claude Code reacts to by compacting its history (the text must not change)."""
+    return ApiError(
+        "invalid_request_error",
+        f"prompt is too long: {tokens} tokens > {limit} maximum",
+        code="context_length_exceeded",
+    )

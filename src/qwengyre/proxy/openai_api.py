@@ -1,0 +1,867 @@
+"""OpenAI Chat Completions adapter: request bodies in, ``chat.completion`` JSON and SSE out.
+
+Pure functions, no I/O: the server hands :func:`parse_chat_request` the raw body and the
+request headers, runs the engine, and answers with :func:`completion_body` or
+:func:`stream_chunks`; an :class:`~qwengyre.proxy.types.ApiError` raised anywhere is
+answered with :func:`error_status`, :func:`error_headers` and :func:`error_body`.
+
+The parser accepts what real clients (the ``openai`` SDK, LiteLLM, agent harnesses) send:
+unknown or unsupported-but-harmless top-level fields are ignored (see
+:func:`parse_chat_request_with_ignored` for which ones), while anything whose meaning the
+proxy cannot honour (images, audio, ``n > 1``, JSON response formats, the legacy
+``functions`` API) is refused with an ``invalid_request_error`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from qwengyre.proxy.types import (
+    ApiError,
+    ChatRequest,
+    Completion,
+    Message,
+    SamplingParams,
+    TokenLogprob,
+    ToolCall,
+    ToolSpec,
+)
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "MAX_TOP_LOGPROBS",
+    "completion_body",
+    "context_length_exceeded",
+    "error_body",
+    "error_headers",
+    "error_status",
+    "finish_reason",
+    "models_body",
+    "parse_chat_request",
+    "parse_chat_request_with_ignored",
+    "stream_chunks",
+]
+
+DEFAULT_MAX_TOKENS = 1024
+"""Completion budget when the request sets neither ``max_completion_tokens`` nor ``max_tokens``."""
+
+MAX_TOP_LOGPROBS = 20
+
+# Top-level request fields the proxy acts on; every other field present with a non-null
+# value is accepted and reported as ignored by parse_chat_request_with_ignored.
+_HONOURED_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_completion_tokens",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "response_format",
+        "modalities",
+        "functions",
+        "function_call",
+        "audio",
+    }
+)
+
+# Substrings of header names that carry credentials; such headers never reach ChatRequest.
+_CREDENTIAL_HEADER_PARTS = (
+    "authorization",
+    "zzz",
+    "apikey",
+    "auth",
+    "token",
+    "secret",
+    "password",
+    "credential",
+    "cookie",
+)
+
+_UNSUPPORTED_PARTS = {
+    "image_url": "image",
+    "image": "image",
+    "input_image": "image",
+    "input_audio": "audio",
+    "audio": "audio",
+    "file": "file",
+    "input_file": "file",
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Request models (pydantic v2, strict: "5" is not an integer, 1 is not a boolean)
+# ---------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _FunctionDef(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class _Tool(_Strict):
+    type: Literal["function"]
+    function: _FunctionDef
+
+
+class _Body(_Strict):
+    model: str = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    stop: Any = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[_Tool] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+
+
+class _FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: Any = None
+
+
+class _ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
+class _SystemMsg(_Strict):
+    content: Any
+
+
+class _UserMsg(_Strict):
+    content: Any
+
+
+class _AssistantMsg(_Strict):
+    content: Any = None
+    tool_calls: list[_ToolCallIn] | None = None
+    function_call: Any = None
+
+
+class _ToolMsg(_Strict):
+    tool_call_id: str
+    content: Any
+
+
+_MESSAGE_MODELS: dict[str, type[_Strict]] = {
+    "system": _SystemMsg,
+    "developer": _SystemMsg,
+    "user": _UserMsg,
+    "assistant": _AssistantMsg,
+    "tool": _ToolMsg,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Error helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _path(loc: Sequence[str | int]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _invalid(param: str | None, message: str) -> ApiError:
+    return ApiError("invalid_request_error", message, param=param)
+
+
+def _type_error(param: str, expected: str, value: object) -> ApiError:
+    return _invalid(
+        param,
+        f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
+    )
+
+
+_EXPECTED_BY_ERROR_TYPE = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "bool_parsing": "a boolean",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "list_type": "an array",
+}
+
+
+def _from_validation_error(err: ValidationError, prefix: tuple[str | int, ...] = ()) -> ApiError:
+    """The first pydantic error as an OpenAI-style invalid_request_error."""
+    first = err.errors(include_url=False)[0]
+    param = _path((*prefix, *first["loc"]))
+    kind = first["type"]
+    value = first.get("input")
+    ctx = first.get("ctx") or {}
+    if kind == "missing":
+        return _invalid(param, f"Missing required parameter: '{param}'.")
+    if kind in _EXPECTED_BY_ERROR_TYPE:
+        return _type_error(param, _EXPECTED_BY_ERROR_TYPE[kind], value)
+    if kind == "literal_error":
+        return _invalid(
+            param,
+            f"Invalid value for '{param}': got {json.dumps(value)}, "
+            f"expected {ctx.get('expected')}.",
+        )
+    if kind == "too_short" and isinstance(value, list):
+        return _invalid(
+            param,
+            f"Invalid value for '{param}': expected an array with at least "
+            f"{ctx.get('min_length', 1)} item(s), but got an empty array.",
+        )
+    if kind == "string_too_short":
+        return _invalid(param, f"Invalid value for '{param}': expected a non-empty string.")
+    bounds = {
+        "greater_than": "greater than",
+        "greater_than_equal": "greater than or equal to",
+        "less_than": "less than",
+        "less_than_equal": "less than or equal to",
+    }
+    if kind in bounds:
+        limit = next(iter(ctx.values()), None)
+        return _invalid(
+            param,
+            f"Invalid value for '{param}': {json.dumps(value)} is out of range; "
+            f"it must be {bounds[kind]} {limit}.",
+        )
+    return _invalid(param, f"Invalid value for '{param}': {first['msg']}.")
+
+
+def _validate(model: type[_Strict], data: object, prefix: tuple[str | int, ...] = ()) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise _from_validation_error(err, prefix) from None
+
+
+# ---------------------------------------------------------------------------------------
+# Request parsing
+# ---------------------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _load_body(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
+        raise _invalid(
+            None,
+            f"Could not parse the JSON body of the request ({err}). "
+            "The body must be a JSON object encoded as UTF-8.",
+        ) from None
+    if not isinstance(data, dict):
+        raise _invalid(
+            None, f"The request body must be a JSON object, but got {_json_type(data)} instead."
+        )
+    return data
+
+
+def _forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        key = name.lower()
+        if not key.startswith("x-") or any(p in key for p in _CREDENTIAL_HEADER_PARTS):
+            continue
+        out[key] = value
+    return out
+
+
+def _content_text(value: object, param: str, *, role: str, allow_null: bool = False) -> str:
+    """A message's ``content`` (string, null or list of parts) as one string."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        if allow_null:
+            return ""
+        raise _invalid(
+            param,
+            f"Invalid type for '{param}': expected a string or an array of text content "
+            "parts, but got null instead.",
+        )
+    if not isinstance(value, list):
+        raise _type_error(param, "a string or an array of text content parts", value)
+    allowed = ("text", "refusal") if role == "assistant" else ("text",)
+    texts: list[str] = []
+    for j, part in enumerate(value):
+        pparam = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _type_error(pparam, "an object", part)
+        ptype = part.get("type")
+        if not isinstance(ptype, str):
+            if "type" not in part:
+                raise _invalid(f"{pparam}.type", f"Missing required parameter: '{pparam}.type'.")
+            raise _type_error(f"{pparam}.type", "a string", ptype)
+        if ptype in _UNSUPPORTED_PARTS:
+            raise _invalid(
+                f"{pparam}.type",
+                f"Invalid value for '{pparam}.type': '{ptype}' parts are not supported; "
+                f"the served model takes text only ({_UNSUPPORTED_PARTS[ptype]} input is "
+                "refused). Send the content as a string or as 'text' parts.",
+            )
+        if ptype not in allowed:
+            raise _invalid(
+                f"{pparam}.type",
+                f"Invalid value for '{pparam}.type': got {json.dumps(ptype)}, expected "
+                + " or ".join(f"'{a}'" for a in allowed)
+                + ".",
+            )
+        key = "refusal" if ptype == "refusal" else "text"
+        text = part.get(key)
+        if not isinstance(text, str):
+            if key not in part:
+                raise _invalid(f"{pparam}.{key}", f"Missing required parameter: '{pparam}.{key}'.")
+            raise _type_error(f"{pparam}.{key}", "a string", text)
+        texts.append(text)
+    # Parts are joined with a newline, as vLLM's OpenAI server does, so a system prompt
+    # split into blocks does not run its sentences together.
+    return "\n".join(texts)
+
+
+def _tool_arguments(value: object, param: str, msg_index: int) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise _type_error(param, "a string holding a JSON object", value)
+    if not value.strip():
+        return {}
+    try:
+        parsed = json.loads(value, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:
+        raise _invalid(
+            param,
+            f"Invalid value for '{param}': the tool call arguments of message {msg_index} are "
+            f"not valid JSON ({err}); 'arguments' must be a JSON object encoded as a string.",
+        ) from None
+    if not isinstance(parsed, dict):
+        raise _invalid(
+            param,
+            f"Invalid value for '{param}': the tool call arguments of message {msg_index} "
+            f"encode {_json_type(parsed)}, but they must encode a JSON object.",
+        )
+    return parsed
+
+
+def _parse_message(raw: object, i: int) -> Message:
+    param = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise _type_error(param, "an object", raw)
+    if "role" not in raw:
+        raise _invalid(f"{param}.role", f"Missing required parameter: '{param}.role'.")
+    role = raw["role"]
+    if not isinstance(role, str):
+        raise _type_error(f"{param}.role", "a string", role)
+    if role == "function":
+        raise _invalid(
+            f"{param}.role",
+            f"Invalid value for '{param}.role': the legacy 'function' role is not supported; "
+            "send tool results as role 'tool' messages with a 'tool_call_id'.",
+        )
+    model = _MESSAGE_MODELS.get(role)
+    if model is None:
+        raise _invalid(
+            f"{param}.role",
+            f"Invalid value for '{param}.role': got {json.dumps(role)}, expected one of "
+            "'system', 'developer', 'user', 'assistant', 'tool'.",
+        )
+    msg = _validate(model, raw, ("messages", i))
+    cparam = f"{param}.content"
+    if isinstance(msg, _SystemMsg):
+        return Message("system", _content_text(msg.content, cparam, role=role))
+    if isinstance(msg, _UserMsg):
+        return Message("user", _content_text(msg.content, cparam, role=role))
+    if isinstance(msg, _ToolMsg):
+        return Message(
+            "tool", _content_text(msg.content, cparam, role=role), tool_call_id=msg.tool_call_id
+        )
+    assert isinstance(msg, _AssistantMsg)
+    if msg.function_call is not None:
+        raise _invalid(
+            f"{param}.function_call",
+            f"Invalid value for '{param}.function_call': the legacy 'function_call' field is "
+            "not supported; send 'tool_calls' instead.",
+        )
+    calls = tuple(
+        ToolCall(
+            id=tc.id,
+            name=tc.function.name,
+            arguments=_tool_arguments(
+                tc.function.arguments, f"{param}.tool_calls[{j}].function.arguments", i
+            ),
+        )
+        for j, tc in enumerate(msg.tool_calls or ())
+    )
+    content = _content_text(msg.content, cparam, role=role, allow_null=True)
+    return Message("assistant", content, tool_calls=calls)
+
+
+def _parse_stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if not isinstance(value, list):
+        raise _type_error("stop", "a string or an array of strings", value)
+    out: list[str] = []
+    for j, s in enumerate(value):
+        if not isinstance(s, str):
+            raise _type_error(f"stop[{j}]", "a string", s)
+        if s:  # an empty stop string stops nothing
+            out.append(s)
+    return tuple(out)
+
+
+def _check_tool_choice(value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise _invalid(
+                "tool_choice",
+                f"Invalid value for 'tool_choice': got {json.dumps(value)}, expected 'auto', "
+                "'none', 'required' or an object naming a function.",
+            )
+        return
+    if not isinstance(value, dict):
+        raise _type_error("tool_choice", "a string or an object", value)
+    if not isinstance(value.get("type"), str):
+        raise _invalid("tool_choice.type", "Missing required parameter: 'tool_choice.type'.")
+
+
+def _check_unsupported(body: _Body) -> None:
+    if body.n is not None and body.n > 1:
+        raise _invalid(
+            "n",
+            f"Invalid value for 'n': {body.n}; this server returns exactly one choice per "
+            "request, so 'n' must be 1 (or omitted). Send separate requests for more samples.",
+        )
+    if body.functions is not None or body.function_call is not None:
+        name = "functions" if body.functions is not None else "function_call"
+        raise _invalid(
+            name,
+            f"Invalid value for '{name}': the legacy functions API is not supported; "
+            "use 'tools' (type 'function') and 'tool_choice' instead.",
+        )
+    if body.audio is not None:
+        raise _invalid("audio", "Invalid value for 'audio': audio output is not supported.")
+    if body.modalities is not None:
+        if not isinstance(body.modalities, list):
+            raise _type_error("modalities", "an array of strings", body.modalities)
+        if any(m != "text" for m in body.modalities):
+            raise _invalid(
+                "modalities",
+                f"Invalid value for 'modalities': {json.dumps(body.modalities)}; only "
+                "['text'] is supported.",
+            )
+    rf = body.response_format
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise _type_error("response_format", "an object", rf)
+        rtype = rf.get("type")
+        if rtype != "text":
+            raise _invalid(
+                "response_format.type",
+                f"Invalid value for 'response_format.type': got {json.dumps(rtype)}; only "
+                "'text' is supported (structured JSON output is not enforced by this server).",
+            )
+    if body.top_logprobs and not body.logprobs:
+        raise _invalid(
+            "top_logprobs",
+            "Invalid value for 'top_logprobs': it may only be set when 'logprobs' is true.",
+        )
+
+
+def parse_chat_request_with_ignored(
+    body: bytes, headers: Mapping[str, str]
+) -> tuple[ChatRequest, tuple[str, ...]]:
+    """Like :func:`parse_chat_request`, also returning the sorted names of the top-level
+    fields that were present (non-null) but are not acted on, e.g. ``tool_choice``,
+    ``seed``, ``user``, ``parallel_tool_calls``, penalties, ``metadata``."""
+    data = _load_body(body)
+    parsed: _Body = _validate(_Body, data)
+    _check_unsupported(parsed)
+    _check_tool_choice(parsed.tool_choice)
+    messages = tuple(_parse_message(m, i) for i, m in enumerate(parsed.messages))
+    tools = tuple(
+        ToolSpec(
+            name=t.function.name,
+            description=t.function.description or "",
+            parameters=t.function.parameters or {},
+        )
+        for t in parsed.tools or ()
+    )
+    if parsed.max_completion_tokens is not None:
+        max_tokens = parsed.max_completion_tokens
+    elif parsed.max_tokens is not None:
+        max_tokens = parsed.max_tokens
+    else:
+        max_tokens = DEFAULT_MAX_TOKENS
+    top_k = parsed.top_k if parsed.top_k is not None and parsed.top_k > 0 else -1
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if parsed.temperature is None else parsed.temperature,
+        top_p=1.0 if parsed.top_p is None else parsed.top_p,
+        top_k=top_k,
+        stop=_parse_stop(parsed.stop),
+    )
+    stream = bool(parsed.stream)
+    include_usage = bool(
+        stream and parsed.stream_options is not None and parsed.stream_options.include_usage
+    )
+    logprobs = bool(parsed.logprobs)
+    request = ChatRequest(
+        api="openai",
+        model=parsed.model,
+        messages=messages,
+        sampling=sampling,
+        tools=tools,
+        stream=stream,
+        logprobs=logprobs,
+        top_logprobs=(parsed.top_logprobs or 0) if logprobs else 0,
+        include_usage=include_usage,
+        headers=_forwarded_headers(headers),
+    )
+    ignored = tuple(
+        sorted(k for k, v in data.items() if k not in _HONOURED_FIELDS and v is not None)
+    )
+    return request, ignored
+
+
+def parse_chat_request(body: bytes, headers: Mapping[str, str]) -> ChatRequest:
+    """Validate a ``POST /v1/chat/completions`` body into a :class:`ChatRequest`.
+
+    Raises :class:`ApiError` (``invalid_request_error``, ``param`` = the offending field's
+    path such as ``messages[2].tool_calls[0].function.arguments``) on malformed input.
+    """
+    return parse_chat_request_with_ignored(body, headers)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------
+
+
+def _completion_id(c: Completion) -> str:
+    return c.id if c.id.startswith("chatcmpl-") else f"chatcmpl-{c.id}"
+
+
+def finish_reason(c: Completion) -> Literal["stop", "length", "tool_calls"]:
+    """OpenAI's ``finish_reason``: ``length`` when the token budget ran out, ``tool_calls``
+    when the model called tools, else ``stop`` (end of turn or a stop sequence)."""
+    if c.stop_reason == "max_tokens":
+        return "length"
+    if c.stop_reason == "tool_use" or c.tool_calls:
+        return "tool_calls"
+    return "stop"
+
+
+def _usage(c: Completion) -> dict[str, int]:
+    return {
+        "prompt_tokens": c.input_tokens,
+        "completion_tokens": c.output_tokens,
+        "total_tokens": c.input_tokens + c.output_tokens,
+    }
+
+
+def _token_logprob(t: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": t.token,
+        "logprob": t.logprob,
+        "bytes": list(t.token.encode("utf-8", "replace")),
+        "top_logprobs": [],
+    }
+
+
+def _tool_call_json(tc: ToolCall) -> dict[str, Any]:
+    return {
+        "id": tc.id,
+        "type": "function",
+        "function": {"name": tc.name, "arguments": _arguments_json(tc)},
+    }
+
+
+def _arguments_json(tc: ToolCall) -> str:
+    return json.dumps(tc.arguments, ensure_ascii=False)
+
+
+def completion_body(c: Completion, created: int, *, logprobs: bool = False) -> dict[str, Any]:
+    """A ``chat.completion`` object for ``c``. ``logprobs``: the request asked for them
+    (``choices[0].logprobs`` stays null otherwise, or when ``c`` carries none)."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": None if not c.text and c.tool_calls else c.text,
+        "refusal": None,
+    }
+    if c.tool_calls:
+        message["tool_calls"] = [_tool_call_json(tc) for tc in c.tool_calls]
+    lp = (
+        {"content": [_token_logprob(t) for t in c.logprobs], "refusal": None}
+        if logprobs and c.logprobs
+        else None
+    )
+    return {
+        "id": _completion_id(c),
+        "object": "chat.completion",
+        "created": created,
+        "model": c.model,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason(c)}
+        ],
+        "usage": _usage(c),
+        "system_fingerprint": None,
+    }
+
+
+def _sse(obj: Mapping[str, Any]) -> bytes:
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.encode("utf-8", "replace") + b"\n\n"
+
+
+def _slices(text: str, size: int) -> Iterator[str]:
+    for start in range(0, len(text), size):
+        yield text[start : start + size]
+
+
+def _aligned_pieces(
+    text: str, tokens: Sequence[TokenLogprob], chunk_chars: int
+) -> tuple[list[tuple[str, list[TokenLogprob]]], str, list[TokenLogprob]]:
+    """Split ``text`` into content deltas along token boundaries while the tokens spell
+    it out. Returns the (text, tokens) pieces, the text left over once the tokens stop
+    matching (streamed without logprobs) and the tokens left over (tool-call markup and
+    the like, sent with the final chunk)."""
+    pieces: list[tuple[str, list[TokenLogprob]]] = []
+    buf_text = ""
+    buf_toks: list[TokenLogprob] = []
+    pos = 0
+    k = 0
+    while k < len(tokens) and pos < len(text) and text.startswith(tokens[k].token, pos):
+        tok = tokens[k]
+        buf_text += tok.token
+        buf_toks.append(tok)
+        pos += len(tok.token)
+        k += 1
+        if len(buf_text) >= chunk_chars:
+            pieces.append((buf_text, buf_toks))
+            buf_text, buf_toks = "", []
+    if buf_toks:
+        pieces.append((buf_text, buf_toks))
+    return pieces, text[pos:], list(tokens[k:])
+
+
+def stream_chunks(
+    c: Completion,
+    created: int,
+    *,
+    logprobs: bool,
+    include_usage: bool,
+    chunk_chars: int = 64,
+) -> Iterator[bytes]:
+    """The SSE body of a streamed answer: ``data: {chat.completion.chunk}`` events (a role
+    delta, content deltas, tool-call deltas, a final chunk carrying ``finish_reason``, the
+    usage chunk with empty ``choices`` when ``include_usage``), then ``data: [DONE]``.
+
+    With ``logprobs`` every content delta carries the logprobs of the tokens that spell
+    it; logprobs of tokens that do not appear in the content (tool-call markup) ride on
+    the final chunk, so the concatenated logprobs are exactly ``c.logprobs``.
+    """
+    if chunk_chars < 1:
+        raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
+    cid = _completion_id(c)
+
+    def chunk(
+        delta: dict[str, Any],
+        *,
+        finish: str | None = None,
+        lp: Sequence[TokenLogprob] | None = None,
+    ) -> bytes:
+        obj: dict[str, Any] = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": c.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": (
+                        None
+                        if lp is None
+                        else {"content": [_token_logprob(t) for t in lp], "refusal": None}
+                    ),
+                    "finish_reason": finish,
+                }
+            ],
+        }
+        if include_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    yield chunk({"role": "assistant", "content": None if not c.text and c.tool_calls else ""})
+
+    tokens: Sequence[TokenLogprob] = c.logprobs if logprobs else ()
+    pieces, rest_text, rest_tokens = _aligned_pieces(c.text, tokens, chunk_chars)
+    for text, toks in pieces:
+        yield chunk({"content": text}, lp=toks)
+    for text in _slices(rest_text, chunk_chars):
+        yield chunk({"content": text})
+
+    for i, tc in enumerate(c.tool_calls):
+        head = {"index": i, "id": tc.id, "type": "function"}
+        yield chunk({"tool_calls": [{**head, "function": {"name": tc.name, "arguments": ""}}]})
+        for text in _slices(_arguments_json(tc), chunk_chars):
+            yield chunk({"tool_calls": [{"index": i, "function": {"arguments": text}}]})
+
+    yield chunk({}, finish=finish_reason(c), lp=rest_tokens or None)
+
+    if include_usage:
+        yield _sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": c.model,
+                "system_fingerprint": None,
+                "choices": [],
+                "usage": _usage(c),
+            }
+        )
+    yield b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------
+# Errors and models
+# ---------------------------------------------------------------------------------------
+
+# ApiError kind -> (OpenAI error type, default code). The SDK picks its exception class
+# from the HTTP status alone (400 BadRequestError, 401 AuthenticationError, 403
+# PermissionDeniedError, 404 NotFoundError, 429 RateLimitError, >=500
+# InternalServerError); type and code are informational.
+_OPENAI_ERRORS: dict[str, tuple[str, str | None]] = {
+    "invalid_request_error": ("invalid_request_error", None),
+    "authentication_error": ("authentication_error", "invalid_api_key"),
+    "permission_error": ("permission_error", None),
+    "not_found_error": ("not_found_error", None),
+    "request_too_large": ("invalid_request_error", "request_too_large"),
+    "rate_limit_error": ("rate_limit_exceeded", "rate_limit_exceeded"),
+    "api_error": ("server_error", None),
+    "overloaded_error": ("server_error", "overloaded"),
+}
+
+
+def error_status(e: ApiError) -> int:
+    """HTTP status for ``e``; Anthropic's 529 ``overloaded_error`` answers 503 here."""
+    if e.kind == "overloaded_error":
+        return 503
+    return e.status
+
+
+def error_headers(e: ApiError) -> dict[str, str]:
+    """``retry-after`` (whole seconds, rounded up) and ``retry-after-ms`` (which the
+    ``openai`` SDK prefers) when ``e`` says when to retry."""
+    if e.retry_after_s is None or not math.isfinite(e.retry_after_s):
+        return {}
+    seconds = max(0.0, e.retry_after_s)
+    return {"retry-after": str(math.ceil(seconds)), "retry-after-ms": str(round(seconds * 1000))}
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}`` in OpenAI's shape."""
+    etype, default_code = _OPENAI_ERRORS.get(e.kind, ("server_error", None))
+    return {
+        "error": {
+            "message": e.message,
+            "type": etype,
+            "param": e.param,
+            "code": e.code if e.code is not None else default_code,
+        }
+    }
+
+
+def context_length_exceeded(tokens: int, limit: int) -> ApiError:
+    """The error OpenAI answers when prompt + completion budget exceed the context."""
+    return ApiError(
+        "invalid_request_error",
+        f"This model's maximum context length is {limit} tokens. However, your messages "
+        f"resulted in {tokens} tokens. Please reduce the length of the messages.",
+        code="context_length_exceeded",
+        param="messages",
+    )
+
+
+def models_body(model_ids: list[str], created: int) -> dict[str, Any]:
+    """``GET /v1/models``."""
+    return {
+        "object": "list",
+        "data": [
+            {"id": mid, "object": "model", "created": created, "owned_by": "qwengyre"}
+            for mid in model_ids
+        ],
+    }

@@ -1,0 +1,57 @@
+"""Build and run a proxy from a model directory (``qwengyre proxy serve``)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from qwengyre.engines.scripted import ScriptedEngine
+from qwengyre.proxy.render import ChatRenderer
+from qwengyre.proxy.routing import Router
+from qwengyre.proxy.server import ProxyServer
+from qwengyre.proxy.store import Store
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: Path
+    script: Path
+    store: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_token: str | None = None
+    max_context: int | None = None  # default: the model's max_position_embeddings
+
+
+def build_proxy(options: ServeOptions) -> ProxyServer:
+    """A proxy over the scripted engine, with the model's tokenizer and chat template."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (options.model / "config.json").exists():
+        raise ValueError(f"{options.model} is not a HuggingFace model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    max_context = (
+        options.max_context or AutoConfig.from_pretrained(options.model).max_position_embeddings
+    )
+    router = Router()
+    router.register(ScriptedEngine.from_file(tokenizer, options.script), preference=0)
+    server = ProxyServer(
+        ChatRenderer(tokenizer),
+        router,
+        Store(options.store / "proxy.sqlite"),
+        model=options.model.name,
+        max_context=max_context,
+        admin_token=options.admin_token or secrets.token_urlsafe(24),
+    )
+    server.base_url = f"http://{options.host}:{options.port}"
+    return server
+
+
+def serve(options: ServeOptions) -> None:
+    server = build_proxy(options)
+    if options.admin_token is None:
+        print(f"admin token: {server.admin_token}", flush=True)
+    web.run_app(server.app(), host=options.host, port=options.port, print=None)

@@ -1,0 +1,1 @@
+"""Trajectory trees, provenance, request classes (pure: no I/O)."""

@@ -1,0 +1,117 @@
+"""The trajectory tree of one execution (DESIGN.md §1; PAPER: TITO, the trajectory tree).
+
+Nodes are model calls. A node's *context* is everything the engine saw and produced on
+the path from the root: for each node on it, its incremental ``input_ids`` followed by
+its ``output_ids``. A new call that extends a node's recorded context (and response)
+becomes its child; a divergence (an edit, a compaction, a sub-agent) makes a branch; a
+call that extends nothing hangs from the root. Input tokens are *injected* (written by
+the harness or the chat template), output tokens are *sampled* by our engine: only
+sampled tokens can ever be training targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeMeta:
+    """What is known about a call besides its tokens."""
+
+    request_class: str  # e.g. "main.task", "sub.summary"
+    agent_id: str
+    engine: str
+    policy_version: int  # the version that produced the output tokens
+    started_s: float
+    finished_s: float
+    finish_reason: str
+    usage: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One recorded model call."""
+
+    id: int
+    parent: int | None  # None: hangs from the root
+    input_ids: tuple[int, ...]  # injected tokens after the parent's context
+    output_ids: tuple[int, ...]  # sampled by the engine
+    logprobs: tuple[float, ...]  # behaviour log-prob of each output token
+    meta: NodeMeta
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.output_ids):
+            raise ValueError(
+                f"node {self.id}: {len(self.logprobs)} log-probs for"
+                f" {len(self.output_ids)} output tokens"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "parent": self.parent,
+            "input_ids": list(self.input_ids),
+            "output_ids": list(self.output_ids),
+            "logprobs": list(self.logprobs),
+            "provenance": [0] * len(self.input_ids) + [1] * len(self.output_ids),
+            "class": self.meta.request_class,
+            "agent_id": self.meta.agent_id,
+            "engine": self.meta.engine,
+            "policy_version": self.meta.policy_version,
+            "started_s": self.meta.started_s,
+            "finished_s": self.meta.finished_s,
+            "finish_reason": self.meta.finish_reason,
+            "usage": dict(self.meta.usage),
+        }
+
+
+class TrajectoryTree:
+    """All calls of one execution; append-only."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self._children: dict[int | None, list[int]] = {None: []}
+
+    def add(
+        self,
+        parent: int | None,
+        input_ids: tuple[int, ...],
+        output_ids: tuple[int, ...],
+        logprobs: tuple[float, ...],
+        meta: NodeMeta,
+    ) -> Node:
+        if parent is not None and not 0 <= parent < len(self.nodes):
+            raise ValueError(f"parent {parent} is not a node of this tree")
+        node = Node(len(self.nodes), parent, input_ids, output_ids, logprobs, meta)
+        self.nodes.append(node)
+        self._children.setdefault(parent, []).append(node.id)
+        self._children[node.id] = []
+        return node
+
+    def path(self, node_id: int) -> list[Node]:
+        """The nodes from the root down to ``node_id``."""
+        path = []
+        current: int | None = node_id
+        while current is not None:
+            node = self.nodes[current]
+            path.append(node)
+            current = node.parent
+        return path[::-1]
+
+    def context_ids(self, node_id: int) -> list[int]:
+        """Every token on the path, the node's own output included."""
+        ids: list[int] = []
+        for node in self.path(node_id):
+            ids += node.input_ids
+            ids += node.output_ids
+        return ids
+
+    def children(self, node_id: int | None) -> list[int]:
+        return list(self._children.get(node_id, []))
+
+    def leaves(self) -> list[Node]:
+        return [n for n in self.nodes if not self._children[n.id]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nodes": [n.to_json() for n in self.nodes]}

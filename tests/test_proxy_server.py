@@ -1,0 +1,381 @@
+"""The proxy end to end: a live server on 127.0.0.1, the official SDKs as clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anthropic
+import httpx2
+import openai
+import pytest
+from aiohttp import web
+from transformers import AutoTokenizer
+
+from qwengyre.engines.scripted import ScriptedEngine
+from qwengyre.proxy.render import ChatRenderer
+from qwengyre.proxy.routing import Router
+from qwengyre.proxy.server import ProxyServer
+from qwengyre.proxy.store import Store
+
+ADMIN = "admin-token-for-tests-0123456789"
+TOOL_REPLY = (
+    'Let me look.\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls -la"}}\n</tool_call>'
+)
+SCRIPT = {
+    "main.task": [TOOL_REPLY, "All done: two files."],
+    "sub.task": ["Sub-agent report: nothing to fix."],
+    "main.summary": ["Summary: listed files."],
+    "main.side": ["A title"],
+}
+TOOLS_ANTHROPIC = [
+    {
+        "name": "bash",
+        "description": "Run a shell command",
+        "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+    }
+]
+TOOLS_OPENAI = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+        },
+    }
+]
+
+
+@dataclass
+class Running:
+    url: str
+    server: ProxyServer
+    tokenizer: object
+    loop: asyncio.AbstractEventLoop
+
+    def admin(self, method: str, path: str) -> httpx2.Response:
+        headers = {"authorization": f"Bearer {ADMIN}"}
+        return httpx2.request(method, self.url + path, headers=headers, timeout=30)
+
+    def new_execution(self) -> dict[str, str]:
+        response = self.admin("POST", "/admin/executions")
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def tree(self, execution_id: str) -> list[dict]:
+        response = self.admin("GET", f"/admin/executions/{execution_id}/tree")
+        assert response.status_code == 200, response.text
+        return response.json()["nodes"]
+
+    def run(self, coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+
+def start(
+    store_dir: Path, model_dir: Path, engines: list[ScriptedEngine] | None = None, **kw
+) -> Iterator[Running]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    router = Router()
+    for i, engine in enumerate(engines or [ScriptedEngine(tokenizer, SCRIPT)]):
+        router.register(engine, preference=i)
+    server = ProxyServer(
+        ChatRenderer(tokenizer),
+        router,
+        Store(store_dir / "proxy.sqlite"),
+        model="tiny",
+        max_context=kw.pop("max_context", 4096),
+        admin_token=ADMIN,
+        **kw,
+    )
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, object] = {}
+
+    async def boot() -> None:
+        runner = web.AppRunner(server.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        holder["runner"], holder["url"] = runner, f"http://127.0.0.1:{port}"
+        server.base_url = holder["url"]
+        ready.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(boot(), loop)
+    assert ready.wait(30)
+    try:
+        yield Running(str(holder["url"]), server, tokenizer, loop)
+    finally:
+        asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(30)  # type: ignore[attr-defined]
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        server.store.close()
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
+    yield from start(tmp_path, tiny_model_dir)
+
+
+def claude(proxy: Running, ex: dict[str, str], **kw) -> anthropic.Anthropic:
+    return anthropic.Anthropic(api_key=ex["key"], base_url=proxy.url, max_retries=0, **kw)
+
+
+def gpt(proxy: Running, ex: dict[str, str]) -> openai.OpenAI:
+    return openai.OpenAI(api_key=ex["key"], base_url=proxy.url + "/v1", max_retries=0)
+
+
+def test_anthropic_tool_loop_records_a_chain_with_only_new_tokens(proxy: Running):
+    ex = proxy.new_execution()
+    client = claude(proxy, ex)
+    messages: list[dict] = [{"role": "user", "content": "List the files."}]
+    first = client.messages.create(
+        model="tiny",
+        max_tokens=200,
+        system="You are a coder.",
+        tools=TOOLS_ANTHROPIC,
+        messages=messages,
+    )
+    assert first.stop_reason == "tool_use"
+    text, tool_use = first.content
+    assert text.text == "Let me look." and tool_use.input == {"cmd": "ls -la"}
+    # Claude Code streams; the reply goes back with the tool result (reformatted JSON).
+    messages += [
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": tool_use.id,
+                    "content": [{"type": "text", "text": "a.txt\nb.txt"}],
+                }
+            ],
+        },
+    ]
+    with client.messages.stream(
+        model="tiny",
+        max_tokens=200,
+        system="You are a coder.",
+        tools=TOOLS_ANTHROPIC,
+        messages=messages,
+    ) as stream:
+        second = stream.get_final_message()
+    assert second.content[0].text == "All done: two files." and second.stop_reason == "end_turn"
+    nodes = proxy.tree(ex["id"])
+    assert [n["parent"] for n in nodes] == [None, 0]
+    assert [n["class"] for n in nodes] == ["main.task", "main.task"]
+    tok = proxy.tokenizer
+    # The engine's own output tokens are reused verbatim; only the new turn is encoded.
+    suffix = tok.decode(nodes[1]["input_ids"])
+    assert suffix.startswith("\n<|im_start|>user\n<tool_response>\na.txt\nb.txt")
+    assert "List the files." not in suffix
+    assert suffix.endswith("<|im_start|>assistant\n")
+    assert nodes[1]["provenance"] == [0] * len(nodes[1]["input_ids"]) + [1] * len(
+        nodes[1]["output_ids"]
+    )
+    assert second.usage.input_tokens == sum(
+        len(n["input_ids"]) + len(n["output_ids"]) for n in nodes[:1]
+    ) + len(nodes[1]["input_ids"])
+
+
+def test_openai_with_logprobs_streaming_and_a_tool_round(proxy: Running):
+    ex = proxy.new_execution()
+    client = gpt(proxy, ex)
+    messages: list[dict] = [
+        {"role": "system", "content": "You are a coder."},
+        {"role": "user", "content": "List the files."},
+    ]
+    first = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS_OPENAI, logprobs=True, max_tokens=200
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert json.loads(call.function.arguments) == {"cmd": "ls -la"}
+    nodes = proxy.tree(ex["id"])
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(nodes[0]["logprobs"])
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "a.txt\nb.txt"},
+    ]
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        tools=TOOLS_OPENAI,
+        stream=True,
+        max_tokens=200,
+        stream_options={"include_usage": True},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "All done: two files."
+    assert [n["parent"] for n in proxy.tree(ex["id"])] == [None, 0]
+
+
+def test_credentials_isolate_executions_and_revocation_records_nothing(proxy: Running):
+    a, b = proxy.new_execution(), proxy.new_execution()
+    with pytest.raises(anthropic.AuthenticationError):
+        claude(proxy, {"key": "qg-unknown"}).messages.create(
+            model="tiny", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
+        )
+    # A's key on B's base-URL prefix is refused.
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(
+            api_key=a["key"], base_url=b["base_url"], max_retries=0
+        ).messages.create(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "hi"}])
+    # The prefix with its own key works.
+    ok = anthropic.Anthropic(api_key=b["key"], base_url=b["base_url"], max_retries=0)
+    ok.messages.create(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "hi"}])
+    assert proxy.admin("DELETE", f"/admin/executions/{b['id']}").status_code == 200
+    with pytest.raises(anthropic.AuthenticationError):
+        ok.messages.create(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    assert len(proxy.tree(b["id"])) == 1 and proxy.tree(a["id"]) == []
+    assert httpx2.post(proxy.url + "/admin/executions").status_code == 401
+    assert proxy.admin("GET", "/admin/executions/..%2F..%2Fetc/tree").status_code == 404
+
+
+def test_subagents_and_compaction_are_classified_and_branch(proxy: Running):
+    ex = proxy.new_execution()
+    client = claude(proxy, ex)
+    client.messages.create(
+        model="tiny",
+        max_tokens=50,
+        system="Main.",
+        tools=TOOLS_ANTHROPIC,
+        messages=[{"role": "user", "content": "Fix the bug."}],
+    )
+    client.messages.create(
+        model="tiny",
+        max_tokens=50,
+        system="You are a sub-agent.",
+        tools=TOOLS_ANTHROPIC,
+        messages=[{"role": "user", "content": "Investigate."}],
+        extra_headers={"x-claude-code-agent-id": "agent-7"},
+    )
+    client.messages.create(
+        model="tiny",
+        max_tokens=50,
+        system="Main.",
+        tools=TOOLS_ANTHROPIC,
+        messages=[{"role": "user", "content": "CRITICAL: Respond with TEXT ONLY. Summarise."}],
+    )
+    client.messages.create(
+        model="tiny", max_tokens=50, messages=[{"role": "user", "content": "Title?"}]
+    )
+    nodes = proxy.tree(ex["id"])
+    assert [(n["class"], n["agent_id"], n["parent"]) for n in nodes] == [
+        ("main.task", "main", None),
+        ("sub.task", "agent-7", None),
+        ("main.summary", "main", None),
+        ("main.side", "main", None),
+    ]
+
+
+def test_context_limits_answer_in_each_apis_shape(tmp_path: Path, tiny_model_dir: Path):
+    for running in start(tmp_path, tiny_model_dir, max_context=64):
+        ex = running.new_execution()
+        long = "word " * 200
+        with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: \d+ tokens > 64"):
+            claude(running, ex).messages.create(
+                model="tiny", max_tokens=10, messages=[{"role": "user", "content": long}]
+            )
+        with pytest.raises(openai.BadRequestError) as err:
+            gpt(running, ex).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": long}]
+            )
+        assert err.value.code == "context_length_exceeded"
+        assert running.tree(ex["id"]) == []
+
+
+def test_bad_input_gets_api_shaped_errors_and_the_server_keeps_serving(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    for running in start(tmp_path, tiny_model_dir, max_body_bytes=4096):
+        ex = running.new_execution()
+        headers = {"x-api-key": ex["key"], "content-type": "application/json"}
+        bad = httpx2.post(running.url + "/v1/messages", content=b"{not json", headers=headers)
+        assert bad.status_code == 400 and bad.json()["type"] == "error"
+        assert bad.json()["error"]["type"] == "invalid_request_error"
+        huge = httpx2.post(
+            running.url + "/v1/messages", content=b"x" * 10000, headers=headers, timeout=30
+        )
+        assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
+        wrong = httpx2.post(
+            running.url + "/v1/chat/completions",
+            json={"model": "t", "messages": "hello"},
+            headers={"authorization": f"Bearer {ex['key']}"},
+        )
+        assert wrong.status_code == 400 and "messages" in wrong.json()["error"]["message"]
+        assert running.tree(ex["id"]) == []
+        claude(running, ex).messages.create(
+            model="tiny", max_tokens=10, messages=[{"role": "user", "content": "still ok?"}]
+        )
+        assert len(running.tree(ex["id"])) == 1
+
+
+def test_a_restarted_proxy_serves_the_same_executions_and_trees(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    messages: list[dict] = [{"role": "user", "content": "List the files."}]
+    for running in start(tmp_path, tiny_model_dir):
+        ex = running.new_execution()
+        first = claude(running, ex).messages.create(
+            model="tiny", max_tokens=200, tools=TOOLS_ANTHROPIC, messages=messages
+        )
+        before = running.tree(ex["id"])
+    tool_use = first.content[1]
+    messages += [
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": tool_use.id, "content": "a.txt"}],
+        },
+    ]
+    for running in start(tmp_path, tiny_model_dir):
+        assert running.tree(ex["id"]) == before
+        claude(running, ex).messages.create(
+            model="tiny", max_tokens=200, tools=TOOLS_ANTHROPIC, messages=messages
+        )
+        assert [n["parent"] for n in running.tree(ex["id"])] == [None, 0]
+
+
+def test_draining_an_engine_mid_call_reroutes_without_error_or_duplicate(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    slow = ScriptedEngine(tokenizer, SCRIPT, name="cell-1", delay_s=5.0)
+    other = ScriptedEngine(tokenizer, SCRIPT, name="standalone", delay_s=0.0)
+    # "cell-1" is preferred, so every execution starts there.
+    for running in start(tmp_path, tiny_model_dir, engines=[other, slow]):
+        executions = [running.new_execution() for _ in range(4)]
+        results: dict[str, str] = {}
+
+        def call(ex: dict[str, str]) -> None:
+            reply = claude(running, ex).messages.create(
+                model="tiny", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            )
+            results[ex["id"]] = reply.content[0].text
+
+        threads = [threading.Thread(target=call, args=(ex,)) for ex in executions]
+        for t in threads:
+            t.start()
+        for _ in range(200):
+            if slow.load == 4:
+                break
+            threading.Event().wait(0.01)
+        assert slow.load == 4
+        moved = running.run(running.server.router.drain("cell-1"))
+        assert sorted(moved) == sorted(e["id"] for e in executions)
+        for t in threads:
+            t.join(20)
+        assert len(results) == 4 and set(results.values()) == {"A title"}
+        for ex in executions:
+            nodes = running.tree(ex["id"])
+            assert len(nodes) == 1 and nodes[0]["engine"] == "standalone"
