@@ -357,7 +357,7 @@ def test_draining_an_engine_mid_call_reroutes_without_error_or_duplicate(
         executions = [running.new_execution() for _ in range(4)]
         results: dict[str, str] = {}
 
-        def call(ex: dict[str, str]) -> None:
+        def call(ex: dict[str, str], running: Running = running, results: dict = results) -> None:
             reply = claude(running, ex).messages.create(
                 model="tiny", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
             )

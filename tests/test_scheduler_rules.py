@@ -137,9 +137,7 @@ def test_a_missing_reward_is_never_a_zero_it_is_topped_up():
 
 
 def test_with_min_valid_a_finished_group_trains_on_its_valid_rewards_only():
-    s = Scheduler(
-        SchedulerParams(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3)
-    )
+    s = Scheduler(SchedulerParams(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3))
     s.handle(Start(0.0))
     finish(s, 1.0, 0, 1.0)
     out = finish(s, 2.0, 1, None)  # 1 valid + 1 pending can still reach min_valid: wait
@@ -150,9 +148,7 @@ def test_with_min_valid_a_finished_group_trains_on_its_valid_rewards_only():
 
 
 def test_below_min_valid_the_group_is_topped_up():
-    s = Scheduler(
-        SchedulerParams(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3)
-    )
+    s = Scheduler(SchedulerParams(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3))
     s.handle(Start(0.0))
     finish(s, 1.0, 0, None)
     out = finish(s, 2.0, 1, None)  # 0 valid + 1 pending < 2: one top-up

@@ -81,7 +81,7 @@ _HONOURED_FIELDS = frozenset(
 # Substrings of header names that carry credentials; such headers never reach ChatRequest.
 _CREDENTIAL_HEADER_PARTS = (
     "authorization",
-    "zzz",
+    "api-key",
     "apikey",
     "auth",
     "token",

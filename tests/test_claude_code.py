@@ -1,0 +1,106 @@
+"""The real Claude Code CLI through the proxy, offline, with a scripted engine.
+
+Installs the pinned ``@anthropic-ai/claude-code`` with npm into a cache folder (about
+4 s, 235 MB) and skips, saying why, when node/npm are missing or the install fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.test_proxy_server import Running, start
+
+from qwengyre.engines.scripted import ScriptedEngine
+
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+BASH_CALL = {"name": "Bash", "arguments": {"command": "echo hello > out.txt", "description": "w"}}
+SCRIPT = {
+    "main.task": [f"<tool_call>\n{json.dumps(BASH_CALL)}\n</tool_call>", "Done: wrote out.txt."],
+    "main.summary": ["Summary: wrote hello into out.txt."],
+    "default": ["ok"],
+}
+
+
+@pytest.fixture(scope="session")
+def claude_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are needed to run the real Claude Code CLI")
+    prefix = Path(os.environ.get("QWENGYRE_NPM_CACHE", tmp_path_factory.getbasetemp().parent))
+    prefix = prefix / "claude-code"
+    binary = prefix / "node_modules" / ".bin" / "claude"
+    if not binary.exists():
+        done = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), CLAUDE_CODE],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0 or not binary.exists():
+            pytest.skip(f"npm could not install {CLAUDE_CODE}: {done.stderr.strip()[-300:]}")
+    return binary
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
+    from transformers import AutoTokenizer
+
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), SCRIPT)
+    # Claude Code's own prompt is far longer than the tiny model's window; the scripted
+    # engine does not care, so the proxy gets a window like a real model's.
+    yield from start(tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000)
+
+
+def run_claude(binary: Path, proxy: Running, ex: dict, home: Path, workspace: Path, *args: str):
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        "CLAUDE_CODE_TMPDIR": str(home),
+        "ANTHROPIC_BASE_URL": ex["base_url"],  # the path prefix is kept by the SDK
+        "ANTHROPIC_API_KEY": ex["key"],
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "IS_SANDBOX": "1",
+    }
+    common = ["--dangerously-skip-permissions", "--output-format", "stream-json", "--verbose"]
+    tools = ["--tools", "Bash,Read,Edit,Write"]
+    return subprocess.run(
+        [str(binary), "-p", *args, *common, *tools],
+        cwd=workspace,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_claude_code_runs_a_tool_loop_and_a_compaction_through_the_proxy(
+    claude_bin: Path, proxy: Running, tmp_path: Path
+):
+    ex = proxy.new_execution()
+    home, workspace = tmp_path / "home", tmp_path / "ws"
+    home.mkdir()
+    workspace.mkdir()
+    done = run_claude(claude_bin, proxy, ex, home, workspace, "Write hello to out.txt")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (workspace / "out.txt").read_text() == "hello\n"  # the Bash tool really ran
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["result"] == "Done: wrote out.txt."
+    nodes = proxy.tree(ex["id"])
+    assert [(n["parent"], n["class"]) for n in nodes] == [(None, "main.task"), (0, "main.task")]
+    assert len(nodes[1]["input_ids"]) < 100  # only the tool result and the new turn
+    compact = run_claude(claude_bin, proxy, ex, home, workspace, "/compact", "--continue")
+    assert compact.returncode == 0, compact.stderr[-2000:]
+    nodes = proxy.tree(ex["id"])
+    summary = [n for n in nodes if n["class"] == "main.summary"]
+    assert len(summary) == 1
+    # The summary call has its own system prompt: a new branch, not an extension.
+    assert summary[0]["parent"] is None
+    assert proxy.tokenizer.decode(summary[0]["output_ids"]).startswith("Summary:")
