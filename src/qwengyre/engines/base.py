@@ -6,7 +6,7 @@ behaviour log-probs and the policy version of the weights that produced them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -24,7 +24,7 @@ class GenerateRequest:
     """``tags`` carry routing facts (execution id, request class) an engine may use."""
 
     request_id: str
-    input_ids: tuple[int, ...]
+    input_ids: Sequence[int]
     sampling: SamplingParams
     tags: Mapping[str, str] = field(default_factory=dict)
 

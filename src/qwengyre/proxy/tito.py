@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import secrets
 import string
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -67,7 +68,7 @@ class PreparedCall:
     parent: int | None
     messages: tuple[Message, ...]  # normalised
     input_ids: tuple[int, ...]  # new tokens after the parent's context
-    prompt_ids: tuple[int, ...]  # the full prompt
+    prompt_ids: array[int]  # the full prompt (an int32 array: cheap to extend and copy)
     request_class: RequestClass
     tools: tuple[ToolSpec, ...]
 
@@ -89,7 +90,7 @@ class ExecutionRecorder:
         self.tree = TrajectoryTree()
         self.turns: list[Turn] = []
         self.tool_calls: dict[str, ToolCall] = {}
-        self._contexts: OrderedDict[int, list[int]] = OrderedDict()
+        self._contexts: OrderedDict[int, array[int]] = OrderedDict()
 
     # ------------------------------------------------------------ before the engine
 
@@ -100,7 +101,7 @@ class ExecutionRecorder:
         parent, input_ids, prompt = self._match(messages, request.tools)
         if len(prompt) >= self.max_context:  # no room left for a single output token
             raise ContextTooLong(len(prompt), self.max_context)
-        return PreparedCall(parent, messages, tuple(input_ids), tuple(prompt), klass, request.tools)
+        return PreparedCall(parent, messages, input_ids, prompt, klass, request.tools)
 
     def _normalise(self, message: Message) -> Message:
         calls = tuple(
@@ -120,7 +121,7 @@ class ExecutionRecorder:
 
     def _match(
         self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...]
-    ) -> tuple[int | None, list[int], list[int]]:
+    ) -> tuple[int | None, tuple[int, ...], array[int]]:
         """The deepest turn this conversation extends; its context plus the new suffix."""
         for turn in sorted(self.turns, key=lambda t: len(t.conversation), reverse=True):
             n = len(turn.conversation)
@@ -132,19 +133,23 @@ class ExecutionRecorder:
             )
             if suffix is None:
                 continue
-            return turn.node_id, suffix, self._context(turn.node_id) + suffix
+            return turn.node_id, tuple(suffix), self._context(turn.node_id) + array("i", suffix)
         prompt = self.renderer.prompt_ids(messages, tools)
-        return None, prompt, prompt
+        return None, tuple(prompt), array("i", prompt)
 
-    def _context(self, node_id: int) -> list[int]:
+    def _context(self, node_id: int) -> array[int]:
+        """A node's full context; the newest few are cached (each call extends one)."""
         context = self._contexts.get(node_id)
         if context is None:
-            context = self.tree.context_ids(node_id)
-            self._contexts[node_id] = context
-            while len(self._contexts) > self._CONTEXT_CACHE:
-                self._contexts.popitem(last=False)
+            context = array("i", self.tree.context_ids(node_id))
+        self._remember(node_id, context)
+        return context
+
+    def _remember(self, node_id: int, context: array[int]) -> None:
+        self._contexts[node_id] = context
         self._contexts.move_to_end(node_id)
-        return list(context)
+        while len(self._contexts) > self._CONTEXT_CACHE:
+            self._contexts.popitem(last=False)
 
     # ------------------------------------------------------------ after the engine
 
@@ -183,6 +188,7 @@ class ExecutionRecorder:
             usage=usage,
         )
         node = self.tree.add(call.parent, call.input_ids, result.output_ids, result.logprobs, meta)
+        self._remember(node.id, call.prompt_ids + array("i", result.output_ids))
         reply = Message("assistant", text, calls)
         parent_len = 0 if call.parent is None else len(self.turns[call.parent].conversation)
         self.add_turn(
