@@ -108,3 +108,79 @@ def test_simulate_compare_writes_json_and_plots(tmp_path: Path):
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert "speedup.png" in pngs and "timeline_elastic.png" in pngs
     assert "elastic" in out.stdout and "colocate" in out.stdout
+
+
+def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path):
+    import socket
+    import time
+
+    import anthropic
+    import httpx2
+
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"default": ["Hello from the script."]}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    admin = "cli-admin-token-0123456789"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "qwengyre",
+            "proxy",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--engine",
+            "scripted",
+            "--script",
+            str(script),
+            "--store",
+            str(tmp_path / "store"),
+            "--port",
+            str(port),
+            "--admin-token",
+            admin,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx2.head(url + "/").status_code == 200:
+                    break
+            except httpx2.TransportError:
+                time.sleep(0.1)
+        created = httpx2.post(
+            url + "/admin/executions", headers={"authorization": f"Bearer {admin}"}
+        ).json()
+        assert created["base_url"] == f"{url}/x/{created['id']}"
+        client = anthropic.Anthropic(
+            api_key=created["key"], base_url=created["base_url"], max_retries=0
+        )
+        reply = client.messages.create(
+            model="tiny", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.content[0].text == "Hello from the script."
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_proxy_serve_refuses_a_missing_model_dir(tmp_path: Path):
+    out = run(
+        "proxy",
+        "serve",
+        "--model",
+        str(tmp_path / "nope"),
+        "--script",
+        str(tmp_path / "s"),
+        "--store",
+        str(tmp_path / "st"),
+    )
+    assert out.returncode != 0 and "not a HuggingFace model directory" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -379,3 +379,50 @@ def test_draining_an_engine_mid_call_reroutes_without_error_or_duplicate(
         for ex in executions:
             nodes = running.tree(ex["id"])
             assert len(nodes) == 1 and nodes[0]["engine"] == "standalone"
+
+
+class DyingEngine(ScriptedEngine):
+    """Fails like a crashed server once its calls are in flight."""
+
+    async def generate(self, request):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.2)
+        raise ConnectionResetError("engine process died")
+
+
+def test_a_dying_engine_is_drained_and_its_calls_retried_elsewhere(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    dying = DyingEngine(tokenizer, SCRIPT, name="cell-2")
+    healthy = ScriptedEngine(tokenizer, SCRIPT, name="cell-1")
+    for running in start(tmp_path, tiny_model_dir, engines=[healthy, dying]):
+        ex = running.new_execution()
+        reply = claude(running, ex).messages.create(
+            model="tiny", max_tokens=20, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.content[0].text == "A title"
+        nodes = running.tree(ex["id"])
+        assert len(nodes) == 1 and nodes[0]["engine"] == "cell-1"
+        assert running.server.router.route_of(ex["id"]) == "cell-1"
+
+
+def test_no_accepting_engine_answers_overloaded_with_retry_after(proxy: Running):
+    ex = proxy.new_execution()
+    proxy.run(proxy.server.router.drain("scripted"))
+    raw = httpx2.post(
+        proxy.url + "/v1/messages",
+        json={"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+        headers={"x-api-key": ex["key"]},
+    )
+    assert raw.status_code == 529 and raw.json()["error"]["type"] == "overloaded_error"
+    assert raw.headers["retry-after"] == "1"
+    with pytest.raises(openai.APIStatusError) as err:
+        gpt(proxy, ex).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}]
+        )
+    assert err.value.status_code == 503
+    proxy.server.router.resume("scripted")
+    claude(proxy, ex).messages.create(
+        model="tiny", max_tokens=5, messages=[{"role": "user", "content": "x"}]
+    )
+    assert len(proxy.tree(ex["id"])) == 1
