@@ -311,8 +311,18 @@ class Scheduler:
             raise SchedulerError(f"event time {event.time} is before {self._now}")
         if not self._started and not isinstance(event, Start):
             raise SchedulerError(f"{type(event).__name__} before Start")
+        before = self._now
         self._now = event.time
         self._out = []
+        try:
+            self._apply(event)
+        except SchedulerError:
+            self._now = before  # every handler validates before it changes anything
+            raise
+        self._settle()
+        return self._out
+
+    def _apply(self, event: Event) -> None:
         match event:
             case Start():
                 self._on_start()
@@ -334,8 +344,6 @@ class Scheduler:
             case Tick():
                 if self._wake_at is not None and self._now >= self._wake_at:
                     self._wake_at = None
-        self._settle()
-        return self._out
 
     # ------------------------------------------------------------ event handlers
 
@@ -408,8 +416,7 @@ class Scheduler:
         self._publishing = True
         for unit in self.units[1:]:  # satellites return; the core publishes
             for cell in unit:
-                if self.roles[cell] is not Role.ROLLOUT:
-                    self._move(cell, Role.ROLLOUT)
+                self._move(cell, Role.ROLLOUT)
         self._out.append(Publish(self.version))
 
     def _on_publication_done(self, version: int) -> None:
@@ -581,8 +588,18 @@ class Scheduler:
                 self._move(cell, Role.ROLLOUT)
 
     def _move(self, cell: int, role: Role) -> None:
-        """Order a move; a cell still moving to training finishes that move first."""
-        if role is Role.ROLLOUT and self.roles[cell] is Role.TO_TRAINING:
+        """Order a move; a cell still moving to training finishes that move first.
+
+        Idempotent: a cell already in (or moving to) ``role`` gets no second order.
+        """
+        current = self.roles[cell]
+        if current in (
+            (Role.ROLLOUT, Role.TO_ROLLOUT)
+            if role is Role.ROLLOUT
+            else (Role.TRAINING, Role.TO_TRAINING)
+        ):
+            return
+        if role is Role.ROLLOUT and current is Role.TO_TRAINING:
             self._return_after_move.add(cell)
             return
         self.roles[cell] = Role.TO_TRAINING if role is Role.TRAINING else Role.TO_ROLLOUT
