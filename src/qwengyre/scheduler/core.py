@@ -274,11 +274,6 @@ class Scheduler:
         return tuple(i for i, r in enumerate(self.roles) if r is Role.TRAINING)
 
     @property
-    def cells_out_of_rollout(self) -> int:
-        """k(t): cells training or in transition."""
-        return sum(1 for r in self.roles if r is not Role.ROLLOUT)
-
-    @property
     def ready_unassigned(self) -> int:
         return len(self._ready)
 

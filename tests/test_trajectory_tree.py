@@ -1,0 +1,61 @@
+"""The trajectory tree and the request-class rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwengyre.trajectories.classes import (
+    COMPACTION_PREFIX,
+    SUBAGENT_HEADER,
+    RequestClass,
+    RequestFacts,
+    classify,
+)
+from qwengyre.trajectories.tree import NodeMeta, TrajectoryTree
+
+META = NodeMeta("main.task", "main", "e", 0, 0.0, 1.0, "stop")
+
+
+def test_paths_contexts_and_leaves():
+    tree = TrajectoryTree()
+    a = tree.add(None, (1, 2), (3,), (-0.1,), META)
+    b = tree.add(a.id, (4,), (5, 6), (-0.2, -0.3), META)
+    c = tree.add(a.id, (7,), (8,), (-0.4,), META)  # a branch: an edited follow-up
+    d = tree.add(None, (9,), (10,), (-0.5,), META)  # a sub-agent or a compaction
+    assert [n.id for n in tree.path(b.id)] == [a.id, b.id]
+    assert tree.context_ids(b.id) == [1, 2, 3, 4, 5, 6]
+    assert tree.context_ids(c.id) == [1, 2, 3, 7, 8]
+    assert {n.id for n in tree.leaves()} == {b.id, c.id, d.id}
+    assert tree.children(a.id) == [b.id, c.id] and tree.children(None) == [a.id, d.id]
+    assert b.to_json()["provenance"] == [0, 1, 1]
+
+
+def test_inconsistent_nodes_are_refused():
+    tree = TrajectoryTree()
+    with pytest.raises(ValueError, match="parent 3 is not a node"):
+        tree.add(3, (1,), (2,), (-0.1,), META)
+    with pytest.raises(ValueError, match="1 log-probs for 2 output tokens"):
+        tree.add(None, (1,), (2, 3), (-0.1,), META)
+
+
+@pytest.mark.parametrize(
+    ("headers", "has_tools", "last_user", "expected"),
+    [
+        ({}, True, "fix the bug", RequestClass("main", "task", "main")),
+        ({SUBAGENT_HEADER: "a7"}, True, "look", RequestClass("sub", "task", "a7")),
+        ({}, True, COMPACTION_PREFIX + ". Summarise.", RequestClass("main", "summary", "main")),
+        ({SUBAGENT_HEADER: "a7"}, True, COMPACTION_PREFIX, RequestClass("sub", "summary", "a7")),
+        ({}, False, "a title please", RequestClass("main", "side", "main")),
+    ],
+)
+def test_default_rules_recognise_claude_code(headers, has_tools, last_user, expected):
+    assert classify(RequestFacts(headers, has_tools, last_user)) == expected
+
+
+def test_rules_are_pluggable():
+    def everything_is_a_summary(facts: RequestFacts) -> RequestClass:
+        return RequestClass("main", "summary")
+
+    facts = RequestFacts({}, True, "x")
+    assert classify(facts, [everything_is_a_summary]).name == "main.summary"
+    assert classify(facts, []).name == "main.task"
