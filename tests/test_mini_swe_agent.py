@@ -23,7 +23,8 @@ from qwengyre.engines.scripted import ScriptedEngine
 
 
 def bash(command: str) -> str:
-    return f"<tool_call>\n{json.dumps({'name': 'bash', 'arguments': {'command': command}})}\n</tool_call>"
+    call = json.dumps({"name": "bash", "arguments": {"command": command}})
+    return f"<tool_call>\n{call}\n</tool_call>"
 
 
 SCRIPT = {
