@@ -123,7 +123,10 @@ class ExecutionRecorder:
         self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...]
     ) -> tuple[int | None, tuple[int, ...], array[int]]:
         """The deepest turn this conversation extends; its context plus the new suffix."""
-        for turn in sorted(self.turns, key=lambda t: len(t.conversation), reverse=True):
+        # Deepest first; among equal conversations (a repeated call) the newest record.
+        for turn in sorted(
+            self.turns, key=lambda t: (len(t.conversation), t.node_id), reverse=True
+        ):
             n = len(turn.conversation)
             if n >= len(messages) or turn.tools != tools or messages[:n] != turn.conversation:
                 continue
