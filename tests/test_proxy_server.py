@@ -426,3 +426,20 @@ def test_no_accepting_engine_answers_overloaded_with_retry_after(proxy: Running)
         model="tiny", max_tokens=5, messages=[{"role": "user", "content": "x"}]
     )
     assert len(proxy.tree(ex["id"])) == 1
+
+
+def test_unknown_routes_and_internal_failures_answer_in_api_shape(proxy: Running):
+    ex = proxy.new_execution()
+    missing = httpx2.get(proxy.url + "/v1/nothing-here", headers={"x-api-key": ex["key"]})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "not_found_error"
+
+    async def explode(state, chat):  # type: ignore[no-untyped-def]
+        raise RuntimeError("disk on fire")
+
+    proxy.server._complete = explode  # type: ignore[method-assign]
+    with pytest.raises(openai.InternalServerError):
+        gpt(proxy, ex).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}]
+        )
+    assert proxy.tree(ex["id"]) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import secrets
 import time
@@ -36,6 +37,7 @@ from qwengyre.proxy.tito import ContextTooLong, ExecutionRecorder, new_id
 from qwengyre.proxy.types import ApiError, ChatRequest, Completion
 from qwengyre.types import SamplingParams
 
+log = logging.getLogger(__name__)
 Api = Literal["anthropic", "openai"]
 _EXECUTION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -98,7 +100,7 @@ class ProxyServer:
     # ------------------------------------------------------------ the app
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_api_errors])
         routes: list[tuple[str, str, Handler]] = [
             ("POST", "/v1/messages", self._anthropic_messages),
             ("POST", "/v1/messages/count_tokens", self._anthropic_count_tokens),
@@ -298,6 +300,27 @@ class ProxyServer:
         self._admin(http)
         state = self._execution(http)
         return web.json_response({"id": state.id, **state.recorder.tree.to_json()})
+
+
+def _api_of(path: str) -> Api:
+    return "openai" if "/chat/" in path else "anthropic"
+
+
+@web.middleware
+async def _api_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown routes and unexpected failures answer in the API's own error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        error = ApiError("not_found_error", f"no route {request.method} {request.path[:200]}")
+    except web.HTTPMethodNotAllowed:
+        error = ApiError("not_found_error", f"{request.method} is not allowed on this route")
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("proxy failure on %s %s", request.method, request.path)
+        error = ApiError("api_error", "internal proxy error; nothing was recorded for this call")
+    return _error_response(_api_of(request.path), error)
 
 
 def _error_response(api: Api, error: ApiError) -> web.Response:
