@@ -18,6 +18,8 @@ from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
 
+pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
+
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 BASH_CALL = {"name": "Bash", "arguments": {"command": "echo hello > out.txt", "description": "w"}}
 TASK_CALL = {

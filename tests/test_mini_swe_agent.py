@@ -21,6 +21,8 @@ from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
 
+pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
+
 
 def bash(command: str) -> str:
     call = json.dumps({"name": "bash", "arguments": {"command": command}})

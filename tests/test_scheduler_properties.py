@@ -44,6 +44,8 @@ from qwengyre.scheduler.events import (
 )
 from qwengyre.types import Outcome
 
+pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
+
 # ---------------------------------------------------------------- parameters
 
 
