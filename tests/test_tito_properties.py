@@ -95,12 +95,12 @@ def test_recorded_tokens_are_exactly_what_the_engine_saw(renderer: ChatRenderer,
             else ""
         )
         out = (*tok.encode(reply, add_special_tokens=False), tok.eos_token_id)
-        result = GenerateResult(out, tuple(-0.5 for _ in out), 3, "stop")
+        result = GenerateResult(out, tuple(-0.5 for _ in out), tuple(3 for _ in out), "stop")
         node, completion = recorder.record(
             call, result, api="anthropic", model="m", engine="e", started_s=0, finished_s=1
         )
         # The engine's tokens, exactly; the prompt is the recorded context plus new input.
-        assert node.output_ids == out
+        assert node.output_ids == out and node.versions == (3,) * len(out)
         context = [] if node.parent is None else recorder.tree.context_ids(node.parent)
         assert list(call.prompt_ids) == context + list(node.input_ids)
         assert node.to_json()["provenance"] == [0] * len(node.input_ids) + [1] * len(out)

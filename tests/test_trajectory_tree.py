@@ -18,10 +18,10 @@ META = NodeMeta("main.task", "main", "e", 0, 0.0, 1.0, "stop")
 
 def test_paths_contexts_and_leaves():
     tree = TrajectoryTree()
-    a = tree.add(None, (1, 2), (3,), (-0.1,), META)
-    b = tree.add(a.id, (4,), (5, 6), (-0.2, -0.3), META)
-    c = tree.add(a.id, (7,), (8,), (-0.4,), META)  # a branch: an edited follow-up
-    d = tree.add(None, (9,), (10,), (-0.5,), META)  # a sub-agent or a compaction
+    a = tree.add(None, (1, 2), (3,), (-0.1,), (0,), META)
+    b = tree.add(a.id, (4,), (5, 6), (-0.2, -0.3), (0, 1), META)
+    c = tree.add(a.id, (7,), (8,), (-0.4,), (1,), META)  # a branch: an edited follow-up
+    d = tree.add(None, (9,), (10,), (-0.5,), (1,), META)  # a sub-agent or a compaction
     assert [n.id for n in tree.path(b.id)] == [a.id, b.id]
     assert tree.context_ids(b.id) == [1, 2, 3, 4, 5, 6]
     assert tree.context_ids(c.id) == [1, 2, 3, 7, 8]
@@ -33,9 +33,11 @@ def test_paths_contexts_and_leaves():
 def test_inconsistent_nodes_are_refused():
     tree = TrajectoryTree()
     with pytest.raises(ValueError, match="parent 3 is not a node"):
-        tree.add(3, (1,), (2,), (-0.1,), META)
+        tree.add(3, (1,), (2,), (-0.1,), (0,), META)
     with pytest.raises(ValueError, match="1 log-probs for 2 output tokens"):
-        tree.add(None, (1,), (2, 3), (-0.1,), META)
+        tree.add(None, (1,), (2, 3), (-0.1,), (0, 0), META)
+    with pytest.raises(ValueError, match="1 versions for 2 output tokens"):
+        tree.add(None, (1,), (2, 3), (-0.1, -0.2), (0,), META)
 
 
 @pytest.mark.parametrize(

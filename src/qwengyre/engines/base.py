@@ -31,14 +31,32 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class GenerateResult:
+    """Sampled ids, their behaviour log-probs, and the policy version of the weights that
+    produced each one (a weight update mid-request changes it for the later tokens)."""
+
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    policy_version: int
+    versions: tuple[int, ...]
     finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if not len(self.output_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError("output_ids, logprobs and versions must have one entry per token")
+
+    @property
+    def policy_version(self) -> int:
+        """The newest version that produced a token of this output (-1 if none)."""
+        return max(self.versions, default=-1)
 
 
 class InferenceEngine(Protocol):
-    """What every backend implements."""
+    """What every backend implements.
+
+    Role switches use :meth:`release_memory` (drop the weights' and KV cache's memory;
+    in-flight requests must be aborted first) and :meth:`resume_memory`; publication
+    uses :meth:`update_weights`, applied between decode steps without dropping
+    in-flight requests.
+    """
 
     name: str
     capacity: int  # concurrent requests it serves well

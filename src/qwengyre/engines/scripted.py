@@ -87,7 +87,8 @@ class ScriptedEngine:
             else:
                 ids.append(self.tokenizer.eos_token_id)
             logprobs = tuple(-0.05 - 0.9 * abs(math.sin(t * 0.37 + i)) for i, t in enumerate(ids))
-            return GenerateResult(tuple(ids), logprobs, self.policy_version, finish)  # type: ignore[arg-type]
+            versions = (self.policy_version,) * len(ids)
+            return GenerateResult(tuple(ids), logprobs, versions, finish)  # type: ignore[arg-type]
         finally:
             self._inflight.pop(request.request_id, None)
 

@@ -86,7 +86,14 @@ class ProxyServer:
             state.revoked = stored.revoked
             for node, turn in stored.calls:
                 tree = state.recorder.tree
-                tree.add(node.parent, node.input_ids, node.output_ids, node.logprobs, node.meta)
+                tree.add(
+                    node.parent,
+                    node.input_ids,
+                    node.output_ids,
+                    node.logprobs,
+                    node.versions,
+                    node.meta,
+                )
                 state.recorder.add_turn(turn)
 
     def _new_state(self, execution_id: str, key_hash: str) -> ExecutionState:

@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS toolsets (hash TEXT PRIMARY KEY, tools TEXT NOT NULL)
 CREATE TABLE IF NOT EXISTS nodes (
     execution TEXT NOT NULL REFERENCES executions(id), node INTEGER NOT NULL,
     parent INTEGER, input_ids BLOB NOT NULL, output_ids BLOB NOT NULL,
-    logprobs BLOB NOT NULL, meta TEXT NOT NULL, new_messages TEXT NOT NULL,
+    logprobs BLOB NOT NULL, versions BLOB NOT NULL, meta TEXT NOT NULL,
+    new_messages TEXT NOT NULL,
     toolset TEXT NOT NULL REFERENCES toolsets(hash), PRIMARY KEY (execution, node));
 """
 
@@ -87,7 +88,7 @@ class Store:
                     "INSERT OR IGNORE INTO toolsets (hash, tools) VALUES (?, ?)", (toolset, tools)
                 )
                 self._db.execute(
-                    "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         execution_id,
                         node.id,
@@ -95,6 +96,7 @@ class Store:
                         array("i", node.input_ids).tobytes(),
                         array("i", node.output_ids).tobytes(),
                         array("d", node.logprobs).tobytes(),
+                        array("i", node.versions).tobytes(),
                         json.dumps(asdict(node.meta)),
                         messages,
                         toolset,
@@ -115,13 +117,14 @@ class Store:
             rows = self._db.execute("SELECT * FROM nodes ORDER BY execution, node").fetchall()
         by_execution: dict[str, list[tuple[Node, Turn]]] = {e[0]: [] for e in executions}
         conversations: dict[tuple[str, int], tuple[Message, ...]] = {}
-        for execution, node_id, parent, inp, out, lps, meta, new, toolset in rows:
+        for execution, node_id, parent, inp, out, lps, vers, meta, new, toolset in rows:
             node = Node(
                 node_id,
                 parent,
                 tuple(array("i", inp)),
                 tuple(array("i", out)),
                 tuple(array("d", lps)),
+                tuple(array("i", vers)),
                 NodeMeta(**json.loads(meta)),
             )
             new_messages = tuple(_message(m) for m in json.loads(new))

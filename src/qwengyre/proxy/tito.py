@@ -190,7 +190,9 @@ class ExecutionRecorder:
             finish_reason=result.finish_reason,
             usage=usage,
         )
-        node = self.tree.add(call.parent, call.input_ids, result.output_ids, result.logprobs, meta)
+        node = self.tree.add(
+            call.parent, call.input_ids, result.output_ids, result.logprobs, result.versions, meta
+        )
         self._remember(node.id, call.prompt_ids + array("i", result.output_ids))
         reply = Message("assistant", text, calls)
         parent_len = 0 if call.parent is None else len(self.turns[call.parent].conversation)

@@ -22,7 +22,7 @@ class NodeMeta:
     request_class: str  # e.g. "main.task", "sub.summary"
     agent_id: str
     engine: str
-    policy_version: int  # the version that produced the output tokens
+    policy_version: int  # the newest version that produced an output token
     started_s: float
     finished_s: float
     finish_reason: str
@@ -38,14 +38,15 @@ class Node:
     input_ids: tuple[int, ...]  # injected tokens after the parent's context
     output_ids: tuple[int, ...]  # sampled by the engine
     logprobs: tuple[float, ...]  # behaviour log-prob of each output token
+    versions: tuple[int, ...]  # policy version of the weights that produced each one
     meta: NodeMeta
 
     def __post_init__(self) -> None:
-        if len(self.logprobs) != len(self.output_ids):
-            raise ValueError(
-                f"node {self.id}: {len(self.logprobs)} log-probs for"
-                f" {len(self.output_ids)} output tokens"
-            )
+        for name, values in (("log-probs", self.logprobs), ("versions", self.versions)):
+            if len(values) != len(self.output_ids):
+                raise ValueError(
+                    f"node {self.id}: {len(values)} {name} for {len(self.output_ids)} output tokens"
+                )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +55,7 @@ class Node:
             "input_ids": list(self.input_ids),
             "output_ids": list(self.output_ids),
             "logprobs": list(self.logprobs),
+            "versions": list(self.versions),
             "provenance": [0] * len(self.input_ids) + [1] * len(self.output_ids),
             "class": self.meta.request_class,
             "agent_id": self.meta.agent_id,
@@ -79,11 +81,12 @@ class TrajectoryTree:
         input_ids: tuple[int, ...],
         output_ids: tuple[int, ...],
         logprobs: tuple[float, ...],
+        versions: tuple[int, ...],
         meta: NodeMeta,
     ) -> Node:
         if parent is not None and not 0 <= parent < len(self.nodes):
             raise ValueError(f"parent {parent} is not a node of this tree")
-        node = Node(len(self.nodes), parent, input_ids, output_ids, logprobs, meta)
+        node = Node(len(self.nodes), parent, input_ids, output_ids, logprobs, versions, meta)
         self.nodes.append(node)
         self._children.setdefault(parent, []).append(node.id)
         self._children[node.id] = []
