@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from qwengyre.types import SamplingParams
 
@@ -49,6 +49,23 @@ class GenerateResult:
         return max(self.versions, default=-1)
 
 
+@dataclass(frozen=True)
+class WeightsOnDisk:
+    """A HuggingFace checkpoint directory (safetensors) to load weights from."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class WeightsInMemory:
+    """Named tensors (``model.state_dict()`` names) handed over in-process."""
+
+    tensors: Mapping[str, Any]
+
+
+WeightSource = WeightsOnDisk | WeightsInMemory
+
+
 class InferenceEngine(Protocol):
     """What every backend implements.
 
@@ -71,5 +88,17 @@ class InferenceEngine(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    async def update_weights(self, source: WeightSource, version: int) -> None:
+        """Load new weights between decode steps; later tokens carry ``version``."""
+        ...
+
+    async def release_memory(self) -> None:
+        """Free the weights' and the KV cache's memory (the cell is going to train)."""
+        ...
+
+    async def resume_memory(self) -> None:
+        """Restore what :meth:`release_memory` freed (the cell is back in rollout)."""
+        ...
 
     async def health(self) -> bool: ...

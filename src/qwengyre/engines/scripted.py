@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from qwengyre.engines.base import EngineAborted, GenerateRequest, GenerateResult
+from qwengyre.engines.base import EngineAborted, GenerateRequest, GenerateResult, WeightSource
 
 
 class ScriptedEngine:
@@ -45,6 +45,7 @@ class ScriptedEngine:
         self.policy_version = policy_version
         self._turns: dict[tuple[str, str], int] = defaultdict(int)
         self._inflight: dict[str, asyncio.Event] = {}
+        self.released = False
 
     @classmethod
     def from_file(cls, tokenizer: Any, path: str | Path, **kwargs: Any) -> ScriptedEngine:
@@ -97,5 +98,15 @@ class ScriptedEngine:
         if event is not None:
             event.set()
 
+    async def update_weights(self, source: WeightSource, version: int) -> None:
+        """A script has no weights: only the version changes."""
+        self.policy_version = version
+
+    async def release_memory(self) -> None:
+        self.released = True
+
+    async def resume_memory(self) -> None:
+        self.released = False
+
     async def health(self) -> bool:
-        return True
+        return not self.released
