@@ -34,3 +34,4 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's end-of-sequence ids

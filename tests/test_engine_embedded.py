@@ -1,0 +1,156 @@
+"""The embedded engine: continuous batching, log-prob agreement, abort, weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsInMemory, WeightsOnDisk
+from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
+from qwengyre.types import SamplingParams
+
+
+@pytest.fixture
+def engine(tiny_model_dir: Path) -> Iterator[EmbeddedEngine]:
+    engine = EmbeddedEngine(tiny_model_dir, capacity=4, max_context=256)
+    yield engine
+    engine.close()
+
+
+def request(
+    i: int, prompt: int, max_tokens: int, temperature: float = 1.0, **kw
+) -> GenerateRequest:
+    ids = tuple((7 * i + 3 * j) % 900 + 20 for j in range(prompt))
+    return GenerateRequest(f"r{i}", ids, SamplingParams(max_tokens, temperature, **kw))
+
+
+def recomputed(
+    engine: EmbeddedEngine, req: GenerateRequest, output: tuple[int, ...]
+) -> torch.Tensor:
+    """What the trainer computes: one full forward over prompt + output, no cache."""
+    ids = torch.tensor([list(req.input_ids) + list(output)])
+    with torch.inference_mode():
+        logits = engine.model(input_ids=ids).logits[0]
+    n = len(req.input_ids)
+    return behaviour_logprobs(logits[n - 1 : -1], torch.tensor(output), req.sampling.temperature)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_behaviour_logprobs_match_the_trainers_recompute(engine: EmbeddedEngine, temperature):
+    # More requests than capacity, mixed lengths: rows join and leave between steps.
+    reqs = [request(i, 3 + 11 * i, 5 + 7 * i, temperature) for i in range(7)]
+
+    async def run():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+
+    results = asyncio.run(run())
+    for req, result in zip(reqs, results, strict=True):
+        assert len(result.output_ids) == req.sampling.max_tokens or result.finish_reason == "stop"
+        ref = recomputed(engine, req, result.output_ids)
+        assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
+
+
+def test_batched_greedy_decoding_equals_decoding_alone(engine: EmbeddedEngine):
+    reqs = [request(i, 4 + 9 * i, 12, 0.0) for i in range(4)]
+
+    async def together():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+
+    async def alone(r: GenerateRequest):  # type: ignore[no-untyped-def]
+        return await engine.generate(r)
+
+    batched = asyncio.run(together())
+    for req, result in zip(reqs, batched, strict=True):
+        assert asyncio.run(alone(req)).output_ids == result.output_ids
+
+
+def test_abort_frees_the_slot_and_the_others_continue(engine: EmbeddedEngine):
+    async def run():  # type: ignore[no-untyped-def]
+        long = asyncio.ensure_future(engine.generate(request(0, 8, 200)))
+        short = asyncio.ensure_future(engine.generate(request(1, 8, 20)))
+        await asyncio.sleep(0.05)
+        await engine.abort("r0")
+        with pytest.raises(EngineAborted):
+            await long
+        return await short
+
+    assert len(asyncio.run(run()).output_ids) == 20
+    assert engine.load == 0
+
+
+def test_weights_update_between_steps_and_tokens_carry_their_version(
+    engine: EmbeddedEngine, tmp_path: Path
+):
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in old.items()}
+    req = request(0, 6, 150)
+
+    async def run():  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(engine.generate(req))
+        await asyncio.sleep(0.05)
+        await engine.update_weights(WeightsInMemory(new), version=1)
+        return await task
+
+    result = asyncio.run(run())  # the request was not dropped
+    assert result.versions[0] == 0 and result.versions[-1] == 1
+    assert list(result.versions) == sorted(result.versions)  # no going back
+    switch = result.versions.index(1)
+    # A request after the update samples from the new weights.
+    fresh_req = request(1, 5, 8)
+    fresh = asyncio.run(engine.generate(fresh_req))
+    assert fresh.versions == (1,) * 8
+    ref = recomputed(engine, fresh_req, fresh.output_ids)
+    assert torch.allclose(torch.tensor(fresh.logprobs), ref, atol=1e-4)
+    # Tokens before the switch came from the old weights.
+    asyncio.run(engine.update_weights(WeightsInMemory(old), version=2))
+    ref = recomputed(engine, req, result.output_ids)
+    assert torch.allclose(torch.tensor(result.logprobs[:switch]), ref[:switch], atol=1e-4)
+    # From disk too: a checkpoint written with save_pretrained.
+    engine.model.save_pretrained(tmp_path / "ckpt")
+    asyncio.run(engine.update_weights(WeightsOnDisk(str(tmp_path / "ckpt")), version=3))
+    assert asyncio.run(engine.generate(request(1, 4, 3))).versions == (3, 3, 3)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        asyncio.run(engine.update_weights(WeightsOnDisk(str(tmp_path)), version=4))
+    assert engine.version == 3
+
+
+def test_release_and_resume(engine: EmbeddedEngine):
+    async def run():  # type: ignore[no-untyped-def]
+        await engine.release_memory()
+        assert not await engine.health()
+        with pytest.raises(EngineAborted, match="released"):
+            await engine.generate(request(0, 4, 3))
+        await engine.resume_memory()
+        assert await engine.health()
+        return await engine.generate(request(0, 4, 3))
+
+    assert len(asyncio.run(run()).output_ids) == 3
+
+
+def test_stop_token_ids_end_a_request(engine: EmbeddedEngine):
+    first = asyncio.run(engine.generate(request(0, 5, 10, 0.0)))
+    stop_at = first.output_ids[3]
+    req = request(0, 5, 10, 0.0, stop_token_ids=(stop_at,))
+    stopped = asyncio.run(engine.generate(req))
+    cut = first.output_ids.index(stop_at) + 1
+    assert stopped.output_ids == first.output_ids[:cut] and stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("req", "message"),
+    [
+        (GenerateRequest("x", (1, 99999), SamplingParams(5)), "out of vocabulary"),
+        (GenerateRequest("x", tuple(range(300)), SamplingParams(5)), "no room in the context"),
+        (GenerateRequest("x", (1, 2), SamplingParams(0)), "max_tokens must be > 0"),
+        (GenerateRequest("x", (1, 2), SamplingParams(5, top_p=0)), "sampling out of range"),
+        (GenerateRequest("x", (), SamplingParams(5)), "input_ids is empty"),
+    ],
+)
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine, req, message):
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(engine.generate(req))
+    assert len(asyncio.run(engine.generate(request(0, 4, 2))).output_ids) == 2
