@@ -184,3 +184,8 @@ def test_proxy_serve_refuses_a_missing_model_dir(tmp_path: Path):
     )
     assert out.returncode != 0 and "not a HuggingFace model directory" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_proxy_serve_scripted_needs_a_script(tmp_path: Path, tiny_model_dir: Path):
+    out = run("proxy", "serve", "--model", str(tiny_model_dir), "--store", str(tmp_path / "s"))
+    assert out.returncode != 0 and "--engine scripted needs --script FILE" in out.stderr

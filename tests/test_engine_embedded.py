@@ -113,7 +113,7 @@ def test_weights_update_between_steps_and_tokens_carry_their_version(
     engine.model.save_pretrained(tmp_path / "ckpt")
     asyncio.run(engine.update_weights(WeightsOnDisk(str(tmp_path / "ckpt")), version=3))
     assert asyncio.run(engine.generate(request(1, 4, 3))).versions == (3, 3, 3)
-    with pytest.raises(ValueError, match="no \\*.safetensors"):
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         asyncio.run(engine.update_weights(WeightsOnDisk(str(tmp_path)), version=4))
     assert engine.version == 3
 
@@ -154,3 +154,28 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine, req, mess
     with pytest.raises(ValueError, match=message):
         asyncio.run(engine.generate(req))
     assert len(asyncio.run(engine.generate(request(0, 4, 2))).output_ids) == 2
+
+
+def test_the_proxy_serves_the_embedded_engine_and_records_its_logprobs(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    import anthropic
+
+    from tests.test_proxy_server import start
+
+    engine = EmbeddedEngine(tiny_model_dir, capacity=4)
+    try:
+        for running in start(tmp_path, tiny_model_dir, engines=[engine]):
+            ex = running.new_execution()
+            client = anthropic.Anthropic(api_key=ex["key"], base_url=running.url, max_retries=0)
+            reply = client.messages.create(
+                model="tiny", max_tokens=16, messages=[{"role": "user", "content": "2+2="}]
+            )
+            (node,) = running.tree(ex["id"])
+            assert reply.usage.output_tokens == len(node["output_ids"]) <= 16
+            req = GenerateRequest("n", tuple(node["input_ids"]), SamplingParams(16, 1.0))
+            ref = recomputed(engine, req, tuple(node["output_ids"]))
+            assert torch.allclose(torch.tensor(node["logprobs"]), ref, atol=1e-4)
+            assert node["engine"] == "embedded" and node["versions"] == [0] * len(ref)
+    finally:
+        engine.close()

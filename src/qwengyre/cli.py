@@ -91,8 +91,10 @@ def cmd_proxy_serve(args: argparse.Namespace) -> int:
     serve(
         ServeOptions(
             model=Path(args.model),
-            script=Path(args.script),
             store=Path(args.store),
+            engine=args.engine,
+            script=Path(args.script) if args.script else None,
+            device=args.device,
             host=args.host,
             port=args.port,
             admin_token=args.admin_token,
@@ -145,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy_sub = proxy.add_subparsers(dest="proxy_command", required=True, metavar="ACTION")
     serve = proxy_sub.add_parser("serve", help="serve a model through the proxy")
     serve.add_argument("--model", required=True, help="HF model directory (tokenizer, template)")
-    serve.add_argument("--engine", choices=["scripted"], default="scripted")
-    serve.add_argument("--script", required=True, help="JSON script for the scripted engine")
+    serve.add_argument("--engine", choices=["scripted", "embedded"], default="scripted")
+    serve.add_argument("--script", help="JSON replies by request class (scripted engine)")
+    serve.add_argument("--device", default="cpu", help="embedded engine device, e.g. cuda")
     serve.add_argument("--store", required=True, help="directory for the durable store")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)

@@ -276,8 +276,10 @@ class EmbeddedEngine:
             sequence.length = ids.shape[1]
             self._merge(*_layers(out))
             self._active.append(sequence)
-            if self._take(sequence, out.logits[0, -1]):
+            result = self._take(sequence, out.logits[0, -1])
+            if result is not None:
                 self._remove([len(self._active) - 1])
+                sequence.settle(result)
 
     def _merge(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         if not self._keys:
@@ -298,9 +300,10 @@ class EmbeddedEngine:
 
         aborted = [i for i, s in enumerate(self._active) if s.aborted]
         if aborted:
-            for i in aborted:
-                self._active[i].settle(EngineAborted(self._active[i].request.request_id))
-            self._remove(aborted)
+            gone = [self._active[i] for i in aborted]
+            self._remove(aborted)  # the slot is free before the caller hears of it
+            for sequence in gone:
+                sequence.settle(EngineAborted(sequence.request.request_id))
             if not self._active:
                 return
         width = self._keys[0].shape[2]
@@ -318,16 +321,20 @@ class EmbeddedEngine:
             **{self._cache_kw: cache},
         )
         self._keys, self._values = _layers(out)
-        finished = []
+        finished: list[tuple[int, GenerateResult]] = []
         for row, sequence in enumerate(self._active):
             sequence.length += 1
-            if self._take(sequence, out.logits[row, -1]):
-                finished.append(row)
+            result = self._take(sequence, out.logits[row, -1])
+            if result is not None:
+                finished.append((row, result))
         if finished:
-            self._remove(finished)
+            done = [(self._active[row], result) for row, result in finished]
+            self._remove([row for row, _ in finished])
+            for sequence, result in done:
+                sequence.settle(result)
 
-    def _take(self, sequence: _Sequence, logits: torch.Tensor) -> bool:
-        """Sample the next token; True when the sequence is finished (and settled)."""
+    def _take(self, sequence: _Sequence, logits: torch.Tensor) -> GenerateResult | None:
+        """Sample the next token; the result once the sequence is finished."""
         s = sequence.request.sampling
         token = self._sample(logits, s)
         logprob = float(behaviour_logprobs(logits, torch.tensor(token), s.temperature))
@@ -343,13 +350,10 @@ class EmbeddedEngine:
         ):
             reason = "length"
         if reason is None:
-            return False
-        sequence.settle(
-            GenerateResult(
-                tuple(sequence.output), tuple(sequence.logprobs), tuple(sequence.versions), reason
-            )
+            return None
+        return GenerateResult(
+            tuple(sequence.output), tuple(sequence.logprobs), tuple(sequence.versions), reason
         )
-        return True
 
     def _sample(self, logits: torch.Tensor, s: SamplingParams) -> int:
         logits = logits.float()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
+from qwengyre.engines.base import InferenceEngine
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
@@ -18,16 +20,30 @@ from qwengyre.proxy.store import Store
 @dataclass(frozen=True)
 class ServeOptions:
     model: Path
-    script: Path
     store: Path
+    engine: str = "scripted"  # or "embedded"
+    script: Path | None = None  # the scripted engine's replies
+    device: str = "cpu"  # the embedded engine's device
     host: str = "127.0.0.1"
     port: int = 8080
     admin_token: str | None = None
     max_context: int | None = None  # default: the model's max_position_embeddings
 
 
+def build_engine(options: ServeOptions, tokenizer: Any) -> InferenceEngine:
+    if options.engine == "scripted":
+        if options.script is None:
+            raise ValueError("--engine scripted needs --script FILE (class -> replies)")
+        return ScriptedEngine.from_file(tokenizer, options.script)
+    if options.engine == "embedded":
+        from qwengyre.engines.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(options.model, device=options.device)
+    raise ValueError(f"unknown engine {options.engine!r}; allowed: scripted, embedded")
+
+
 def build_proxy(options: ServeOptions) -> ProxyServer:
-    """A proxy over the scripted engine, with the model's tokenizer and chat template."""
+    """A proxy over one engine, with the model's tokenizer and chat template."""
     from transformers import AutoConfig, AutoTokenizer
 
     if not (options.model / "config.json").exists():
@@ -37,7 +53,7 @@ def build_proxy(options: ServeOptions) -> ProxyServer:
         options.max_context or AutoConfig.from_pretrained(options.model).max_position_embeddings
     )
     router = Router()
-    router.register(ScriptedEngine.from_file(tokenizer, options.script), preference=0)
+    router.register(build_engine(options, tokenizer), preference=0)
     server = ProxyServer(
         ChatRenderer(tokenizer),
         router,
