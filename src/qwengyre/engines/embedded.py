@@ -119,7 +119,7 @@ class EmbeddedEngine:
         # transformers renamed ``past_key_values`` to ``cache`` (5.x deprecation).
         forward = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
-        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._pending: list[_Sequence] = []
         self._active: list[_Sequence] = []
         self._keys: list[torch.Tensor] = []  # per layer [B, H, L, D], rows left-padded
@@ -276,7 +276,8 @@ class EmbeddedEngine:
             sequence.length = ids.shape[1]
             self._merge(*_layers(out))
             self._active.append(sequence)
-            result = self._take(sequence, out.logits[0, -1])
+            (token,), (logprob,) = self._sample(out.logits[:, -1], [sequence.request.sampling])
+            result = self._take(sequence, token, logprob)
             if result is not None:
                 self._remove([len(self._active) - 1])
                 sequence.settle(result)
@@ -310,11 +311,11 @@ class EmbeddedEngine:
         mask = torch.zeros(len(self._active), width + 1, dtype=torch.long, device=self.device)
         for row, sequence in enumerate(self._active):
             mask[row, width - sequence.length :] = 1
-        tokens = torch.tensor([[s.next_token] for s in self._active], device=self.device)
+        last = torch.tensor([[s.next_token] for s in self._active], device=self.device)
         positions = torch.tensor([[s.length] for s in self._active], device=self.device)
         cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values, strict=True)))
         out = self.model(
-            input_ids=tokens,
+            input_ids=last,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
@@ -322,9 +323,12 @@ class EmbeddedEngine:
         )
         self._keys, self._values = _layers(out)
         finished: list[tuple[int, GenerateResult]] = []
+        tokens, logprobs = self._sample(
+            out.logits[:, -1], [s.request.sampling for s in self._active]
+        )
         for row, sequence in enumerate(self._active):
             sequence.length += 1
-            result = self._take(sequence, out.logits[row, -1])
+            result = self._take(sequence, tokens[row], logprobs[row])
             if result is not None:
                 finished.append((row, result))
         if finished:
@@ -333,11 +337,9 @@ class EmbeddedEngine:
             for sequence, result in done:
                 sequence.settle(result)
 
-    def _take(self, sequence: _Sequence, logits: torch.Tensor) -> GenerateResult | None:
-        """Sample the next token; the result once the sequence is finished."""
+    def _take(self, sequence: _Sequence, token: int, logprob: float) -> GenerateResult | None:
+        """Record a sampled token; the result once the sequence is finished."""
         s = sequence.request.sampling
-        token = self._sample(logits, s)
-        logprob = float(behaviour_logprobs(logits, torch.tensor(token), s.temperature))
         sequence.output.append(token)
         sequence.logprobs.append(logprob)
         sequence.versions.append(self.version)
@@ -355,20 +357,39 @@ class EmbeddedEngine:
             tuple(sequence.output), tuple(sequence.logprobs), tuple(sequence.versions), reason
         )
 
-    def _sample(self, logits: torch.Tensor, s: SamplingParams) -> int:
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams]
+    ) -> tuple[list[int], list[float]]:
+        """One token per row of ``logits`` [B, V], with each row's own sampling params.
+
+        Vectorised on the logits' device with one host sync per step. The returned
+        log-probs are :func:`behaviour_logprobs` of the sampled tokens.
+        """
         logits = logits.float()
-        if s.temperature == 0:
-            return int(logits.argmax())
-        scaled = logits / s.temperature
-        if s.top_k > 0:
-            kth = torch.topk(scaled, min(s.top_k, scaled.numel())).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if s.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(0) - sorted_probs < s.top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=self._generator))
+        vocab = logits.shape[-1]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        greedy = temperature == 0
+        scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+        behaviour = torch.log_softmax(scaled, dim=-1)
+        masked = scaled
+        if any(p.top_k > 0 for p in params):
+            k = torch.tensor(
+                [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
+                device=logits.device,
+            )
+            top = torch.topk(scaled, int(k.max())).values
+            kth = top.gather(1, (k - 1).unsqueeze(1))
+            masked = masked.masked_fill(masked < kth, float("-inf"))
+        probs = torch.softmax(masked, dim=-1)
+        if any(p.top_p < 1 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            ordered, order = probs.sort(dim=-1, descending=True)
+            ordered = ordered * (ordered.cumsum(-1) - ordered < top_p.unsqueeze(1))
+            probs = torch.zeros_like(probs).scatter(1, order, ordered)
+        sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+        tokens = torch.where(greedy, scaled.argmax(-1), sampled)
+        logprobs = behaviour.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens.tolist(), logprobs.tolist()
 
     def _remove(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self._active)) if i not in set(rows)]

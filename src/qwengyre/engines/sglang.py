@@ -271,7 +271,7 @@ class SGLangEngine:
         """Abort ``request_id``; its :meth:`generate` raises :class:`EngineAborted`."""
         try:
             await self._call("POST", "/abort_request", {"rid": request_id}, timeout_s=30)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, EngineAborted) as exc:
             log.warning("abort of %s on %s failed: %s", request_id, self.name, exc)
 
     # -- weights and memory ------------------------------------------------------------
