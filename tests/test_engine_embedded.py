@@ -160,7 +160,6 @@ def test_the_proxy_serves_the_embedded_engine_and_records_its_logprobs(
     tmp_path: Path, tiny_model_dir: Path
 ):
     import anthropic
-
     from tests.test_proxy_server import start
 
     engine = EmbeddedEngine(tiny_model_dir, capacity=4)

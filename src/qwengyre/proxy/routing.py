@@ -89,7 +89,8 @@ class Router:
         for _ in range(self.max_attempts):
             name = self.route(execution_id)
             slot = self._slots[name]
-            request_id = f"{request.request_id}-{next(self._ids)}"
+            # Fixed width: SGLang aborts every rid that starts with the one it is given.
+            request_id = f"{request.request_id}-{next(self._ids):010d}"
             slot.inflight[request_id] = execution_id
             try:
                 attempt = GenerateRequest(

@@ -1,0 +1,139 @@
+"""Embedded engine throughput against HF ``model.generate`` on the same model and prompts.
+
+At each concurrency, ``c`` requests of mixed prompt and output lengths are generated
+(sampling, T=1) by (a) the embedded engine with all ``c`` submitted at once
+(continuous batching) and (b) HF ``generate`` on one left-padded batch of the same
+prompts, which runs until its longest request is done. Both count only the tokens
+each request asked for; the ratio is measured in this run.
+
+    python benchmarks/bench_engine.py                       # CPU, the tiny demo model
+    python benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
+        --prompt 512 --new 256 --concurrency 1 8 32 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from qwengyre.engines.base import GenerateRequest
+from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.models import cached_tiny_model
+from qwengyre.types import SamplingParams
+
+
+def qwen3_0p6b_shaped(directory: Path, dtype: torch.dtype) -> Path:
+    """A random-init model with Qwen3-0.6B's shape (no download), saved as HF files."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40_960,
+        tie_word_embeddings=True,
+        eos_token_id=151_645,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(dtype).save_pretrained(directory)
+    return directory
+
+
+def workload(c: int, prompt: int, new: int, vocab: int) -> list[GenerateRequest]:
+    """Mixed lengths: prompts and outputs spread over [x/2, x]."""
+    g = torch.Generator().manual_seed(c)
+    requests = []
+    for i in range(c):
+        p = prompt // 2 + int(torch.randint(0, prompt // 2 + 1, (1,), generator=g))
+        n = new // 2 + int(torch.randint(0, new // 2 + 1, (1,), generator=g))
+        ids = torch.randint(10, vocab - 10, (p,), generator=g).tolist()
+        requests.append(GenerateRequest(f"b{c}-{i}", tuple(ids), SamplingParams(n, 1.0)))
+    return requests
+
+
+def run_engine(engine: EmbeddedEngine, requests: list[GenerateRequest]) -> tuple[int, float]:
+    async def go():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    start = time.perf_counter()
+    results = asyncio.run(go())
+    wall = time.perf_counter() - start
+    return sum(len(r.output_ids) for r in results), wall
+
+
+def run_hf(model, requests: list[GenerateRequest], device: torch.device) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+    width = max(len(r.input_ids) for r in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, r in enumerate(requests):
+        ids[row, width - len(r.input_ids) :] = torch.tensor(r.input_ids)
+        mask[row, width - len(r.input_ids) :] = 1
+    longest = max(r.sampling.max_tokens for r in requests)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            pad_token_id=0,
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    assert out.shape[1] == width + longest
+    return sum(r.sampling.max_tokens for r in requests), wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--qwen3-0.6b", dest="big", action="store_true")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = qwen3_0p6b_shaped(Path(tmp), dtype) if args.big else cached_tiny_model("demo")
+        capacity = max(args.concurrency)
+        engine = EmbeddedEngine(
+            model_dir, capacity=capacity, device=args.device, dtype=dtype, max_context=8192
+        )
+        model = engine.model  # HF generate runs on the very same weights
+        vocab = model.config.vocab_size
+        run_engine(engine, workload(2, 16, 4, vocab))  # warm-up
+        run_hf(model, workload(2, 16, 4, vocab), device)
+        print(
+            f"model {model_dir.name} on {args.device} ({args.dtype}); prompts ~{args.prompt},"
+            f" outputs ~{args.new} (mixed lengths)"
+        )
+        print("concurrency   engine tok/s   HF generate tok/s   ratio")
+        for c in args.concurrency:
+            requests = workload(c, args.prompt, args.new, vocab)
+            e_tokens, e_wall = run_engine(engine, requests)
+            h_tokens, h_wall = run_hf(model, requests, device)
+            e_rate, h_rate = e_tokens / e_wall, h_tokens / h_wall
+            print(f"{c:11d} {e_rate:14.0f} {h_rate:19.0f} {e_rate / h_rate:7.2f}x", flush=True)
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,432 @@
+"""SGLangEngine against the contract fake of SGLang's HTTP API (tests/sglang_fake.py),
+plus one real-server test where sglang and a GPU are present."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from qwengyre.engines import sglang as sglang_mod
+from qwengyre.engines.base import (
+    EngineAborted,
+    GenerateRequest,
+    WeightsInMemory,
+    WeightsOnDisk,
+)
+from qwengyre.engines.sglang import (
+    SGLangEngine,
+    SGLangNotInstalled,
+    SGLangServerSpec,
+    launch_sglang,
+    wait_until_healthy,
+)
+from qwengyre.proxy.routing import Router
+from qwengyre.types import SamplingParams
+from sglang_fake import FakeSGLang, logprob, reply, token_text
+
+PROMPT = [101, 7, 42, 9]
+
+
+def req(rid: str, ids: list[int] = PROMPT, **sampling: Any) -> GenerateRequest:
+    sampling.setdefault("max_tokens", 64)
+    return GenerateRequest(rid, ids, SamplingParams(**sampling))
+
+
+def run_with_fake(
+    test: Callable[[FakeSGLang, SGLangEngine], Awaitable[None]], **fake_kwargs: Any
+) -> None:
+    async def main() -> None:
+        fake = FakeSGLang(**fake_kwargs)
+        await fake.start()
+        engine = SGLangEngine(fake.base_url, "sg0", api_key=fake.api_key)
+        try:
+            await asyncio.wait_for(test(fake, engine), timeout=10)
+        finally:
+            await engine.close()
+            await fake.stop()
+
+    asyncio.run(main())
+
+
+def test_generate_maps_ids_logprobs_and_stop() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        result = await engine.generate(req("r1"))
+        expected = reply(PROMPT)
+        assert result.output_ids == tuple(expected)
+        assert result.output_ids[-1] == fake.eos_token_id
+        assert result.logprobs == tuple(logprob(t, i) for i, t in enumerate(expected))
+        assert result.finish_reason == "stop"
+        assert result.versions == (0,) * len(expected)
+        assert engine.load == 0
+
+    run_with_fake(t)
+
+
+def test_generate_length_and_stop_string() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        expected = reply(PROMPT)
+        short = await engine.generate(req("r1", max_tokens=2))
+        assert short.finish_reason == "length"
+        assert short.output_ids == tuple(expected[:2])
+        # a stop string that the second token completes
+        stop = token_text(expected[1]).strip()
+        stopped = await engine.generate(req("r2", stop=(stop,)))
+        assert stopped.finish_reason == "stop"
+        assert stopped.output_ids == tuple(expected[:2])
+        assert len(stopped.logprobs) == 2
+
+    run_with_fake(t)
+
+
+def test_request_body_uses_sglang_field_names() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        await engine.generate(
+            req("rid-7", max_tokens=5, temperature=0.5, top_p=0.9, top_k=20, stop=("x",))
+        )
+        (body,) = fake.bodies("/generate")
+        assert body["input_ids"] == PROMPT
+        assert body["rid"] == "rid-7"
+        assert body["return_logprob"] is True
+        assert body["logprob_start_len"] == -1
+        assert body["stream"] is False
+        sp = body["sampling_params"]
+        assert sp["max_new_tokens"] == 5
+        assert "max_tokens" not in sp
+        assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["stop"]) == (0.5, 0.9, 20, ["x"])
+
+    run_with_fake(t)
+
+
+def test_abort_mid_request_raises_engine_aborted() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        task = asyncio.create_task(engine.generate(req("victim", ids=[5, 6, 7])))
+        while not fake._running:
+            await asyncio.sleep(0.01)
+        assert engine.load == 1
+        await engine.abort("victim")
+        with pytest.raises(EngineAborted):
+            await task
+        assert {"rid": "victim"} in fake.bodies("/abort_request")
+        assert engine.load == 0
+
+    run_with_fake(t, token_delay_s=0.05)
+
+
+def test_cancelled_generate_aborts_on_the_server() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        task = asyncio.create_task(engine.generate(req("gone")))
+        while not fake._running:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while not fake.bodies("/abort_request"):
+            await asyncio.sleep(0.01)
+        assert fake.bodies("/abort_request") == [{"rid": "gone"}]
+        assert engine.load == 0
+
+    run_with_fake(t, token_delay_s=0.05)
+
+
+def test_router_reroutes_an_aborted_sglang_call() -> None:
+    """Draining an SGLang engine aborts its call and the router finishes it elsewhere."""
+
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        other = FakeSGLang()
+        await other.start()
+        spare = SGLangEngine(other.base_url, "sg1")
+        try:
+            router = Router()
+            router.register(engine, preference=2)
+            router.register(spare, preference=1)
+            call = asyncio.create_task(router.generate("exec", req("c1")))
+            while not fake._running:
+                await asyncio.sleep(0.01)
+            await router.drain("sg0")
+            name, result = await call
+            assert name == "sg1"
+            assert result.output_ids == tuple(reply(PROMPT))
+            assert fake.bodies("/abort_request")
+        finally:
+            await spare.close()
+            await other.stop()
+
+    run_with_fake(t, token_delay_s=0.05)
+
+
+def test_update_weights_changes_later_versions(tmp_path: Path) -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        before = await engine.generate(req("a"))
+        await engine.update_weights(WeightsOnDisk(str(tmp_path)), version=3)
+        after = await engine.generate(req("b"))
+        assert before.versions == (0,) * len(before.output_ids)
+        assert after.versions == (3,) * len(after.output_ids)
+        assert after.policy_version == 3
+        (body,) = fake.bodies("/update_weights_from_disk")
+        assert body == {"model_path": str(tmp_path), "weight_version": "3"}
+        assert fake.loads == 1
+        # the fake model changed with its weights
+        assert after.output_ids == tuple(reply(PROMPT, loads=1))
+
+    run_with_fake(t)
+
+
+def test_version_falls_back_to_engine_record_when_server_reports_none(tmp_path: Path) -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        await engine.update_weights(WeightsOnDisk(str(tmp_path)), version=5)
+        fake.weight_version = "default"  # an SGLang that does not keep weight_version
+        result = await engine.generate(req("a"))
+        assert result.versions == (5,) * len(result.output_ids)
+
+    run_with_fake(t)
+
+
+def test_weight_update_waits_for_request_in_flight(tmp_path: Path) -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        running = asyncio.create_task(engine.generate(req("slow")))
+        while not fake._running:
+            await asyncio.sleep(0.01)
+        await engine.update_weights(WeightsOnDisk(str(tmp_path)), version=1)
+        result = await running
+        assert result.versions == (0,) * len(result.output_ids)  # finished on old weights
+
+    run_with_fake(t, token_delay_s=0.02)
+
+
+def test_update_weights_failure_raises_runtime_error() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        with pytest.raises(RuntimeError, match="not found"):
+            await engine.update_weights(WeightsOnDisk("/nonexistent/ckpt"), version=1)
+        result = await engine.generate(req("a"))
+        assert result.versions == (0,) * len(result.output_ids)
+
+    run_with_fake(t)
+
+
+def test_weights_in_memory_not_supported() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        with pytest.raises(NotImplementedError, match="WeightsOnDisk"):
+            await engine.update_weights(WeightsInMemory({}), version=1)
+        assert fake.bodies("/update_weights_from_disk") == []
+
+    run_with_fake(t)
+
+
+def test_release_and_resume() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        assert await engine.health()
+        await engine.release_memory()
+        assert fake.released and engine.released
+        assert not await engine.health()
+        with pytest.raises(ConnectionError):  # the router drains an engine failing so
+            await engine.generate(req("during"))
+        await engine.resume_memory()
+        assert not fake.released and not engine.released
+        assert await engine.health()
+        assert (await engine.generate(req("after"))).finish_reason == "stop"
+        assert fake.bodies("/release_memory_occupation") == [{}]
+        assert fake.bodies("/resume_memory_occupation") == [{}]
+
+    run_with_fake(t)
+
+
+def test_fake_refuses_generate_while_released() -> None:
+    """The engine's own guard aside, the server side refuses too (and the engine maps it)."""
+
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        fake.released = True
+        with pytest.raises(ConnectionError, match="503"):
+            await engine.generate(req("x"))
+
+    run_with_fake(t)
+
+
+def test_release_with_requests_in_flight_is_refused() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        task = asyncio.create_task(engine.generate(req("busy")))
+        while not fake._running:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ValueError, match="idle"):
+            await engine.release_memory()
+        assert not engine.released
+        with pytest.raises(RuntimeError, match="flush"):
+            await engine.flush_cache()
+        await task
+        await engine.flush_cache()
+
+    run_with_fake(t, token_delay_s=0.02)
+
+
+def test_health_false_when_server_down_or_unhealthy() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        assert await engine.health()
+        fake.healthy = False
+        assert not await engine.health()
+        fake.healthy = True
+        await fake.stop()
+        assert not await engine.health()
+
+    run_with_fake(t)
+
+
+def test_crash_mid_request_raises_oserror() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        task = asyncio.create_task(engine.generate(req("doomed")))
+        while not fake._running:
+            await asyncio.sleep(0.01)
+        await fake.crash()
+        with pytest.raises(OSError):
+            await task
+        with pytest.raises(OSError):  # refused afterwards
+            await engine.generate(req("next"))
+        assert engine.load == 0
+
+    run_with_fake(t, token_delay_s=0.05)
+
+
+def test_bad_request_surfaces_server_message() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+            await engine.generate(req("bad", top_p=1.5))
+        with pytest.raises(ValueError, match="input_ids cannot be empty"):
+            await engine.generate(req("empty", ids=[]))
+        assert engine.load == 0
+
+    run_with_fake(t)
+
+
+def test_fake_rejects_unknown_sampling_keys_and_bad_types() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        body = SGLangEngine.request_body(req("x"))
+        body["sampling_params"]["max_tokens"] = 3
+        with pytest.raises(ValueError, match="unexpected keyword argument 'max_tokens'"):
+            await engine._post_json("/generate", body)
+        body = SGLangEngine.request_body(req("y"))
+        body["return_logprob"] = "yes"
+        with pytest.raises(ValueError, match="return_logprob"):
+            await engine._post_json("/generate", body)
+
+    run_with_fake(t)
+
+
+def test_api_key_is_sent() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        assert (await engine.generate(req("k"))).finish_reason == "stop"
+        anonymous = SGLangEngine(fake.base_url, "anon")
+        try:
+            with pytest.raises(ValueError, match="Unauthorized"):
+                await anonymous.generate(req("k2"))
+        finally:
+            await anonymous.close()
+
+    run_with_fake(t, api_key="s3cret")
+
+
+def test_server_spec_command() -> None:
+    spec = SGLangServerSpec(
+        model_path="/ckpt/qwen",
+        port=30001,
+        host="0.0.0.0",
+        extra_args=("--tp", "2", "--mem-fraction-static", "0.8"),
+    )
+    argv = spec.command()
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert argv[argv.index("--model-path") + 1] == "/ckpt/qwen"
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert argv[argv.index("--port") + 1] == "30001"
+    assert "--enable-memory-saver" in argv
+    assert argv[-4:] == ["--tp", "2", "--mem-fraction-static", "0.8"]
+    assert spec.base_url == "http://0.0.0.0:30001"
+    plain = SGLangServerSpec("/m", port=1, enable_memory_saver=False).command()
+    assert "--enable-memory-saver" not in plain
+
+
+def test_launch_errors_clearly_without_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        sglang_mod.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "sglang" else real_find_spec(name, *a),
+    )
+    with pytest.raises(SGLangNotInstalled, match="'sglang' package is not installed"):
+        launch_sglang(SGLangServerSpec("/m", port=1))
+
+
+def test_wait_until_healthy_times_out() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        await wait_until_healthy(engine, timeout_s=2, poll_s=0.05)
+        fake.healthy = False
+        with pytest.raises(TimeoutError):
+            await wait_until_healthy(engine, timeout_s=0.3, poll_s=0.05)
+
+    run_with_fake(t)
+
+
+def _real_server_skip_reason() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA GPU"
+    except Exception as exc:
+        return f"torch cannot check for a GPU: {exc}"
+    return None
+
+
+_SKIP_REAL = _real_server_skip_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_SKIP_REAL is not None, reason=_SKIP_REAL or "")
+def test_real_sglang_server(tiny_model_dir: Path, tmp_path: Path) -> None:  # pragma: no cover
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = SGLangServerSpec(
+        str(tiny_model_dir), port=port, extra_args=("--mem-fraction-static", "0.3")
+    )
+    log_path = tmp_path / "sglang.log"
+    log = log_path.open("wb")
+    proc = launch_sglang(spec, stdout=log, stderr=subprocess.STDOUT)
+
+    async def main() -> None:
+        engine = SGLangEngine(spec.base_url, "real")
+        try:
+            await wait_until_healthy(engine, timeout_s=600, process=proc)
+            result = await engine.generate(req("real-1", ids=[1, 2, 3], max_tokens=8))
+            assert 0 < len(result.output_ids) <= 8
+            assert all(lp <= 0.0 for lp in result.logprobs)
+            assert result.finish_reason in ("stop", "length")
+            await engine.update_weights(WeightsOnDisk(str(tiny_model_dir)), version=1)
+            again = await engine.generate(req("real-2", ids=[1, 2, 3], max_tokens=8))
+            assert again.versions == (1,) * len(again.output_ids)
+            await engine.release_memory()
+            await engine.resume_memory()
+            assert (await engine.generate(req("real-3", ids=[4, 5], max_tokens=4))).output_ids
+        finally:
+            await engine.close()
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        print(log_path.read_text(errors="replace")[-5000:])
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
