@@ -189,3 +189,8 @@ def test_proxy_serve_refuses_a_missing_model_dir(tmp_path: Path):
 def test_proxy_serve_scripted_needs_a_script(tmp_path: Path, tiny_model_dir: Path):
     out = run("proxy", "serve", "--model", str(tiny_model_dir), "--store", str(tmp_path / "s"))
     assert out.returncode != 0 and "--engine scripted needs --script FILE" in out.stderr
+
+
+def test_engine_serve_refuses_a_missing_model_dir(tmp_path: Path):
+    out = run("engine", "serve", "--model", str(tmp_path / "nope"))
+    assert out.returncode != 0 and "not a HuggingFace model directory" in out.stderr

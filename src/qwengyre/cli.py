@@ -104,6 +104,28 @@ def cmd_proxy_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine_serve(args: argparse.Namespace) -> int:
+    import secrets
+
+    import torch
+    from aiohttp import web
+
+    from qwengyre.engines.embedded import EmbeddedEngine
+    from qwengyre.engines.server import engine_app
+
+    if not (Path(args.model) / "config.json").exists():
+        raise ValueError(f"{args.model} is not a HuggingFace model directory (no config.json)")
+    api_key = args.api_key or secrets.token_urlsafe(24)
+    engine = EmbeddedEngine(
+        args.model, capacity=args.capacity, device=args.device, dtype=getattr(torch, args.dtype)
+    )
+    if args.api_key is None:
+        print(f"api key: {api_key}", flush=True)
+    print(f"engine on http://{args.host}:{args.port} (SGLang HTTP API)", flush=True)
+    web.run_app(engine_app(engine, api_key), host=args.host, port=args.port, print=None)
+    return 0
+
+
 def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     from qwengyre.models import build_tiny_model
 
@@ -156,6 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-token", help="admin API token (default: generated, printed)")
     serve.add_argument("--max-context", type=int, help="default: the model's limit")
     serve.set_defaults(func=cmd_proxy_serve)
+
+    engine = sub.add_parser("engine", help="inference engines")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="ACTION")
+    eserve = engine_sub.add_parser(
+        "serve", help="the embedded engine as its own process, behind SGLang's HTTP API"
+    )
+    eserve.add_argument("--model", required=True, help="HF model directory")
+    eserve.add_argument("--host", default="127.0.0.1")
+    eserve.add_argument("--port", type=int, default=30000)
+    eserve.add_argument("--device", default="cpu")
+    eserve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    eserve.add_argument("--capacity", type=int, default=32, help="concurrent requests")
+    eserve.add_argument("--api-key", help="bearer token (default: generated, printed)")
+    eserve.set_defaults(func=cmd_engine_serve)
 
     model = sub.add_parser("model", help="build and inspect models")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -237,6 +237,11 @@ class SGLangEngine:
             raise ConnectionError(
                 f"SGLang output_ids ({len(output_ids)}) disagree with its logprobs ({len(ids)})"
             )
+        per_token = meta.get("output_token_versions")  # qwengyre's engine server only
+        if isinstance(per_token, list) and len(per_token) == len(ids):
+            return GenerateResult(
+                ids, logprobs, tuple(int(v) for v in per_token), _FINISH_TYPES[kind]
+            )
         version = self.policy_version
         reported = meta.get("weight_version")
         if isinstance(reported, str) and reported.lstrip("-").isdigit():

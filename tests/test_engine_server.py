@@ -1,0 +1,95 @@
+"""The embedded engine in its own server, driven by the SGLang client (as a cell's would be)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+
+from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsOnDisk
+from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
+from qwengyre.engines.server import engine_app
+from qwengyre.engines.sglang import SGLangEngine
+from qwengyre.types import SamplingParams
+
+KEY = "engine-key-0123456789"
+
+
+@pytest.fixture
+def served(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
+    engine = EmbeddedEngine(tiny_model_dir, capacity=4, max_context=512)
+    loop = asyncio.new_event_loop()
+    box: dict[str, object] = {}
+    ready = threading.Event()
+
+    async def boot() -> None:
+        runner = web.AppRunner(engine_app(engine, KEY))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        box["runner"], box["url"] = runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+        ready.set()
+
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(boot(), loop)
+    assert ready.wait(30)
+    yield str(box["url"]), engine
+    asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(30)  # type: ignore[attr-defined]
+    loop.call_soon_threadsafe(loop.stop)
+    engine.close()
+
+
+def req(rid: str, n: int, prompt: int = 6) -> GenerateRequest:
+    return GenerateRequest(rid, tuple(range(30, 30 + prompt)), SamplingParams(n, 1.0))
+
+
+def test_the_sglang_client_drives_the_embedded_engine_server(served, tmp_path: Path):
+    url, engine = served
+
+    async def scenario() -> None:
+        async with SGLangEngine(url, "cell-0", api_key=KEY) as client:
+            assert await client.health()
+            result = await client.generate(req("a", 12))
+            assert len(result.output_ids) == 12 and result.finish_reason == "length"
+            ids = torch.tensor([list(range(30, 36)) + list(result.output_ids)])
+            with torch.inference_mode():
+                logits = engine.model(input_ids=ids).logits[0]
+            ref = behaviour_logprobs(logits[5:-1], torch.tensor(result.output_ids), 1.0)
+            assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
+            # Abort mid-request.
+            task = asyncio.ensure_future(client.generate(req("b", 400)))
+            await asyncio.sleep(0.1)
+            await client.abort("b")
+            with pytest.raises(EngineAborted):
+                await task
+            # Weights from disk; the versions come back per token.
+            engine.model.save_pretrained(tmp_path / "ckpt")
+            await client.update_weights(WeightsOnDisk(str(tmp_path / "ckpt")), 7)
+            assert (await client.generate(req("c", 3))).versions == (7, 7, 7)
+            # Role switch: release, refuse, resume.
+            await client.release_memory()
+            await client.resume_memory()
+            assert (await client.generate(req("d", 2))).versions == (7, 7)
+            with pytest.raises(ValueError, match="out of vocabulary"):
+                await client.generate(GenerateRequest("e", (1, 10**7), SamplingParams(2)))
+        async with SGLangEngine(url, "cell-0", api_key="wrong") as stranger:
+            with pytest.raises(ValueError, match="401"):
+                await stranger.generate(req("f", 2))
+
+    asyncio.run(scenario())
+
+
+def test_unknown_sampling_fields_are_refused(served):
+    import httpx2
+
+    url, _ = served
+    answer = httpx2.post(
+        url + "/generate",
+        json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "beam_width": 4}},
+        headers={"authorization": f"Bearer {KEY}"},
+    )
+    assert answer.status_code == 400 and "beam_width" in answer.json()["error"]["message"]
