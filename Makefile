@@ -17,3 +17,5 @@ test:
 
 bench:
 	python benchmarks/bench_simulator.py
+	python benchmarks/bench_proxy.py
+	python benchmarks/bench_engine.py
