@@ -56,7 +56,9 @@ def workload(c: int, prompt: int, new: int, vocab: int) -> list[GenerateRequest]
         p = prompt // 2 + int(torch.randint(0, prompt // 2 + 1, (1,), generator=g))
         n = new // 2 + int(torch.randint(0, new // 2 + 1, (1,), generator=g))
         ids = torch.randint(10, vocab - 10, (p,), generator=g).tolist()
-        requests.append(GenerateRequest(f"b{c}-{i}", tuple(ids), SamplingParams(n, 1.0)))
+        requests.append(
+            GenerateRequest(f"b{c}-{i}", tuple(ids), SamplingParams(n, 1.0, ignore_eos=True))
+        )
     return requests
 
 

@@ -70,9 +70,10 @@ def test_batched_greedy_decoding_equals_decoding_alone(engine: EmbeddedEngine):
 
 def test_abort_frees_the_slot_and_the_others_continue(engine: EmbeddedEngine):
     async def run():  # type: ignore[no-untyped-def]
-        long = asyncio.ensure_future(engine.generate(request(0, 8, 200)))
+        long = asyncio.ensure_future(engine.generate(request(0, 8, 240, ignore_eos=True)))
         short = asyncio.ensure_future(engine.generate(request(1, 8, 20)))
-        await asyncio.sleep(0.05)
+        while engine.running == 0:  # abort as soon as it runs
+            await asyncio.sleep(0.001)
         await engine.abort("r0")
         with pytest.raises(EngineAborted):
             await long
@@ -87,11 +88,12 @@ def test_weights_update_between_steps_and_tokens_carry_their_version(
 ):
     old = {k: v.clone() for k, v in engine.model.state_dict().items()}
     new = {k: v + 0.05 * torch.randn_like(v) for k, v in old.items()}
-    req = request(0, 6, 150)
+    req = request(0, 6, 240, ignore_eos=True)
 
     async def run():  # type: ignore[no-untyped-def]
         task = asyncio.ensure_future(engine.generate(req))
-        await asyncio.sleep(0.05)
+        while engine.running == 0:  # update while it runs
+            await asyncio.sleep(0.001)
         await engine.update_weights(WeightsInMemory(new), version=1)
         return await task
 

@@ -44,7 +44,8 @@ def served(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
 
 
 def req(rid: str, n: int, prompt: int = 6) -> GenerateRequest:
-    return GenerateRequest(rid, tuple(range(30, 30 + prompt)), SamplingParams(n, 1.0))
+    sampling = SamplingParams(n, 1.0, ignore_eos=True)
+    return GenerateRequest(rid, tuple(range(30, 30 + prompt)), sampling)
 
 
 def test_the_sglang_client_drives_the_embedded_engine_server(served, tmp_path: Path):
@@ -61,8 +62,9 @@ def test_the_sglang_client_drives_the_embedded_engine_server(served, tmp_path: P
             ref = behaviour_logprobs(logits[5:-1], torch.tensor(result.output_ids), 1.0)
             assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
             # Abort mid-request.
-            task = asyncio.ensure_future(client.generate(req("b", 400)))
-            await asyncio.sleep(0.1)
+            task = asyncio.ensure_future(client.generate(req("b", 500)))
+            while engine.running == 0:  # abort as soon as it runs
+                await asyncio.sleep(0.001)
             await client.abort("b")
             with pytest.raises(EngineAborted):
                 await task

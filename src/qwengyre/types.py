@@ -35,3 +35,4 @@ class SamplingParams:
     top_k: int = -1  # -1: no top-k
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # besides the model's end-of-sequence ids
+    ignore_eos: bool = False  # run to max_tokens (benchmarks, length tests), as in SGLang

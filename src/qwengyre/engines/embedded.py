@@ -140,6 +140,12 @@ class EmbeddedEngine:
         with self._lock:
             return len(self._pending) + len(self._active)
 
+    @property
+    def running(self) -> int:
+        """Requests admitted to the batch (each has sampled at least one token)."""
+        with self._lock:
+            return len(self._active)
+
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self._validate(request)
         loop = asyncio.get_running_loop()
@@ -261,25 +267,45 @@ class EmbeddedEngine:
             update.done.set()
 
     def _admit(self) -> None:
+        """Prefill the joining requests in one left-padded batch and merge their caches."""
         with self._lock:
             room = self.capacity - len(self._active)
             joining, self._pending = self._pending[:room], self._pending[room:]
             for sequence in [s for s in self._pending if s.aborted]:
                 self._pending.remove(sequence)
                 sequence.settle(EngineAborted(sequence.request.request_id))
-        for sequence in joining:
-            if sequence.aborted:
-                sequence.settle(EngineAborted(sequence.request.request_id))
-                continue
-            ids = torch.tensor([list(sequence.request.input_ids)], device=self.device)
-            out = self.model(input_ids=ids, use_cache=True)
-            sequence.length = ids.shape[1]
-            self._merge(*_layers(out))
-            self._active.append(sequence)
-            (token,), (logprob,) = self._sample(out.logits[:, -1], [sequence.request.sampling])
-            result = self._take(sequence, token, logprob)
+        for sequence in [s for s in joining if s.aborted]:
+            sequence.settle(EngineAborted(sequence.request.request_id))
+        joining = [s for s in joining if not s.aborted]
+        if not joining:
+            return
+        width = max(len(s.request.input_ids) for s in joining)
+        ids = torch.zeros(len(joining), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, sequence in enumerate(joining):
+            prompt = sequence.request.input_ids
+            ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+            mask[row, width - len(prompt) :] = 1
+            sequence.length = len(prompt)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            use_cache=True,
+        )
+        self._merge(*_layers(out))
+        first = len(self._active)
+        self._active.extend(joining)
+        tokens, logprobs = self._sample(out.logits[:, -1], [s.request.sampling for s in joining])
+        done = []
+        for row, sequence in enumerate(joining):
+            result = self._take(sequence, tokens[row], logprobs[row])
             if result is not None:
-                self._remove([len(self._active) - 1])
+                done.append((first + row, sequence, result))
+        if done:
+            self._remove([row for row, _, _ in done])
+            for _, sequence, result in done:
                 sequence.settle(result)
 
     def _merge(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -345,7 +371,7 @@ class EmbeddedEngine:
         sequence.versions.append(self.version)
         sequence.next_token = token
         reason: FinishReason | None = None
-        if token in self.eos_ids or token in s.stop_token_ids:
+        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
             reason = "stop"
         elif len(sequence.output) >= s.max_tokens or (
             len(sequence.request.input_ids) + len(sequence.output) >= self.max_context
@@ -380,13 +406,15 @@ class EmbeddedEngine:
             top = torch.topk(scaled, int(k.max())).values
             kth = top.gather(1, (k - 1).unsqueeze(1))
             masked = masked.masked_fill(masked < kth, float("-inf"))
-        probs = torch.softmax(masked, dim=-1)
         if any(p.top_p < 1 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-            ordered, order = probs.sort(dim=-1, descending=True)
-            ordered = ordered * (ordered.cumsum(-1) - ordered < top_p.unsqueeze(1))
-            probs = torch.zeros_like(probs).scatter(1, order, ordered)
-        sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+            ordered, order = torch.softmax(masked, dim=-1).sort(dim=-1, descending=True)
+            outside = ordered.cumsum(-1) - ordered >= top_p.unsqueeze(1)
+            outside = torch.zeros_like(outside).scatter(1, order, outside)  # back to vocab order
+            masked = masked.masked_fill(outside, float("-inf"))
+        # Gumbel-max: argmax(z + Gumbel noise) is a draw from softmax(z), vectorised.
+        uniform = torch.rand(masked.shape, generator=self._generator, device=masked.device)
+        sampled = (masked - torch.log(-torch.log(uniform.clamp_(1e-20, 1.0)))).argmax(-1)
         tokens = torch.where(greedy, scaled.argmax(-1), sampled)
         logprobs = behaviour.gather(1, tokens.unsqueeze(1)).squeeze(1)
         return tokens.tolist(), logprobs.tolist()

@@ -31,6 +31,7 @@ class _Sampling(BaseModel):
     top_k: int = -1
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
 
 
 class _Generate(BaseModel):

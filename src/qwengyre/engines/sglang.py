@@ -204,9 +204,10 @@ class SGLangEngine:
         }
         if sampling.stop:
             params["stop"] = list(sampling.stop)
-        stop_ids = getattr(sampling, "stop_token_ids", ())
-        if stop_ids:
-            params["stop_token_ids"] = list(stop_ids)
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.ignore_eos:
+            params["ignore_eos"] = True
         return {
             "input_ids": [int(t) for t in request.input_ids],
             "sampling_params": params,
