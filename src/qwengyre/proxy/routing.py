@@ -46,9 +46,6 @@ class Router:
             raise ValueError(f"engine {engine.name!r} is already registered")
         self._slots[engine.name] = _Slot(engine, preference)
 
-    def engines(self) -> list[str]:
-        return list(self._slots)
-
     def route_of(self, execution_id: str) -> str | None:
         return self._routes.get(execution_id)
 

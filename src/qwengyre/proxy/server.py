@@ -129,7 +129,7 @@ class ProxyServer:
 
     # ------------------------------------------------------------ credentials
 
-    def _authenticate(self, request: web.Request, api: Api) -> ExecutionState:
+    def _authenticate(self, request: web.Request) -> ExecutionState:
         key = request.headers.get("x-api-key", "")
         bearer = request.headers.get("authorization", "")
         if not key and bearer.lower().startswith("bearer "):
@@ -151,7 +151,7 @@ class ProxyServer:
 
     async def _call(self, http: web.Request, api: Api) -> web.StreamResponse:
         try:
-            state = self._authenticate(http, api)
+            state = self._authenticate(http)
             body = await self._body(http)
             if api == "anthropic":
                 chat = anthropic_api.parse_messages_request(body, http.headers)
@@ -238,7 +238,7 @@ class ProxyServer:
 
     async def _anthropic_count_tokens(self, http: web.Request) -> web.Response:
         try:
-            state = self._authenticate(http, "anthropic")
+            state = self._authenticate(http)
             chat = anthropic_api.parse_count_tokens_request(await self._body(http), http.headers)
             count = state.recorder.count_tokens(chat)
         except ApiError as error:
@@ -248,7 +248,7 @@ class ProxyServer:
     async def _models(self, http: web.Request) -> web.Response:
         api: Api = "anthropic" if "anthropic-version" in http.headers else "openai"
         try:
-            self._authenticate(http, api)
+            self._authenticate(http)
         except ApiError as error:
             return _error_response(api, error)
         if api == "openai":
