@@ -14,6 +14,16 @@ from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
 from qwengyre.types import SamplingParams
 
 
+async def running(engine: EmbeddedEngine, timeout_s: float = 30.0) -> None:
+    """Wait until a request is in the batch (bounded: a broken engine fails, not hangs)."""
+
+    async def poll() -> None:
+        while engine.running == 0:
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
 @pytest.fixture
 def engine(tiny_model_dir: Path) -> Iterator[EmbeddedEngine]:
     engine = EmbeddedEngine(tiny_model_dir, capacity=4, max_context=256)
@@ -72,8 +82,7 @@ def test_abort_frees_the_slot_and_the_others_continue(engine: EmbeddedEngine):
     async def run():  # type: ignore[no-untyped-def]
         long = asyncio.ensure_future(engine.generate(request(0, 8, 240, ignore_eos=True)))
         short = asyncio.ensure_future(engine.generate(request(1, 8, 20)))
-        while engine.running == 0:  # abort as soon as it runs
-            await asyncio.sleep(0.001)
+        await running(engine)  # abort as soon as it runs
         await engine.abort("r0")
         with pytest.raises(EngineAborted):
             await long
@@ -92,8 +101,7 @@ def test_weights_update_between_steps_and_tokens_carry_their_version(
 
     async def run():  # type: ignore[no-untyped-def]
         task = asyncio.ensure_future(engine.generate(req))
-        while engine.running == 0:  # update while it runs
-            await asyncio.sleep(0.001)
+        await running(engine)  # update while it runs
         await engine.update_weights(WeightsInMemory(new), version=1)
         return await task
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from aiohttp import web
+from tests.test_engine_embedded import running
 
 from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsOnDisk
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
@@ -63,8 +64,7 @@ def test_the_sglang_client_drives_the_embedded_engine_server(served, tmp_path: P
             assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
             # Abort mid-request.
             task = asyncio.ensure_future(client.generate(req("b", 500)))
-            while engine.running == 0:  # abort as soon as it runs
-                await asyncio.sleep(0.001)
+            await running(engine)  # abort as soon as it runs
             await client.abort("b")
             with pytest.raises(EngineAborted):
                 await task
