@@ -1,0 +1,1 @@
+"""Rollout: tasks, executions, harnesses, evaluation, groups."""
