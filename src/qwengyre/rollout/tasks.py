@@ -1,0 +1,410 @@
+"""The task dataset: one query per JSON line, validated with errors naming line and field.
+
+A line::
+
+    {"id": "repo-17", "instructions": "Fix the failing test in tests/test_io.py",
+     "workspace_template": "templates/repo-17",
+     "evaluator": {"type": "command", "command": ["python", "grade.py"], "timeout_s": 300},
+     "metadata": {"difficulty": "hard"}}
+
+- ``id``: 1-128 characters of ``[A-Za-z0-9_.-]`` (not ``.`` or ``..``); it names the
+  task's workspaces, so it holds no path separator.  Ids are unique within a file.
+- ``instructions``: the prompt given to the harness (non-empty).
+- the workspace, at most one of:
+
+  - ``workspace_template``: a directory copied into each fresh workspace; a relative
+    path resolves against the JSONL file's directory, and the directory must exist when
+    the file is loaded (it is stored resolved, as an absolute path);
+  - ``setup``: a shell command run in an empty workspace before the harness starts;
+  - neither: the harness starts in an empty workspace.
+
+- ``evaluator``: an :data:`EvaluatorSpec`, tagged by ``type``:
+
+  - ``{"type": "command", "command": [argv...] | "shell string", "timeout_s": 600}``
+    (:class:`CommandEvaluator`);
+  - ``{"type": "python", "callable": "package.module:function"}``
+    (:class:`PythonEvaluator`);
+  - ``{"type": "exact_match", "expected": "82", "file": "answer.txt"}``
+    (:class:`ExactMatchEvaluator`).
+
+- ``metadata`` (optional, default ``{}``): free-form JSON object, carried along.
+
+Blank lines and lines whose first non-blank character is ``#`` are skipped.  Unknown
+fields are rejected.  :func:`load_tasks` reports the file, line and field of the first
+bad line, e.g. ``tasks.jsonl:7: field 'evaluator.timeout_s': Input should be greater
+than 0``, and a duplicate id names both lines.  :func:`dump_tasks` writes tasks back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Callable, Iterable
+from importlib import resources
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+__all__ = [
+    "CommandEvaluator",
+    "EvaluatorSpec",
+    "ExactMatchEvaluator",
+    "PythonEvaluator",
+    "Task",
+    "TaskFileError",
+    "dump_tasks",
+    "example_tasks_path",
+    "load_tasks",
+    "parse_task_line",
+]
+
+TASK_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_CALLABLE_RE = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
+_EVALUATOR_TYPES = ("command", "python", "exact_match")
+
+
+def _non_blank(value: str, what: str) -> str:
+    if not value.strip():
+        raise ValueError(f"{what} must not be empty or blank")
+    return value
+
+
+class CommandEvaluator(BaseModel):
+    """Score a workspace by running a command in it.
+
+    Contract: the command runs with the workspace as its working directory -- a list is
+    an argv run directly, a string is run by the shell -- and is killed after
+    ``timeout_s`` seconds.  The last non-blank line of its stdout is a JSON object
+    ``{"score": <float>, "valid": <bool>}``; ``valid: false`` means "no valid
+    assessment" (e.g. the grader itself broke), which is different from a score of 0.
+    A non-zero exit, a timeout, or a last line that is not such an object also counts as
+    no valid assessment.  Anything else on stdout/stderr is free-form log output.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["command"] = "command"
+    command: list[StrictStr] | StrictStr
+    timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 600.0
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _check_command(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return _non_blank(value, "command")
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("command must not be an empty list")
+            if not all(isinstance(arg, str) for arg in value):
+                raise ValueError("command must be a list of strings or a string")
+            _non_blank(value[0], "command[0] (the program)")
+            return value
+        raise ValueError("command must be a list of strings or a string")
+
+    @property
+    def shell(self) -> bool:
+        """Whether the command is a shell string (rather than an argv list)."""
+        return isinstance(self.command, str)
+
+
+class PythonEvaluator(BaseModel):
+    """Score a workspace with a Python callable named ``package.module:function``.
+
+    Only the syntax is checked when tasks are loaded; :meth:`resolve` imports it.  The
+    evaluation runner defines how it is called and what it returns.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["python"] = "python"
+    callable: StrictStr
+
+    @field_validator("callable")
+    @classmethod
+    def _check_callable(cls, value: str) -> str:
+        if not _CALLABLE_RE.match(value):
+            raise ValueError(
+                f"{value!r} is not of the form 'package.module:function' "
+                "(dotted identifiers, one colon)"
+            )
+        return value
+
+    def resolve(self) -> Callable[..., Any]:
+        """Import the module and return the named attribute (which must be callable)."""
+        module_name, _, attr_path = self.callable.partition(":")
+        target: Any = importlib.import_module(module_name)
+        for part in attr_path.split("."):
+            target = getattr(target, part)
+        if not callable(target):
+            raise TypeError(f"{self.callable} is not callable")
+        return target
+
+
+class ExactMatchEvaluator(BaseModel):
+    """Score 1 if ``file`` (relative to the workspace), stripped, equals ``expected``.
+
+    Any other content scores 0, and so does a missing or unreadable file; the assessment
+    is always valid.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["exact_match"] = "exact_match"
+    expected: StrictStr
+    file: StrictStr
+
+    @field_validator("file")
+    @classmethod
+    def _check_file(cls, value: str) -> str:
+        _non_blank(value, "file")
+        path = PurePosixPath(value)
+        if path.is_absolute() or value.startswith("\\") or re.match(r"^[A-Za-z]:", value):
+            raise ValueError(f"{value!r} must be a path relative to the workspace")
+        if ".." in path.parts:
+            raise ValueError(f"{value!r} must stay inside the workspace (no '..')")
+        return value
+
+    def matches(self, content: str) -> bool:
+        """Whether the file content ``content`` is a match."""
+        return content.strip() == self.expected
+
+    def score(self, workspace: Path | str) -> float:
+        """1.0 if the workspace's file matches, else 0.0 (also when it is missing)."""
+        try:
+            content = (Path(workspace) / self.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return 0.0
+        return 1.0 if self.matches(content) else 0.0
+
+
+EvaluatorSpec = Annotated[
+    CommandEvaluator | PythonEvaluator | ExactMatchEvaluator, Field(discriminator="type")
+]
+"""How a task's result is scored: one of the evaluator models, tagged by ``type``."""
+
+
+class Task(BaseModel):
+    """One training query: instructions, its workspace, and how to evaluate the result.
+
+    When validated with ``context={"base_dir": ...}`` (as :func:`load_tasks` does), a
+    relative ``workspace_template`` resolves against ``base_dir``; otherwise against
+    the current directory.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: Annotated[StrictStr, Field(pattern=TASK_ID_PATTERN)]
+    instructions: StrictStr
+    workspace_template: Path | None = None
+    setup: StrictStr | None = None
+    evaluator: EvaluatorSpec
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _check_id(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value in (".", ".."):
+                raise ValueError(f"id {value!r} is not a usable workspace name")
+            if not re.match(TASK_ID_PATTERN, value):
+                raise ValueError(
+                    f"id {value!r} must be 1-128 characters of letters, digits, '_', '.', '-'"
+                )
+        return value
+
+    @field_validator("instructions")
+    @classmethod
+    def _check_instructions(cls, value: str) -> str:
+        return _non_blank(value, "instructions")
+
+    @field_validator("workspace_template", mode="before")
+    @classmethod
+    def _check_template_type(cls, value: Any) -> Any:
+        if value is None or isinstance(value, Path):
+            return value
+        if not isinstance(value, str):
+            raise ValueError("workspace_template must be a directory path (string)")
+        return _non_blank(value, "workspace_template")
+
+    @field_validator("workspace_template")
+    @classmethod
+    def _resolve_template(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is None:
+            return None
+        context = info.context if isinstance(info.context, dict) else {}
+        base = Path(context.get("base_dir") or Path.cwd())
+        path = (base / value.expanduser()).resolve()
+        if not path.is_dir():
+            kind = "not a directory" if path.exists() else "directory not found"
+            raise ValueError(f"{kind}: {path}")
+        return path
+
+    @field_validator("setup")
+    @classmethod
+    def _check_setup(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        _non_blank(value, "setup")
+        if info.data.get("workspace_template") is not None:
+            raise ValueError("give either workspace_template or setup, not both")
+        return value
+
+    def to_json_dict(self, base_dir: Path | str | None = None) -> dict[str, Any]:
+        """The task as a JSON-ready dict, omitting absent workspace fields.
+
+        ``workspace_template`` is written relative to ``base_dir`` when it lies inside
+        it (so a dataset stays relocatable with its templates), else absolute.
+        """
+        data: dict[str, Any] = {"id": self.id, "instructions": self.instructions}
+        if self.workspace_template is not None:
+            template = self.workspace_template
+            if base_dir is not None:
+                base = Path(base_dir).resolve()
+                if template.is_relative_to(base):
+                    template = template.relative_to(base)
+            data["workspace_template"] = template.as_posix()
+        if self.setup is not None:
+            data["setup"] = self.setup
+        data["evaluator"] = self.evaluator.model_dump(mode="json")
+        data["metadata"] = self.metadata
+        return data
+
+
+class TaskFileError(ValueError):
+    """A task file that cannot be loaded; the message names the file, line and field."""
+
+    def __init__(self, path: Path, message: str, line: int | None = None) -> None:
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        super().__init__(f"{where}: {message}")
+        self.path = path
+        self.line = line
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors(include_url=False):
+        message = str(item["msg"]).removeprefix("Value error, ")
+        loc = tuple(item["loc"])
+        kind = item["type"]
+        # A discriminated union puts the tag into the location; drop it.
+        if len(loc) > 1 and loc[0] == "evaluator" and loc[1] in _EVALUATOR_TYPES:
+            loc = (loc[0], *loc[2:])
+        if kind == "missing":
+            message = "missing (required)"
+        elif kind == "extra_forbidden":
+            message = "unknown field"
+        elif kind == "union_tag_not_found":
+            loc = (*loc, "type")
+            message = "missing (required; one of " + ", ".join(map(repr, _EVALUATOR_TYPES)) + ")"
+        elif kind == "union_tag_invalid":
+            loc = (*loc, "type")
+            tag = item.get("ctx", {}).get("tag", item.get("input"))
+            message = f"unknown evaluator type {tag!r}; expected one of " + ", ".join(
+                map(repr, _EVALUATOR_TYPES)
+            )
+        elif kind == "model_attributes_type" and loc == ("evaluator",):
+            message = "should be a JSON object with a 'type'"
+        field = _location(loc)
+        parts.append(f"field {field!r}: {message}" if field else message)
+    return "; ".join(dict.fromkeys(parts))
+
+
+def parse_task_line(
+    text: str,
+    path: Path | str = "<tasks>",
+    line: int | None = None,
+    *,
+    base_dir: Path | str | None = None,
+) -> Task:
+    """Parse one task line; errors are :class:`TaskFileError` naming ``path:line`` and field.
+
+    A relative ``workspace_template`` resolves against ``base_dir`` (default: the
+    directory of ``path``).
+    """
+    path = Path(path)
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TaskFileError(path, f"invalid JSON: {error}", line) from None
+    if not isinstance(data, dict):
+        raise TaskFileError(path, f"expected a JSON object, got {type(data).__name__}", line)
+    base = Path(base_dir) if base_dir is not None else path.parent
+    try:
+        return Task.model_validate(data, context={"base_dir": base})
+    except ValidationError as error:
+        raise TaskFileError(path, _describe(error), line) from None
+
+
+def load_tasks(path: Path | str) -> list[Task]:
+    """Read every task of a JSONL task file.
+
+    Blank lines and ``#`` comment lines are skipped.  Raises :class:`TaskFileError` for
+    the first bad line, a duplicate id (naming both lines), or a file without tasks.
+    """
+    path = Path(path)
+    base_dir = path.parent.resolve()
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    try:
+        stream = path.open(encoding="utf-8")
+    except OSError as error:
+        raise TaskFileError(path, f"cannot open: {error.strerror or error}") from None
+    with stream:
+        for number, text in enumerate(stream, start=1):
+            stripped = text.strip()
+            if not stripped or stripped.startswith("#"):
+                continue
+            task = parse_task_line(text, path, number, base_dir=base_dir)
+            if task.id in seen:
+                raise TaskFileError(
+                    path,
+                    f"field 'id': duplicate id {task.id!r} (first on line {seen[task.id]})",
+                    number,
+                )
+            seen[task.id] = number
+            tasks.append(task)
+    if not tasks:
+        raise TaskFileError(path, "empty task file: no tasks")
+    return tasks
+
+
+def dump_tasks(path: Path | str, tasks: Iterable[Task]) -> None:
+    """Write ``tasks`` to ``path`` (replacing it), one JSON line each.
+
+    Templates inside the file's directory are written relative to it, others absolute,
+    so :func:`load_tasks` reads back equal tasks.  Raises ``ValueError`` for duplicate
+    ids, which :func:`load_tasks` would reject.
+    """
+    path = Path(path)
+    tasks = list(tasks)
+    ids = [task.id for task in tasks]
+    duplicates = sorted({task_id for task_id in ids if ids.count(task_id) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate task ids: {', '.join(duplicates)}")
+    base_dir = path.parent.resolve()
+    with path.open("w", encoding="utf-8") as stream:
+        for task in tasks:
+            stream.write(json.dumps(task.to_json_dict(base_dir), ensure_ascii=False) + "\n")
+
+
+def example_tasks_path() -> Path:
+    """The bundled example dataset: eight two-digit additions answered in answer.txt."""
+    return Path(str(resources.files("qwengyre.rollout").joinpath("example_tasks.jsonl")))
