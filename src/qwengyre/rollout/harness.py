@@ -1,0 +1,587 @@
+"""Harness launching: run a black-box agent program (or a Python coroutine) for one execution.
+
+A harness reaches the model only through qwengyre's proxy. :func:`run_harness` starts the
+harness as a subprocess in ``workspace`` with the proxy's per-execution URL and key under
+both the Anthropic and the OpenAI variable names, sends its output straight to files, and
+waits until it exits, its deadline passes, or the caller cancels it. On deadline or cancel
+the harness's whole process group is killed (SIGTERM, then SIGKILL after a grace period),
+so tools the agent started die with it; the child is always reaped.
+
+Command templates (:class:`HarnessSpec`) are ``str.format`` templates over a fixed set of
+names (:data:`PLACEHOLDERS`); the values (e.g. the task instructions) are never themselves
+formatted, so braces in them are harmless. A literal brace in a template is written
+``{{`` / ``}}``.
+
+Limits of the isolation: the harness gets its own session (``start_new_session=True``),
+and a program that deliberately leaves it (``setsid``, double fork into a new session)
+escapes the group kill; containers or cgroups are the tool for hostile harnesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import string
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+try:  # POSIX only; resource limits are skipped where it is missing.
+    import resource as _resource
+except ImportError:  # pragma: no cover - non-POSIX
+    _resource = None  # type: ignore[assignment]
+
+__all__ = [
+    "BASE_ENV_NAMES",
+    "PLACEHOLDERS",
+    "HarnessContext",
+    "HarnessRun",
+    "HarnessSpec",
+    "PythonHarness",
+    "claude_code_spec",
+    "harness_env",
+    "mini_swe_agent_spec",
+    "render_command",
+    "run_harness",
+    "run_python_harness",
+]
+
+#: Names a command or env template may use.
+#: ``home_dir`` is a private per-execution directory (created by :func:`run_harness`,
+#: default ``logs_dir / "home"``) for the harness's HOME, config and temp files.
+PLACEHOLDERS: frozenset[str] = frozenset(
+    {"instructions", "workspace", "base_url", "openai_base_url", "execution_id", "home_dir"}
+)
+
+#: Variables inherited from qwengyre's own environment (HOME only unless the spec sets it).
+BASE_ENV_NAMES: tuple[str, ...] = ("PATH", "LANG", "HOME")
+
+DEFAULT_KILL_GRACE_S = 5.0
+
+
+def _check_template(template: str, where: str) -> None:
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"{where}: malformed template {template!r}: {exc}") from exc
+    allowed = ", ".join(sorted(PLACEHOLDERS))
+    for _literal, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if name not in PLACEHOLDERS:
+            raise ValueError(
+                f"{where}: unknown placeholder {{{name}}} in {template!r}; allowed: {allowed}"
+            )
+        if spec or conversion:
+            raise ValueError(
+                f"{where}: placeholder {{{name}}} in {template!r} must not carry a format "
+                "spec or conversion"
+            )
+
+
+@dataclass(frozen=True)
+class HarnessSpec:
+    """How to launch one kind of harness.
+
+    ``command`` is an argv template; ``env`` holds extra variables whose values are
+    templates too. ``deadline_s`` is the harness deadline (wall clock, from launch);
+    ``memory_limit_mb`` sets RLIMIT_AS and ``cpu_limit_s`` RLIMIT_CPU where the OS has
+    them; ``kill_grace_s`` is the SIGTERM-to-SIGKILL grace period.
+    """
+
+    command: tuple[str, ...]
+    deadline_s: float
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    memory_limit_mb: int | None = None
+    cpu_limit_s: int | None = None
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S
+
+    def __post_init__(self) -> None:
+        command = tuple(self.command)
+        if not command:
+            raise ValueError("HarnessSpec.command must not be empty")
+        for item in command:
+            if not isinstance(item, str):
+                raise TypeError(f"HarnessSpec.command items must be str, got {item!r}")
+            _check_template(item, "HarnessSpec.command")
+        object.__setattr__(self, "command", command)
+        env = dict(self.env)
+        for key, value in env.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"HarnessSpec.env must map str to str, got {key!r}: {value!r}")
+            _check_template(value, f"HarnessSpec.env[{key!r}]")
+        object.__setattr__(self, "env", env)
+        if not (isinstance(self.deadline_s, int | float) and math.isfinite(self.deadline_s)):
+            raise ValueError(f"deadline_s must be a finite number, got {self.deadline_s!r}")
+        if self.deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s!r}")
+        if not (math.isfinite(self.kill_grace_s) and self.kill_grace_s >= 0):
+            raise ValueError(f"kill_grace_s must be >= 0, got {self.kill_grace_s!r}")
+        for name in ("memory_limit_mb", "cpu_limit_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class HarnessRun:
+    """How one harness run ended.
+
+    ``exit_code`` is the child's return code (negative: killed by that signal), or None
+    when a Python harness did not finish. ``timed_out`` / ``cancelled`` say why qwengyre
+    stopped it (never both). Times are ``time.monotonic()`` readings. ``error`` is a short
+    reason when the harness could not run or raised.
+    """
+
+    exit_code: int | None
+    timed_out: bool
+    cancelled: bool
+    started_s: float
+    ended_s: float
+    stdout_path: Path | None
+    stderr_path: Path | None
+    error: str | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return self.ended_s - self.started_s
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.cancelled
+
+
+def _openai_base_url(base_url: str) -> str:
+    return base_url.rstrip("/") + "/v1"
+
+
+def _values(
+    *,
+    instructions: str,
+    workspace: Path,
+    base_url: str,
+    execution_id: str,
+    home_dir: Path,
+) -> dict[str, str]:
+    return {
+        "instructions": instructions,
+        "workspace": str(workspace),
+        "base_url": base_url.rstrip("/"),
+        "openai_base_url": _openai_base_url(base_url),
+        "execution_id": execution_id,
+        "home_dir": str(home_dir),
+    }
+
+
+def render_command(spec: HarnessSpec, values: Mapping[str, str]) -> list[str]:
+    """The argv for ``spec`` with the placeholders filled from ``values``."""
+    return [item.format_map(values) for item in spec.command]
+
+
+def harness_env(
+    spec: HarnessSpec,
+    values: Mapping[str, str],
+    *,
+    api_key: str,
+    base_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The harness's environment: a minimal inherited base, ``spec.env``, then the proxy
+    variables (last, so a spec cannot point the harness past the proxy)."""
+    source = os.environ if base_env is None else base_env
+    env = {name: source[name] for name in BASE_ENV_NAMES if name in source}
+    env.update({key: value.format_map(values) for key, value in spec.env.items()})
+    env.update(
+        {
+            "ANTHROPIC_BASE_URL": values["base_url"],
+            "ANTHROPIC_API_KEY": api_key,
+            "OPENAI_BASE_URL": values["openai_base_url"],
+            "OPENAI_API_KEY": api_key,
+            "QWENGYRE_EXECUTION_ID": values["execution_id"],
+        }
+    )
+    return env
+
+
+def _limits_preexec(spec: HarnessSpec) -> Callable[[], None] | None:
+    """A ``preexec_fn`` setting the spec's rlimits in the child, or None.
+
+    Caveat: ``preexec_fn`` runs between fork and exec, which CPython documents as unsafe
+    when the parent has threads (a lock held by another thread at fork time stays held
+    in the child). The function here only calls ``setrlimit`` (a plain syscall, no
+    Python-level locks, no allocation-heavy work), which is the accepted narrow use.
+    It is only passed when a limit is actually set. Setting the limits on the child
+    after start (``prlimit``) would race with the harness's first allocations.
+    """
+    if _resource is None or (spec.memory_limit_mb is None and spec.cpu_limit_s is None):
+        return None
+    res = _resource
+    limits: list[tuple[int, int]] = []
+    if spec.memory_limit_mb is not None and hasattr(res, "RLIMIT_AS"):
+        size = spec.memory_limit_mb * 1024 * 1024
+        limits.append((res.RLIMIT_AS, size))
+    if spec.cpu_limit_s is not None and hasattr(res, "RLIMIT_CPU"):
+        limits.append((res.RLIMIT_CPU, spec.cpu_limit_s))
+    if not limits:
+        return None
+
+    def preexec() -> None:
+        for which, value in limits:
+            res.setrlimit(which, (value, value))
+
+    return preexec
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+async def _terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM the group, wait up to ``grace_s`` for the leader, SIGKILL the group, reap."""
+    pgid = proc.pid  # start_new_session: the child leads its own group.
+    _killpg(pgid, signal.SIGTERM)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(proc.wait(), timeout=grace_s)
+    _killpg(pgid, signal.SIGKILL)  # stragglers in the group, or a leader ignoring TERM
+    await proc.wait()
+
+
+async def run_harness(
+    spec: HarnessSpec,
+    *,
+    workspace: Path,
+    logs_dir: Path,
+    execution_id: str,
+    base_url: str,
+    api_key: str,
+    instructions: str,
+    cancel: asyncio.Event | None = None,
+    home_dir: Path | None = None,
+) -> HarnessRun:
+    """Run ``spec`` for one execution and return how it ended.
+
+    ``base_url`` is the proxy's per-execution prefix URL (``http://127.0.0.1:P/x/ex_1``);
+    the harness sees it as ``ANTHROPIC_BASE_URL`` and, with ``/v1`` appended, as
+    ``OPENAI_BASE_URL``. stdout/stderr go to ``logs_dir/stdout.log`` / ``stderr.log``.
+    Returns when the harness exits, ``spec.deadline_s`` passes (``timed_out``) or
+    ``cancel`` is set (``cancelled``); in the latter two cases the whole process group is
+    killed. If the calling task itself is cancelled, the group is killed and reaped
+    before the CancelledError propagates. After the harness ends, any process it left in
+    its group is killed too, so no orphans survive a run.
+    """
+    workspace = Path(workspace)
+    logs_dir = Path(logs_dir)
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    home = Path(home_dir) if home_dir is not None else logs_dir / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    stdout_path, stderr_path = logs_dir / "stdout.log", logs_dir / "stderr.log"
+    values = _values(
+        instructions=instructions,
+        workspace=workspace,
+        base_url=base_url,
+        execution_id=execution_id,
+        home_dir=home,
+    )
+    argv = render_command(spec, values)
+    env = harness_env(spec, values, api_key=api_key)
+    kwargs: dict[str, Any] = {}
+    preexec = _limits_preexec(spec)
+    if preexec is not None:
+        kwargs["preexec_fn"] = preexec
+
+    started = time.monotonic()
+    with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=workspace,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+                **kwargs,
+            )
+        except OSError as exc:  # missing binary, bad cwd, exec failure
+            err.write(f"qwengyre: could not start harness {argv[0]!r}: {exc}\n".encode())
+            return HarnessRun(
+                exit_code=None,
+                timed_out=False,
+                cancelled=False,
+                started_s=started,
+                ended_s=time.monotonic(),
+                stdout_path=stdout_path,
+                stderr_path=stderr_path,
+                error=f"could not start harness: {exc}",
+            )
+
+    timed_out = cancelled = False
+    wait_task: asyncio.Task[int] = asyncio.ensure_future(proc.wait())
+    cancel_task: asyncio.Task[bool] | None = (
+        asyncio.ensure_future(cancel.wait()) if cancel is not None else None
+    )
+    try:
+        waiting: set[asyncio.Future[Any]] = {wait_task}
+        if cancel_task is not None:
+            waiting.add(cancel_task)
+        remaining = spec.deadline_s - (time.monotonic() - started)
+        done, _ = await asyncio.wait(
+            waiting, timeout=max(0.0, remaining), return_when=asyncio.FIRST_COMPLETED
+        )
+        if wait_task not in done:
+            if cancel_task is not None and cancel_task in done:
+                cancelled = True
+            else:
+                timed_out = True
+            await _terminate_group(proc, spec.kill_grace_s)
+        else:
+            _killpg(proc.pid, signal.SIGKILL)  # leftovers of a harness that exited
+    except BaseException:
+        # Our caller was cancelled (or something broke): never leave the harness behind.
+        _killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(proc.wait())
+        raise
+    finally:
+        for task in (wait_task, cancel_task):
+            if task is not None and not task.done():
+                task.cancel()
+    return HarnessRun(
+        exit_code=proc.returncode,
+        timed_out=timed_out,
+        cancelled=cancelled,
+        started_s=started,
+        ended_s=time.monotonic(),
+        stdout_path=stdout_path,
+        stderr_path=stderr_path,
+    )
+
+
+# --- presets --------------------------------------------------------------------------
+
+
+def claude_code_spec(
+    binary: str = "claude",
+    tools: str | None = "Bash,Read,Edit,Write",
+    *,
+    deadline_s: float = 1800.0,
+    model: str | None = None,
+    memory_limit_mb: int | None = None,
+    cpu_limit_s: int | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> HarnessSpec:
+    """Claude Code in print mode, as measured in HARNESSES.md.
+
+    ``tools=None`` runs ``--bare`` (3 tools, small requests) instead of ``--tools``.
+    HOME, CLAUDE_CONFIG_DIR and CLAUDE_CODE_TMPDIR live in the per-execution
+    ``{home_dir}``; IS_SANDBOX=1 lets ``--dangerously-skip-permissions`` run as root.
+    The proxy URL/key arrive as ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY.
+    No memory limit by default: RLIMIT_AS is a poor fit for Node's large reservations.
+    """
+    command: list[str] = [
+        binary,
+        "-p",
+        "{instructions}",
+        "--dangerously-skip-permissions",
+        "--output-format",
+        "stream-json",
+        "--verbose",
+    ]
+    if model is not None:
+        command += ["--model", _escape(model)]
+    command += ["--bare"] if tools is None else ["--tools", _escape(tools)]
+    env = {
+        "HOME": "{home_dir}",
+        "CLAUDE_CONFIG_DIR": "{home_dir}/.claude",
+        "CLAUDE_CODE_TMPDIR": "{home_dir}",
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "IS_SANDBOX": "1",
+    }
+    env.update(extra_env or {})
+    return HarnessSpec(
+        command=tuple(command),
+        env=env,
+        deadline_s=deadline_s,
+        memory_limit_mb=memory_limit_mb,
+        cpu_limit_s=cpu_limit_s,
+    )
+
+
+def mini_swe_agent_spec(
+    binary: str = "mini",
+    model: str = "openai/qwengyre",
+    config: str = "mini.yaml",
+    *,
+    deadline_s: float = 1800.0,
+    memory_limit_mb: int | None = None,
+    cpu_limit_s: int | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> HarnessSpec:
+    """mini-swe-agent (litellm, OpenAI chat completions), as measured in HARNESSES.md.
+
+    The API base is passed on the command line (``{openai_base_url}``); the key travels
+    only in OPENAI_API_KEY (which litellm reads for ``openai/`` models), so it never
+    shows in the process list. The trajectory is written to ``{home_dir}/traj.json``.
+    """
+    command = (
+        binary,
+        "-m",
+        _escape(model),
+        "-t",
+        "{instructions}",
+        "-y",
+        "--exit-immediately",
+        "-c",
+        _escape(config),
+        "-c",
+        "model.model_kwargs.api_base={openai_base_url}",
+        "-o",
+        "{home_dir}/traj.json",
+    )
+    env = {
+        "HOME": "{home_dir}",
+        "MSWEA_CONFIGURED": "true",
+        "MSWEA_GLOBAL_CONFIG_DIR": "{home_dir}/mini-swe-agent",
+        "MSWEA_COST_TRACKING": "ignore_errors",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "MSWEA_SILENT_STARTUP": "1",
+    }
+    env.update(extra_env or {})
+    return HarnessSpec(
+        command=command,
+        env=env,
+        deadline_s=deadline_s,
+        memory_limit_mb=memory_limit_mb,
+        cpu_limit_s=cpu_limit_s,
+    )
+
+
+def _escape(literal: str) -> str:
+    """A literal value made safe to embed in a template."""
+    return literal.replace("{", "{{").replace("}", "}}")
+
+
+# --- Python harnesses -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HarnessContext:
+    """What a Python harness gets: the same facts a subprocess harness sees."""
+
+    workspace: Path
+    base_url: str
+    openai_base_url: str
+    api_key: str
+    execution_id: str
+    instructions: str
+    logs_dir: Path | None = None
+
+
+class PythonHarness(Protocol):
+    """An in-process harness: an async callable that works in ``ctx.workspace`` and talks
+    to the model only at ``ctx.base_url`` / ``ctx.openai_base_url``."""
+
+    def __call__(self, ctx: HarnessContext) -> Awaitable[None]: ...
+
+
+async def run_python_harness(
+    fn: PythonHarness,
+    *,
+    deadline_s: float,
+    workspace: Path,
+    execution_id: str,
+    base_url: str,
+    api_key: str,
+    instructions: str,
+    logs_dir: Path | None = None,
+    cancel: asyncio.Event | None = None,
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+) -> HarnessRun:
+    """Run ``fn(ctx)`` under the same deadline/cancel rules as :func:`run_harness`.
+
+    On deadline or cancel the coroutine is cancelled and given ``kill_grace_s`` to unwind
+    (a coroutine cannot be killed harder; one that swallows cancellation is abandoned
+    and reported with ``error``). ``exit_code`` is 0 on success, 1 when ``fn`` raised
+    (the traceback goes to ``logs_dir/stderr.log`` when ``logs_dir`` is given, and its
+    last line to ``error``), None when it was stopped.
+    """
+    if not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise ValueError(f"deadline_s must be a finite number > 0, got {deadline_s!r}")
+    stderr_path: Path | None = None
+    if logs_dir is not None:
+        logs_dir = Path(logs_dir)
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        stderr_path = logs_dir / "stderr.log"
+    ctx = HarnessContext(
+        workspace=Path(workspace),
+        base_url=base_url.rstrip("/"),
+        openai_base_url=_openai_base_url(base_url),
+        api_key=api_key,
+        execution_id=execution_id,
+        instructions=instructions,
+        logs_dir=logs_dir,
+    )
+
+    async def call() -> None:
+        await fn(ctx)
+
+    started = time.monotonic()
+    task: asyncio.Task[None] = asyncio.ensure_future(call())
+    cancel_task: asyncio.Task[bool] | None = (
+        asyncio.ensure_future(cancel.wait()) if cancel is not None else None
+    )
+    timed_out = cancelled = False
+    exit_code: int | None = None
+    error: str | None = None
+    try:
+        waiting: set[asyncio.Future[Any]] = {task}
+        if cancel_task is not None:
+            waiting.add(cancel_task)
+        done, _ = await asyncio.wait(
+            waiting, timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if task not in done:
+            if cancel_task is not None and cancel_task in done:
+                cancelled = True
+            else:
+                timed_out = True
+            task.cancel()
+            finished, _ = await asyncio.wait({task}, timeout=kill_grace_s)
+            if task not in finished:
+                error = "harness ignored cancellation; abandoned"
+            elif not task.cancelled() and task.exception() is None:
+                exit_code = 0  # it finished its work while being stopped
+        elif task.cancelled():
+            exit_code, error = None, "harness cancelled itself"
+        elif (exc := task.exception()) is not None:
+            exit_code = 1
+            error = "".join(traceback.format_exception_only(exc)).strip()
+            if stderr_path is not None:
+                stderr_path.write_text("".join(traceback.format_exception(exc)))
+        else:
+            exit_code = 0
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        if cancel_task is not None and not cancel_task.done():
+            cancel_task.cancel()
+    return HarnessRun(
+        exit_code=exit_code,
+        timed_out=timed_out,
+        cancelled=cancelled,
+        started_s=started,
+        ended_s=time.monotonic(),
+        stdout_path=None,
+        stderr_path=stderr_path,
+        error=error,
+    )
