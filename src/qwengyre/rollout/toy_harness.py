@@ -1,0 +1,352 @@
+"""A bundled toy harness: a small multi-turn tool-using agent that talks to the proxy.
+
+It exists so tests and the demo get trajectory trees with every request class without
+installing a real agent. The agent speaks the OpenAI Chat Completions API (non-streaming,
+over aiohttp; no SDK) and has two tools:
+
+* ``write_file {path, content}`` writes a file inside the workspace (absolute paths and
+  ``..`` are refused);
+* ``delegate {task}`` runs a sub-agent: a separate conversation with its own system
+  prompt, sent with the header ``x-claude-code-agent-id: sub-<n>`` and the tool
+  ``write_file``, for up to :data:`SUBAGENT_MAX_TURNS` turns; its final text is the
+  tool result.
+
+Once the main conversation holds at least :data:`COMPACT_AFTER` messages after the first
+user turn, it compacts exactly once, as Claude Code does: it sends the history plus a
+user message starting ``CRITICAL: Respond with TEXT ONLY`` (no tools), then restarts
+from ``[system, user: "This session is being continued ... Summary: ..."]``. So one
+execution records ``main.task``, ``sub.task`` and ``main.summary`` calls, and a tree
+with several roots (main, sub-agent, post-compaction main).
+
+Run as ``python -m qwengyre.rollout.toy_harness "<instructions>"`` with
+``OPENAI_BASE_URL`` (ending in ``/v1``) and ``OPENAI_API_KEY`` set; the workspace is
+the current directory. Exit status 0 when the model finished (answered without tool
+calls), 1 otherwise (turn limit, or model calls kept failing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+__all__ = [
+    "COMPACTION_PROMPT",
+    "ModelCallError",
+    "ToyResult",
+    "main",
+    "run_toy_agent",
+    "write_file",
+]
+
+SYSTEM_PROMPT = (
+    "You are a careful coding agent working in a workspace directory. Use write_file to "
+    "create files and delegate to hand a self-contained sub-task to a helper. When the "
+    "task is complete, answer with a short final message and no tool calls."
+)
+SUBAGENT_PROMPT = (
+    "You are a helper agent. Complete the sub-task you are given, using write_file if "
+    "needed, then reply with a short report and no tool calls."
+)
+COMPACTION_PROMPT = (
+    "CRITICAL: Respond with TEXT ONLY. Summarise the work so far. Do not call any tools."
+)
+CONTINUATION = (
+    "This session is being continued from a previous conversation. "
+    "Summary: {summary}\n\nTask: {task}"
+)
+SUBAGENT_HEADER = "x-claude-code-agent-id"
+COMPACT_AFTER = 4
+"""Messages after the first user turn that trigger the (single) compaction."""
+SUBAGENT_MAX_TURNS = 3
+MAX_RETRIES = 3
+"""Retries of one model call after a 5xx, a 429 or a connection error."""
+
+WRITE_FILE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "description": "Write a text file inside the workspace (relative path).",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "description": "Relative path in the workspace"},
+                "content": {"type": "string"},
+            },
+            "required": ["path", "content"],
+        },
+    },
+}
+DELEGATE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "delegate",
+        "description": "Hand a self-contained sub-task to a helper agent; returns its report.",
+        "parameters": {
+            "type": "object",
+            "properties": {"task": {"type": "string"}},
+            "required": ["task"],
+        },
+    },
+}
+
+
+class ModelCallError(RuntimeError):
+    """A model call failed for good (non-retryable status, or retries exhausted)."""
+
+
+@dataclass
+class ToyResult:
+    turns: int
+    """Task-driving calls of the main agent."""
+    calls: int
+    """All model calls: main turns, the summary and sub-agent calls."""
+    compacted: bool
+    subagent_calls: int
+    final_text: str
+    finished: bool = False
+    """True when the model ended with an answer without tool calls (exit status 0)."""
+
+
+def write_file(workspace: Path, path: Any, content: Any) -> str:
+    """Write ``content`` to ``path`` inside ``workspace``; an error string when refused."""
+    if not isinstance(path, str) or not path.strip():
+        return "error: write_file needs a non-empty string 'path'"
+    if not isinstance(content, str):
+        return "error: write_file needs a string 'content'"
+    rel = Path(path)
+    if rel.is_absolute() or path.startswith(("/", "\\")) or ".." in rel.parts:
+        return f"error: refused path {path!r}: use a relative path inside the workspace"
+    root = workspace.resolve()
+    target = (root / rel).resolve()
+    if target != root and root not in target.parents:
+        return f"error: refused path {path!r}: it leaves the workspace"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content)
+    except OSError as exc:
+        return f"error: cannot write {path!r}: {exc}"
+    return f"wrote {len(content)} characters to {path}"
+
+
+class _Client:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        api_key: str,
+        model: str,
+        backoff_s: float,
+    ) -> None:
+        self.session = session
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.api_key = api_key
+        self.model = model
+        self.backoff_s = backoff_s
+        self.calls = 0
+
+    async def complete(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """The reply message (``choices[0].message``) of one model call, with retries."""
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        if tools:
+            body["tools"] = tools
+        all_headers = {"authorization": f"Bearer {self.api_key}", **(headers or {})}
+        self.calls += 1
+        problem = ""
+        for attempt in range(MAX_RETRIES + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                async with self.session.post(self.url, json=body, headers=all_headers) as resp:
+                    text = await resp.text()
+                    if resp.status == 429 or resp.status >= 500:
+                        problem = f"HTTP {resp.status}: {text[:300]}"
+                        continue
+                    if resp.status != 200:
+                        raise ModelCallError(f"model call failed: HTTP {resp.status}: {text[:300]}")
+                    try:
+                        message = json.loads(text)["choices"][0]["message"]
+                    except (ValueError, KeyError, IndexError, TypeError) as exc:
+                        raise ModelCallError(f"malformed model reply: {text[:300]}") from exc
+                    if not isinstance(message, dict):
+                        raise ModelCallError(f"malformed model reply: {text[:300]}")
+                    return message
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        raise ModelCallError(f"model call failed after {MAX_RETRIES} retries: {problem}")
+
+
+def _assistant_message(reply: dict[str, Any]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or ""}
+    if reply.get("tool_calls"):
+        message["tool_calls"] = reply["tool_calls"]
+    return message
+
+
+def _arguments(call: dict[str, Any]) -> tuple[str, dict[str, Any] | str]:
+    """(tool name, arguments) of a tool call; the arguments are an error string when bad."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return "", "error: malformed tool call"
+    name = str(function.get("name") or "")
+    raw = function.get("arguments")
+    if isinstance(raw, dict):
+        return name, raw
+    try:
+        args = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
+    except ValueError as exc:
+        return name, f"error: arguments are not valid JSON: {exc}"
+    if not isinstance(args, dict):
+        return name, "error: arguments must be a JSON object"
+    return name, args
+
+
+class _Agent:
+    def __init__(self, client: _Client, workspace: Path) -> None:
+        self.client = client
+        self.workspace = workspace
+        self.subagents = 0
+        self.subagent_calls = 0
+
+    async def run_tool(self, call: dict[str, Any], *, allow_delegate: bool) -> str:
+        name, args = _arguments(call)
+        if isinstance(args, str):
+            return args
+        if name == "write_file":
+            return write_file(self.workspace, args.get("path"), args.get("content"))
+        if name == "delegate" and allow_delegate:
+            task = args.get("task")
+            if not isinstance(task, str) or not task.strip():
+                return "error: delegate needs a non-empty string 'task'"
+            return await self.delegate(task)
+        return f"error: unknown tool {name!r}"
+
+    async def tool_results(
+        self, reply: dict[str, Any], *, allow_delegate: bool
+    ) -> list[dict[str, Any]]:
+        results = []
+        for i, call in enumerate(reply.get("tool_calls") or ()):
+            output = await self.run_tool(call, allow_delegate=allow_delegate)
+            call_id = call.get("id") if isinstance(call, dict) else None
+            results.append(
+                {"role": "tool", "tool_call_id": str(call_id or f"call_{i}"), "content": output}
+            )
+        return results
+
+    async def delegate(self, task: str) -> str:
+        self.subagents += 1
+        headers = {SUBAGENT_HEADER: f"sub-{self.subagents}"}
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SUBAGENT_PROMPT},
+            {"role": "user", "content": task},
+        ]
+        last = ""
+        for _ in range(SUBAGENT_MAX_TURNS):
+            reply = await self.client.complete(messages, [WRITE_FILE_TOOL], headers)
+            self.subagent_calls += 1
+            last = str(reply.get("content") or "")
+            if not reply.get("tool_calls"):
+                return last or "(the sub-agent gave no report)"
+            messages.append(_assistant_message(reply))
+            messages += await self.tool_results(reply, allow_delegate=False)
+        return f"(the sub-agent stopped after {SUBAGENT_MAX_TURNS} turns) {last}".rstrip()
+
+
+async def run_toy_agent(
+    base_url: str,
+    api_key: str,
+    instructions: str,
+    workspace: Path,
+    *,
+    max_turns: int = 8,
+    model: str = "qwengyre",
+    retry_backoff_s: float = 0.5,
+    timeout_s: float = 300.0,
+) -> ToyResult:
+    """Run the toy agent against an OpenAI-compatible ``base_url`` (ending in ``/v1``).
+
+    Raises :class:`ModelCallError` when a model call fails for good.
+    """
+    workspace = Path(workspace)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        client = _Client(session, base_url, api_key, model, retry_backoff_s)
+        agent = _Agent(client, workspace)
+        tools = [WRITE_FILE_TOOL, DELEGATE_TOOL]
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": instructions},
+        ]
+        compacted = finished = False
+        turns = 0
+        final = ""
+        while turns < max_turns:
+            if not compacted and len(messages) - 2 >= COMPACT_AFTER:
+                summary_reply = await client.complete(
+                    [*messages, {"role": "user", "content": COMPACTION_PROMPT}], None
+                )
+                summary = str(summary_reply.get("content") or "").strip()
+                messages = [
+                    messages[0],
+                    {
+                        "role": "user",
+                        "content": CONTINUATION.format(summary=summary, task=instructions),
+                    },
+                ]
+                compacted = True
+            reply = await client.complete(messages, tools)
+            turns += 1
+            final = str(reply.get("content") or "")
+            if not reply.get("tool_calls"):
+                finished = True
+                break
+            messages.append(_assistant_message(reply))
+            messages += await agent.tool_results(reply, allow_delegate=True)
+        return ToyResult(
+            turns=turns,
+            calls=client.calls,
+            compacted=compacted,
+            subagent_calls=agent.subagent_calls,
+            final_text=final,
+            finished=finished,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    base_url = os.environ.get("OPENAI_BASE_URL", "")
+    api_key = os.environ.get("OPENAI_API_KEY", "")
+    if not args or not base_url or not api_key:
+        print(
+            "usage: OPENAI_BASE_URL=... OPENAI_API_KEY=... "
+            "python -m qwengyre.rollout.toy_harness INSTRUCTIONS",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        result = asyncio.run(run_toy_agent(base_url, api_key, args[0], Path.cwd()))
+    except ModelCallError as exc:
+        print(f"toy harness: giving up: {exc}", file=sys.stderr)
+        return 1
+    print(result.final_text)
+    print(
+        f"toy harness: turns={result.turns} calls={result.calls} compacted={result.compacted} "
+        f"subagent_calls={result.subagent_calls} finished={result.finished}",
+        file=sys.stderr,
+    )
+    return 0 if result.finished else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
