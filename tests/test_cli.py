@@ -194,3 +194,28 @@ def test_proxy_serve_scripted_needs_a_script(tmp_path: Path, tiny_model_dir: Pat
 def test_engine_serve_refuses_a_missing_model_dir(tmp_path: Path):
     out = run("engine", "serve", "--model", str(tmp_path / "nope"))
     assert out.returncode != 0 and "not a HuggingFace model directory" in out.stderr
+
+
+def test_rollout_cli_on_the_bundled_example(tmp_path: Path, tiny_model_dir: Path):
+    out = run(
+        "rollout",
+        "--model",
+        str(tiny_model_dir),
+        "--tasks",
+        "example",
+        "--harness",
+        "toy",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--executions-per-task",
+        "1",
+        "--concurrency",
+        "4",
+        "--harness-timeout",
+        "60",
+        "--overall-timeout",
+        "90",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "8 executions" in out.stdout
+    assert len((tmp_path / "run" / "traces.jsonl").read_text().splitlines()) == 8

@@ -126,6 +126,31 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from qwengyre.rollout.runner import RolloutOptions, rollout, summary
+    from qwengyre.rollout.tasks import example_tasks_path
+
+    tasks = example_tasks_path() if args.tasks == "example" else Path(args.tasks)
+    options = RolloutOptions(
+        model=Path(args.model),
+        tasks=tasks,
+        harness=args.harness,
+        run_dir=Path(args.run_dir),
+        executions_per_task=args.executions_per_task,
+        concurrency=args.concurrency,
+        harness_s=args.harness_timeout,
+        overall_s=args.overall_timeout,
+        resume=args.resume,
+        device=args.device,
+    )
+    rows = asyncio.run(rollout(options))
+    print(summary(rows))
+    print(f"store {options.run_dir / 'proxy.sqlite'}, traces {options.run_dir / 'traces.jsonl'}")
+    return 0
+
+
 def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     from qwengyre.models import build_tiny_model
 
@@ -178,6 +203,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-token", help="admin API token (default: generated, printed)")
     serve.add_argument("--max-context", type=int, help="default: the model's limit")
     serve.set_defaults(func=cmd_proxy_serve)
+
+    roll = sub.add_parser(
+        "rollout", help="run a task set's executions through the proxy (no training)"
+    )
+    roll.add_argument("--model", required=True, help="HF model directory")
+    roll.add_argument("--tasks", required=True, help="tasks JSONL, or 'example'")
+    roll.add_argument(
+        "--harness", default="toy", help="toy, claude-code, mini-swe-agent, or a command template"
+    )
+    roll.add_argument("--run-dir", required=True)
+    roll.add_argument("--executions-per-task", type=int, default=4)
+    roll.add_argument("--concurrency", type=int, default=4)
+    roll.add_argument("--harness-timeout", type=float, default=600.0, help="seconds")
+    roll.add_argument("--overall-timeout", type=float, default=900.0, help="seconds")
+    roll.add_argument("--device", default="cpu")
+    roll.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    roll.set_defaults(func=cmd_rollout)
 
     engine = sub.add_parser("engine", help="inference engines")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="ACTION")

@@ -1,0 +1,204 @@
+"""Rollout without training: run a task set through the proxy and an engine, record everything.
+
+``qwengyre rollout`` — the evaluation mode users run on a checkpoint. For every task,
+N executions run (bounded concurrency) with a harness that reaches the model only
+through an in-process proxy (embedded engine). Each finished execution is committed to
+the run's SQLite store (the same file as the proxy's TITO records) before it counts,
+and appends one line to ``traces.jsonl`` in the simulator's replay format. With
+``resume`` a restarted run skips executions already committed and re-runs the rest
+(an execution whose harness died with the runner has no result and runs again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from qwengyre.proxy.serve import ServeOptions, build_proxy
+from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
+from qwengyre.rollout.harness import HarnessSpec, claude_code_spec, mini_swe_agent_spec
+from qwengyre.rollout.tasks import Task, load_tasks
+from qwengyre.sim.trace import TraceCall, TraceRecord, TraceWriter
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollout_results (
+    task TEXT NOT NULL, idx INTEGER NOT NULL, execution TEXT NOT NULL, outcome TEXT NOT NULL,
+    reward REAL, duration_s REAL NOT NULL, detail TEXT NOT NULL, assessments TEXT NOT NULL,
+    PRIMARY KEY (task, idx));
+"""
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    model: Path
+    tasks: Path
+    harness: str  # toy, claude-code, mini-swe-agent, or a command template
+    run_dir: Path
+    executions_per_task: int = 4
+    concurrency: int = 4
+    harness_s: float = 600.0
+    overall_s: float = 900.0
+    resume: bool = False
+    device: str = "cpu"
+
+
+def harness_spec(name: str, deadline_s: float) -> HarnessSpec:
+    """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec)."""
+    if name == "toy":
+        command = (sys.executable, "-m", "qwengyre.rollout.toy_harness", "{instructions}")
+        return HarnessSpec(command=command, deadline_s=deadline_s)
+    if name == "claude-code":
+        return claude_code_spec(deadline_s=deadline_s)
+    if name == "mini-swe-agent":
+        return mini_swe_agent_spec(deadline_s=deadline_s)
+    if "{instructions}" not in name:
+        raise ValueError(
+            f"harness {name!r}: use toy, claude-code, mini-swe-agent or a command template"
+            " containing {instructions}"
+        )
+    return HarnessSpec(command=tuple(name.split()), deadline_s=deadline_s)
+
+
+class ResultStore:
+    """Finished executions, committed before they count (WAL, like the proxy's store)."""
+
+    def __init__(self, path: Path) -> None:
+        self._db = sqlite3.connect(path, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    def done(self) -> set[tuple[str, int]]:
+        return {(t, i) for t, i in self._db.execute("SELECT task, idx FROM rollout_results")}
+
+    def add(self, index: int, result: ExecutionResult) -> None:
+        assessments = json.dumps([a.to_dict() for a in result.assessments])
+        self._db.execute(
+            "INSERT INTO rollout_results VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                result.task_id,
+                index,
+                result.execution_id,
+                result.outcome.value,
+                result.reward,
+                result.ended_s - result.started_s,
+                result.detail,
+                assessments,
+            ),
+        )
+
+    def rows(self) -> list[tuple[str, int, str, float | None]]:
+        return list(self._db.execute("SELECT task, idx, outcome, reward FROM rollout_results"))
+
+    def close(self) -> None:
+        self._db.close()
+
+
+async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | None]]:
+    """Run every (task, index) not yet committed; returns all committed results."""
+    tasks = load_tasks(options.tasks)
+    spec = harness_spec(options.harness, options.harness_s)
+    budgets = Budgets(options.harness_s, options.overall_s)
+    run_dir = options.run_dir
+    if run_dir.exists() and any(run_dir.iterdir()) and not options.resume:
+        raise ValueError(f"{run_dir} is not empty; pass --resume to continue that run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    server = build_proxy(
+        ServeOptions(model=options.model, store=run_dir, engine="embedded", device=options.device)
+    )
+    results = ResultStore(run_dir / "proxy.sqlite")
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    server.base_url = url
+    admin = {"authorization": f"Bearer {server.admin_token}"}
+    done = results.done()
+    todo = [
+        (task, group, index)
+        for group, task in enumerate(tasks)
+        for index in range(options.executions_per_task)
+        if (task.id, index) not in done
+    ]
+    start_wall = time.time()
+    limit = asyncio.Semaphore(options.concurrency)
+    try:
+        async with aiohttp.ClientSession() as http:
+            with TraceWriter(run_dir / "traces.jsonl", fsync=True) as traces:
+
+                async def one(task: Task, group: int, index: int) -> None:
+                    async with limit:
+                        async with http.post(url + "/admin/executions", headers=admin) as r:
+                            execution = await r.json()
+                        began = time.time() - start_wall
+                        result = await run_execution(
+                            task,
+                            spec,
+                            budgets,
+                            execution_id=execution["id"],
+                            run_dir=run_dir,
+                            base_url=execution["base_url"],
+                            api_key=execution["key"],
+                        )
+                        tree_url = f"{url}/admin/executions/{execution['id']}/tree"
+                        async with http.get(tree_url, headers=admin) as r:
+                            nodes = (await r.json())["nodes"]
+                        results.add(index, result)  # durable before it counts
+                        traces.write(_trace(task, group, index, result, began, nodes, start_wall))
+
+                await asyncio.gather(*(one(t, g, i) for t, g, i in todo))
+        return results.rows()
+    finally:
+        results.close()
+        await runner.cleanup()
+        server.store.close()
+
+
+def _trace(
+    task: Task,
+    group: int,
+    index: int,
+    result: ExecutionResult,
+    began: float,
+    nodes: list[dict[str, Any]],
+    start_wall: float,
+) -> TraceRecord:
+    """The execution's trace line; its calls' timings and token counts come from its tree."""
+    calls = [
+        TraceCall(
+            start_s=max(0.0, n["started_s"] - start_wall),
+            end_s=max(0.0, n["finished_s"] - start_wall),
+            input_tokens=n["usage"]["input_tokens"],
+            output_tokens=n["usage"]["output_tokens"],
+        )
+        for n in nodes
+    ]
+    duration = result.ended_s - result.started_s
+    return TraceRecord(
+        query=task.id,
+        group=group,
+        index=index,
+        start_s=began,
+        end_s=began + duration,
+        outcome=result.outcome,
+        reward=result.reward,
+        train_tokens=sum(c.output_tokens for c in calls),
+        calls=calls,
+    )
+
+
+def summary(rows: list[tuple[str, int, str, float | None]]) -> str:
+    outcomes = Counter(outcome for _, _, outcome, _ in rows)
+    rewards = [r for *_, r in rows if r is not None]
+    mean = sum(rewards) / len(rewards) if rewards else float("nan")
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
+    return f"{len(rows)} executions ({parts}); mean valid reward {mean:.3f} over {len(rewards)}"
