@@ -27,8 +27,9 @@ def test_a_missing_reward_is_not_a_zero():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match=">= 2 valid rewards"):
-        group_advantages({1: 1.0})
+    with pytest.raises(ValueError, match="at least one valid reward"):
+        group_advantages({})
+    assert group_advantages({1: 1.0}) == {1: 0.0}
     with pytest.raises(ValueError, match="finite"):
         group_advantages({1: 1.0, 2: math.nan})
 

@@ -134,3 +134,51 @@ def test_a_runner_killed_with_sigkill_resumes_without_losing_or_double_counting(
     # The store is authoritative; a kill between its commit and the trace write (one
     # synchronous step) could lose at most that one trace line.
     assert len(traced) >= len(rows) - 1
+
+
+def _options(tmp_path: Path, tiny_model_dir: Path, tasks: Path, **kw) -> RolloutOptions:  # type: ignore[no-untyped-def]
+    fields = dict(
+        model=tiny_model_dir,
+        tasks=tasks,
+        harness="toy",
+        run_dir=tmp_path / "run",
+        executions_per_task=2,
+        concurrency=2,
+        harness_s=60,
+        overall_s=90,
+    )
+    fields.update(kw)
+    return RolloutOptions(**fields)  # type: ignore[arg-type]
+
+
+def test_oversampled_surplus_is_not_launched_once_n_rewards_are_valid(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    from qwengyre.rollout.runner import ResultStore
+
+    tasks = tmp_path / "tasks.jsonl"
+    dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
+    options = _options(tmp_path, tiny_model_dir, tasks, oversample=2)
+    rows = asyncio.run(rollout(options))
+    # Two run at a time: the first to finish frees a slot for index 2 (one valid reward
+    # then); once two are valid the rest is cancelled, and index 3 never launches.
+    assert sorted(i for _, i, _, _ in rows) == [0, 1, 2]
+    store = ResultStore(options.run_dir / "proxy.sqlite")
+    ((status, advantages),) = store.groups().values()
+    assert status == "ready" and len(advantages) == 2 and set(advantages) <= {0, 1, 2}
+    store.close()
+
+
+def test_a_group_without_valid_rewards_is_dropped_not_zeroed(tmp_path: Path, tiny_model_dir: Path):
+    from qwengyre.rollout.runner import ResultStore
+    from qwengyre.rollout.tasks import CommandEvaluator, Task
+
+    broken = CommandEvaluator(type="command", command="exit 1", timeout_s=5)
+    tasks = tmp_path / "tasks.jsonl"
+    dump_tasks(tasks, [Task(id="t", instructions="x", evaluator=broken)])
+    options = _options(tmp_path, tiny_model_dir, tasks, overall_s=62)
+    rows = asyncio.run(rollout(options))
+    assert all(reward is None for *_, reward in rows) and len(rows) == 2
+    store = ResultStore(options.run_dir / "proxy.sqlite")
+    assert store.groups() == {"t": ("dropped", {})}
+    store.close()

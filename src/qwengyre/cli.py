@@ -139,6 +139,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         harness=args.harness,
         run_dir=Path(args.run_dir),
         executions_per_task=args.executions_per_task,
+        oversample=args.oversample,
+        min_valid=args.min_valid,
         concurrency=args.concurrency,
         harness_s=args.harness_timeout,
         overall_s=args.overall_timeout,
@@ -213,7 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--harness", default="toy", help="toy, claude-code, mini-swe-agent, or a command template"
     )
     roll.add_argument("--run-dir", required=True)
-    roll.add_argument("--executions-per-task", type=int, default=4)
+    roll.add_argument("--executions-per-task", type=int, default=4, help="N valid per group")
+    roll.add_argument("--oversample", type=int, default=0, help="extra executions per group")
+    roll.add_argument(
+        "--min-valid", type=int, help="train a short group with at least this many valid rewards"
+    )
     roll.add_argument("--concurrency", type=int, default=4)
     roll.add_argument("--harness-timeout", type=float, default=600.0, help="seconds")
     roll.add_argument("--overall-timeout", type=float, default=900.0, help="seconds")

@@ -16,11 +16,12 @@ def group_advantages(
 ) -> dict[int, float]:
     """``A_i = r_i - mean(r)`` (GRPO-style), optionally divided by ``std(r) + eps``.
 
-    ``rewards`` holds only valid rewards (execution id -> score). Needs at least two:
-    one reward carries no group-relative signal. Raises ValueError on non-finite scores.
+    ``rewards`` holds only valid rewards (execution id -> score); a single one gets
+    advantage 0 (no group-relative signal). Raises ValueError for no rewards or
+    non-finite scores.
     """
-    if len(rewards) < 2:
-        raise ValueError(f"a group-relative advantage needs >= 2 valid rewards, got {len(rewards)}")
+    if not rewards:
+        raise ValueError("a group-relative advantage needs at least one valid reward")
     bad = {k: v for k, v in rewards.items() if not math.isfinite(v)}
     if bad:
         raise ValueError(f"rewards must be finite numbers, got {bad}")

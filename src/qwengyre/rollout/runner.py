@@ -26,6 +26,7 @@ from aiohttp import web
 
 from qwengyre.proxy.serve import ServeOptions, build_proxy
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
+from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec, claude_code_spec, mini_swe_agent_spec
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.sim.trace import TraceCall, TraceRecord, TraceWriter
@@ -35,6 +36,8 @@ CREATE TABLE IF NOT EXISTS rollout_results (
     task TEXT NOT NULL, idx INTEGER NOT NULL, execution TEXT NOT NULL, outcome TEXT NOT NULL,
     reward REAL, duration_s REAL NOT NULL, detail TEXT NOT NULL, assessments TEXT NOT NULL,
     PRIMARY KEY (task, idx));
+CREATE TABLE IF NOT EXISTS rollout_groups (
+    task TEXT PRIMARY KEY, status TEXT NOT NULL, advantages TEXT NOT NULL);
 """
 
 
@@ -44,7 +47,10 @@ class RolloutOptions:
     tasks: Path
     harness: str  # toy, claude-code, mini-swe-agent, or a command template
     run_dir: Path
-    executions_per_task: int = 4
+    executions_per_task: int = 4  # N: valid rewards a group needs
+    oversample: int = 0  # extra executions; the surplus is cancelled once N are valid
+    min_valid: int | None = None  # a short group with >= this many valid rewards still counts
+    scale_by_std: bool = False
     concurrency: int = 4
     harness_s: float = 600.0
     overall_s: float = 900.0
@@ -99,6 +105,27 @@ class ResultStore:
     def rows(self) -> list[tuple[str, int, str, float | None]]:
         return list(self._db.execute("SELECT task, idx, outcome, reward FROM rollout_results"))
 
+    def valid(self, task: str) -> dict[int, float]:
+        """Committed valid rewards of a task's executions, by index."""
+        rows = self._db.execute(
+            "SELECT idx, reward FROM rollout_results WHERE task = ? AND reward IS NOT NULL"
+            " ORDER BY rowid",
+            (task,),
+        )
+        return dict(rows.fetchall())
+
+    def set_group(self, task: str, status: str, advantages: dict[int, float]) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO rollout_groups VALUES (?, ?, ?)",
+            (task, status, json.dumps({str(k): v for k, v in advantages.items()})),
+        )
+
+    def groups(self) -> dict[str, tuple[str, dict[int, float]]]:
+        rows = self._db.execute("SELECT task, status, advantages FROM rollout_groups")
+        return {
+            t: (status, {int(k): v for k, v in json.loads(adv).items()}) for t, status, adv in rows
+        }
+
     def close(self) -> None:
         self._db.close()
 
@@ -123,20 +150,16 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     server.base_url = url
     admin = {"authorization": f"Bearer {server.admin_token}"}
     done = results.done()
-    todo = [
-        (task, group, index)
-        for group, task in enumerate(tasks)
-        for index in range(options.executions_per_task)
-        if (task.id, index) not in done
-    ]
     start_wall = time.time()
     limit = asyncio.Semaphore(options.concurrency)
     try:
         async with aiohttp.ClientSession() as http:
             with TraceWriter(run_dir / "traces.jsonl", fsync=True) as traces:
 
-                async def one(task: Task, group: int, index: int) -> None:
+                async def one(task: Task, group: int, index: int, cancel: asyncio.Event) -> None:
                     async with limit:
+                        if cancel.is_set():
+                            return  # surplus: its group had N valid rewards before it launched
                         async with http.post(url + "/admin/executions", headers=admin) as r:
                             execution = await r.json()
                         began = time.time() - start_wall
@@ -148,6 +171,7 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
                             run_dir=run_dir,
                             base_url=execution["base_url"],
                             api_key=execution["key"],
+                            cancel=cancel,
                         )
                         tree_url = f"{url}/admin/executions/{execution['id']}/tree"
                         async with http.get(tree_url, headers=admin) as r:
@@ -155,7 +179,24 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
                         results.add(index, result)  # durable before it counts
                         traces.write(_trace(task, group, index, result, began, nodes, start_wall))
 
-                await asyncio.gather(*(one(t, g, i) for t, g, i in todo))
+                async def group_of(task: Task, group: int) -> None:
+                    n, total = options.executions_per_task, options.executions_per_task
+                    total += options.oversample
+                    cancels = {i: asyncio.Event() for i in range(total)}
+
+                    async def index(i: int) -> None:
+                        await one(task, group, i, cancels[i])
+                        if len(results.valid(task.id)) >= n:  # cancel the surplus
+                            for event in cancels.values():
+                                event.set()
+
+                    if len(results.valid(task.id)) < n:
+                        missing = [i for i in range(total) if (task.id, i) not in done]
+                        await asyncio.gather(*(index(i) for i in missing))
+                    status, advantages = group_outcome(results.valid(task.id), options)
+                    results.set_group(task.id, status, advantages)
+
+                await asyncio.gather(*(group_of(t, g) for g, t in enumerate(tasks)))
         return results.rows()
     finally:
         results.close()
@@ -194,6 +235,18 @@ def _trace(
         train_tokens=sum(c.output_tokens for c in calls),
         calls=calls,
     )
+
+
+def group_outcome(valid: dict[int, float], options: RolloutOptions) -> tuple[str, dict[int, float]]:
+    """``ready`` (the first N valid rewards), ``short`` (fewer, but >= min_valid: their own
+    statistics) or ``dropped`` — never invented zeros."""
+    n = options.executions_per_task
+    if len(valid) >= n:
+        first = dict(list(valid.items())[:n])
+        return "ready", group_advantages(first, scale_by_std=options.scale_by_std)
+    if options.min_valid is not None and len(valid) >= max(2, options.min_valid):
+        return "short", group_advantages(valid, scale_by_std=options.scale_by_std)
+    return "dropped", {}
 
 
 def summary(rows: list[tuple[str, int, str, float | None]]) -> str:
