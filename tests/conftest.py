@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,3 +22,26 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("QWENGYRE_CACHE")
     cache_dir = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
     return cached_tiny_model("test", cache_dir=cache_dir)
+
+
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+"""The real Claude Code CLI the harness tests install with npm (pinned)."""
+
+
+@pytest.fixture(scope="session")
+def claude_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are needed to run the real Claude Code CLI")
+    prefix = Path(os.environ.get("QWENGYRE_NPM_CACHE", tmp_path_factory.getbasetemp().parent))
+    prefix = prefix / "claude-code"
+    binary = prefix / "node_modules" / ".bin" / "claude"
+    if not binary.exists():
+        done = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), CLAUDE_CODE],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0 or not binary.exists():
+            pytest.skip(f"npm could not install {CLAUDE_CODE}: {done.stderr.strip()[-300:]}")
+    return binary

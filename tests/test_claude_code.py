@@ -1,14 +1,14 @@
 """The real Claude Code CLI through the proxy, offline, with a scripted engine.
 
-Installs the pinned ``@anthropic-ai/claude-code`` with npm into a cache folder (about
-4 s, 235 MB) and skips, saying why, when node/npm are missing or the install fails.
+The ``claude_bin`` fixture (conftest) installs the pinned ``@anthropic-ai/claude-code``
+with npm into a cache folder (about 4 s, 235 MB) and skips, saying why, when node/npm
+are missing or the install fails.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +20,6 @@ from qwengyre.engines.scripted import ScriptedEngine
 
 pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
 
-CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 BASH_CALL = {"name": "Bash", "arguments": {"command": "echo hello > out.txt", "description": "w"}}
 TASK_CALL = {
     "name": "Task",
@@ -40,25 +39,6 @@ SUBAGENT_SCRIPT = {
     "sub.task": ["Sub-agent report: nothing to fix."],
     "default": ["ok"],
 }
-
-
-@pytest.fixture(scope="session")
-def claude_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node and npm are needed to run the real Claude Code CLI")
-    prefix = Path(os.environ.get("QWENGYRE_NPM_CACHE", tmp_path_factory.getbasetemp().parent))
-    prefix = prefix / "claude-code"
-    binary = prefix / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
-        done = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), CLAUDE_CODE],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0 or not binary.exists():
-            pytest.skip(f"npm could not install {CLAUDE_CODE}: {done.stderr.strip()[-300:]}")
-    return binary
 
 
 def proxy_with(script: dict, tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:

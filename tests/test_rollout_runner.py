@@ -182,3 +182,22 @@ def test_a_group_without_valid_rewards_is_dropped_not_zeroed(tmp_path: Path, tin
     store = ResultStore(options.run_dir / "proxy.sqlite")
     assert store.groups() == {"t": ("dropped", {})}
     store.close()
+
+
+def test_claude_code_as_the_rollout_harness_with_the_embedded_engine(
+    tmp_path: Path, claude_bin: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Claude Code's own prompt needs the demo model's 8k window (the test model has 4k)."""
+    import os
+
+    from qwengyre.models import cached_tiny_model
+
+    monkeypatch.setenv("PATH", f"{claude_bin.parent}{os.pathsep}{os.environ['PATH']}")
+    tasks = tmp_path / "tasks.jsonl"
+    dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
+    demo = cached_tiny_model("demo", cache_dir=tmp_path.parent / "qwengyre-models")
+    options = _options(tmp_path, demo, tasks, harness="claude-code", harness_s=120, overall_s=180)
+    rows = asyncio.run(rollout(options))
+    assert [(outcome, reward) for _, _, outcome, reward in rows] == [("completed", 0.0)] * 2
+    trace = read_trace(options.run_dir / "traces.jsonl")
+    assert all(r.calls and r.calls[0].input_tokens > 1000 for r in trace)  # its real prompt
