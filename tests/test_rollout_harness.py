@@ -453,3 +453,24 @@ def test_cpu_limit_applied(tmp_path):
     assert not run.timed_out
     assert run.exit_code is not None and run.exit_code < 0  # SIGXCPU / SIGKILL
     assert run.duration_s < 5
+
+
+def test_kill_orphaned_harness_checks_the_execution_before_killing(tmp_path):  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from qwengyre.rollout.harness import PGID_FILE, kill_orphaned_harness
+
+    env = {**os.environ, "QWENGYRE_EXECUTION_ID": "ex_orphan"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env=env, start_new_session=True
+    )
+    (tmp_path / PGID_FILE).write_text(f"{proc.pid}\n")
+    time.sleep(0.2)
+    assert not kill_orphaned_harness(tmp_path, "ex_other")  # not its execution: left alone
+    assert proc.poll() is None
+    assert kill_orphaned_harness(tmp_path, "ex_orphan")
+    assert proc.wait(10) == -9
+    assert not kill_orphaned_harness(tmp_path / "missing", "ex_orphan")

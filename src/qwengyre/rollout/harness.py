@@ -237,6 +237,27 @@ def _limits_preexec(spec: HarnessSpec) -> Callable[[], None] | None:
     return preexec
 
 
+PGID_FILE = "harness.pgid"
+
+
+def kill_orphaned_harness(logs_dir: Path, execution_id: str) -> bool:
+    """Kill the process group a dead runner left for ``execution_id``; True if it did.
+
+    The group id comes from ``logs_dir/harness.pgid``; it is killed only if its leader
+    still carries ``QWENGYRE_EXECUTION_ID=<execution_id>`` (Linux ``/proc``), so a
+    recycled pid is never hit.
+    """
+    try:
+        pgid = int((logs_dir / PGID_FILE).read_text())
+        environ = Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return False
+    if f"QWENGYRE_EXECUTION_ID={execution_id}".encode() not in environ:
+        return False
+    _killpg(pgid, signal.SIGKILL)
+    return True
+
+
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -322,6 +343,8 @@ async def run_harness(
                 error=f"could not start harness: {exc}",
             )
 
+    # The process group's id, so a restarted runner can stop a harness it orphaned.
+    (logs_dir / PGID_FILE).write_text(f"{proc.pid}\n")
     timed_out = cancelled = False
     wait_task: asyncio.Task[int] = asyncio.ensure_future(proc.wait())
     cancel_task: asyncio.Task[bool] | None = (

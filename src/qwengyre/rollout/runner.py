@@ -5,8 +5,9 @@ N executions run (bounded concurrency) with a harness that reaches the model onl
 through an in-process proxy (embedded engine). Each finished execution is committed to
 the run's SQLite store (the same file as the proxy's TITO records) before it counts,
 and appends one line to ``traces.jsonl`` in the simulator's replay format. With
-``resume`` a restarted run skips executions already committed and re-runs the rest
-(an execution whose harness died with the runner has no result and runs again).
+``resume`` a restarted run skips executions already committed, stops the harnesses a
+killed runner orphaned, and re-runs the rest (an execution whose runner died has no
+result, so it runs again, under a new id).
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from aiohttp import web
 from qwengyre.proxy.serve import ServeOptions, build_proxy
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
 from qwengyre.rollout.groups import group_advantages
-from qwengyre.rollout.harness import HarnessSpec, claude_code_spec, mini_swe_agent_spec
+from qwengyre.rollout.harness import (
+    HarnessSpec,
+    claude_code_spec,
+    kill_orphaned_harness,
+    mini_swe_agent_spec,
+)
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.sim.trace import TraceCall, TraceRecord, TraceWriter
 
@@ -85,6 +91,9 @@ class ResultStore:
 
     def done(self) -> set[tuple[str, int]]:
         return {(t, i) for t, i in self._db.execute("SELECT task, idx FROM rollout_results")}
+
+    def executions(self) -> set[str]:
+        return {e for (e,) in self._db.execute("SELECT execution FROM rollout_results")}
 
     def add(self, index: int, result: ExecutionResult) -> None:
         assessments = json.dumps([a.to_dict() for a in result.assessments])
@@ -150,6 +159,11 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     server.base_url = url
     admin = {"authorization": f"Bearer {server.admin_token}"}
     done = results.done()
+    if options.resume:  # harnesses a killed runner left behind must not keep running
+        committed = results.executions()
+        for logs in sorted((run_dir / "logs").glob("*")):
+            if logs.name not in committed:
+                kill_orphaned_harness(logs, logs.name)
     start_wall = time.time()
     limit = asyncio.Semaphore(options.concurrency)
     try:
