@@ -32,7 +32,7 @@ from qwengyre.engines.base import GenerateRequest
 from qwengyre.proxy import anthropic_api, openai_api
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import NoEngineAvailable, Router
-from qwengyre.proxy.store import Store, hash_key
+from qwengyre.proxy.store import ProxyStore, hash_key
 from qwengyre.proxy.tito import ContextTooLong, ExecutionRecorder, new_id
 from qwengyre.proxy.types import ApiError, ChatRequest, Completion
 from qwengyre.types import SamplingParams
@@ -58,7 +58,7 @@ class ProxyServer:
         self,
         renderer: ChatRenderer,
         router: Router,
-        store: Store,
+        store: ProxyStore,
         *,
         model: str,
         max_context: int,

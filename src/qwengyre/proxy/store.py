@@ -17,7 +17,7 @@ import threading
 from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from qwengyre.proxy.tito import Turn
 from qwengyre.proxy.types import Message, ToolCall, ToolSpec
@@ -43,6 +43,24 @@ class StoredExecution:
     key_hash: str
     revoked: bool
     calls: list[tuple[Node, Turn]]
+
+
+class ProxyStore(Protocol):
+    """What the proxy needs from a durable store; :class:`Store` is the SQLite one.
+
+    A server database (PostgreSQL, say) implements the same five methods; each write
+    must be durable when it returns.
+    """
+
+    def add_execution(self, execution_id: str, key_hash: str, created_s: float) -> None: ...
+
+    def revoke(self, execution_id: str) -> None: ...
+
+    def add_call(self, execution_id: str, node: Node, turn: Turn) -> None: ...
+
+    def load(self) -> list[StoredExecution]: ...
+
+    def close(self) -> None: ...
 
 
 def hash_key(key: str) -> str:
