@@ -50,10 +50,12 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictStr,
-    ValidationError,
     ValidationInfo,
     field_validator,
 )
+from pydantic_core import ErrorDetails
+
+from qwengyre.jsonl import JsonlError, parse_line
 
 __all__ = [
     "CommandEvaluator",
@@ -281,50 +283,26 @@ class Task(BaseModel):
         return data
 
 
-class TaskFileError(ValueError):
+class TaskFileError(JsonlError):
     """A task file that cannot be loaded; the message names the file, line and field."""
 
-    def __init__(self, path: Path, message: str, line: int | None = None) -> None:
-        where = f"{path}:{line}" if line is not None else f"{path}"
-        super().__init__(f"{where}: {message}")
-        self.path = path
-        self.line = line
 
-
-def _location(loc: tuple[int | str, ...]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
-def _describe(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors(include_url=False):
-        message = str(item["msg"]).removeprefix("Value error, ")
-        loc = tuple(item["loc"])
-        kind = item["type"]
-        # A discriminated union puts the tag into the location; drop it.
-        if len(loc) > 1 and loc[0] == "evaluator" and loc[1] in _EVALUATOR_TYPES:
-            loc = (loc[0], *loc[2:])
-        if kind == "missing":
-            message = "missing (required)"
-        elif kind == "extra_forbidden":
-            message = "unknown field"
-        elif kind == "union_tag_not_found":
-            loc = (*loc, "type")
-            message = "missing (required; one of " + ", ".join(map(repr, _EVALUATOR_TYPES)) + ")"
-        elif kind == "union_tag_invalid":
-            loc = (*loc, "type")
-            tag = item.get("ctx", {}).get("tag", item.get("input"))
-            message = f"unknown evaluator type {tag!r}; expected one of " + ", ".join(
-                map(repr, _EVALUATOR_TYPES)
-            )
-        elif kind == "model_attributes_type" and loc == ("evaluator",):
-            message = "should be a JSON object with a 'type'"
-        field = _location(loc)
-        parts.append(f"field {field!r}: {message}" if field else message)
-    return "; ".join(dict.fromkeys(parts))
+def _rewrite(
+    loc: tuple[int | str, ...], item: ErrorDetails, message: str
+) -> tuple[tuple[int | str, ...], str]:
+    kind = item["type"]
+    # A discriminated union puts the tag into the location; drop it.
+    if len(loc) > 1 and loc[0] == "evaluator" and loc[1] in _EVALUATOR_TYPES:
+        loc = (loc[0], *loc[2:])
+    allowed = ", ".join(map(repr, _EVALUATOR_TYPES))
+    if kind == "union_tag_not_found":
+        return (*loc, "type"), f"missing (required; one of {allowed})"
+    if kind == "union_tag_invalid":
+        tag = item.get("ctx", {}).get("tag", item.get("input"))
+        return (*loc, "type"), f"unknown evaluator type {tag!r}; expected one of {allowed}"
+    if kind == "model_attributes_type" and loc == ("evaluator",):
+        return loc, "should be a JSON object with a 'type'"
+    return loc, message
 
 
 def parse_task_line(
@@ -340,17 +318,12 @@ def parse_task_line(
     directory of ``path``).
     """
     path = Path(path)
-    try:
-        data: Any = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TaskFileError(path, f"invalid JSON: {error}", line) from None
-    if not isinstance(data, dict):
-        raise TaskFileError(path, f"expected a JSON object, got {type(data).__name__}", line)
     base = Path(base_dir) if base_dir is not None else path.parent
-    try:
+
+    def validate(data: dict[str, Any]) -> Task:
         return Task.model_validate(data, context={"base_dir": base})
-    except ValidationError as error:
-        raise TaskFileError(path, _describe(error), line) from None
+
+    return parse_line(text, path, line, validate, TaskFileError, _rewrite)
 
 
 def load_tasks(path: Path | str) -> list[Task]:

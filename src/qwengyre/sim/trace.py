@@ -25,12 +25,11 @@ first bad line, e.g. ``trace.jsonl:7: field 'end_s': end_s (3.0) < start_s (5.0)
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Annotated, Any, Self
+from typing import Annotated, Self
 
 from pydantic import (
     BaseModel,
@@ -38,11 +37,12 @@ from pydantic import (
     Field,
     StrictInt,
     StrictStr,
-    ValidationError,
     ValidationInfo,
     field_validator,
 )
+from pydantic_core import ErrorDetails
 
+from qwengyre.jsonl import JsonlError, parse_line
 from qwengyre.sim.workload import ExecutionSpec
 from qwengyre.types import Outcome
 
@@ -108,54 +108,23 @@ class TraceRecord(BaseModel):
         return self.end_s - self.start_s
 
 
-class TraceError(ValueError):
+class TraceError(JsonlError):
     """A trace file that cannot be read; the message names the file, line and field."""
 
-    def __init__(self, path: Path, message: str, line: int | None = None) -> None:
-        where = f"{path}:{line}" if line is not None else f"{path}"
-        super().__init__(f"{where}: {message}")
-        self.path = path
-        self.line = line
 
-
-def _location(loc: tuple[int | str, ...]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
-def _describe(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors(include_url=False):
-        message = str(item["msg"]).removeprefix("Value error, ")
-        loc = tuple(item["loc"])
-        if item["type"] == "missing":
-            message = "missing (required)"
-        elif item["type"] == "extra_forbidden":
-            message = "unknown field"
-        if loc and loc[0] == "query" and len(loc) > 1:  # one error per union member
-            loc, message = ("query",), "should be a string or an integer"
-        field = _location(loc)
-        parts.append(f"field {field!r}: {message}" if field else message)
-    return "; ".join(dict.fromkeys(parts))
+def _rewrite(
+    loc: tuple[int | str, ...], item: ErrorDetails, message: str
+) -> tuple[tuple[int | str, ...], str]:
+    if loc and loc[0] == "query" and len(loc) > 1:  # one error per union member
+        return ("query",), "should be a string or an integer"
+    return loc, message
 
 
 def parse_trace_line(
     text: str, path: Path | str = "<trace>", line: int | None = None
 ) -> TraceRecord:
     """Parse one trace line; errors are :class:`TraceError` naming ``path:line`` and field."""
-    path = Path(path)
-    try:
-        data: Any = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TraceError(path, f"invalid JSON: {error}", line) from None
-    if not isinstance(data, dict):
-        raise TraceError(path, f"expected a JSON object, got {type(data).__name__}", line)
-    try:
-        return TraceRecord.model_validate(data)
-    except ValidationError as error:
-        raise TraceError(path, _describe(error), line) from None
+    return parse_line(text, Path(path), line, TraceRecord.model_validate, TraceError, _rewrite)
 
 
 def read_trace(path: Path | str, *, allow_empty: bool = False) -> list[TraceRecord]:
