@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import stat
 import threading
 import time
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qwengyre.rollout.harness import kill_group
 from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, PythonEvaluator
 
 __all__ = [
@@ -286,11 +286,6 @@ def _parse_command_output(stdout: str) -> tuple[float | None, str]:
 # --------------------------------------------------------------------------- attempts
 
 
-def _killpg(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 async def _run_command(
     spec: CommandEvaluator, workspace: Path, timeout_s: float
 ) -> tuple[float | None, str]:
@@ -319,13 +314,13 @@ async def _run_command(
         try:
             stdout_b, stderr_b = await asyncio.wait_for(proc.communicate(), timeout_s)
         except TimeoutError:
-            _killpg(proc.pid)
+            kill_group(proc.pid)
             await proc.wait()
             return None, f"timeout: evaluator command killed after {timeout_s:.3g} s"
     finally:
         # Cancellation, or grandchildren left behind by a command that exited: the
         # command leads its own process group (start_new_session), kill all of it.
-        _killpg(proc.pid)
+        kill_group(proc.pid)
         if proc.returncode is None:
             await asyncio.shield(proc.wait())
     stdout = stdout_b.decode("utf-8", errors="replace")

@@ -254,11 +254,12 @@ def kill_orphaned_harness(logs_dir: Path, execution_id: str) -> bool:
         return False
     if f"QWENGYRE_EXECUTION_ID={execution_id}".encode() not in environ:
         return False
-    _killpg(pgid, signal.SIGKILL)
+    kill_group(pgid, signal.SIGKILL)
     return True
 
 
-def _killpg(pgid: int, sig: int) -> None:
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a whole process group; one that is already gone is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 
@@ -266,10 +267,10 @@ def _killpg(pgid: int, sig: int) -> None:
 async def _terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
     """SIGTERM the group, wait up to ``grace_s`` for the leader, SIGKILL the group, reap."""
     pgid = proc.pid  # start_new_session: the child leads its own group.
-    _killpg(pgid, signal.SIGTERM)
+    kill_group(pgid, signal.SIGTERM)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(proc.wait(), timeout=grace_s)
-    _killpg(pgid, signal.SIGKILL)  # stragglers in the group, or a leader ignoring TERM
+    kill_group(pgid, signal.SIGKILL)  # stragglers in the group, or a leader ignoring TERM
     await proc.wait()
 
 
@@ -365,10 +366,10 @@ async def run_harness(
                 timed_out = True
             await _terminate_group(proc, spec.kill_grace_s)
         else:
-            _killpg(proc.pid, signal.SIGKILL)  # leftovers of a harness that exited
+            kill_group(proc.pid, signal.SIGKILL)  # leftovers of a harness that exited
     except BaseException:
         # Our caller was cancelled (or something broke): never leave the harness behind.
-        _killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid, signal.SIGKILL)
         with contextlib.suppress(BaseException):
             await asyncio.shield(proc.wait())
         raise
