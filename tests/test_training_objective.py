@@ -90,6 +90,20 @@ def test_clipping_removes_gradient_exactly_when_clipped(
     np.testing.assert_allclose(grad[2:], [-0.5 / 4] * 2, rtol=1e-6)
 
 
+@pytest.mark.parametrize("variant", ["default", "token_sum"])
+def test_micro_step_sums_divided_once_equal_the_batch_loss(variant: str) -> None:
+    # Micro-steps hold whole executions and pass normaliser=1; dividing their summed
+    # losses by the batch's N (or target tokens) gives the whole batch's loss.
+    delta = np.array([0.001, -0.002, 0.0, 0.003, -0.001])
+    b = (np.array(L) - delta).tolist()
+    whole, _ = _run(L, b, EX, ADV, variant=variant)
+    parts = [_run(L[:3], b[:3], [0] * 3, ADV[:1], variant=variant, normaliser=1.0)[0]]
+    parts.append(_run(L[3:], b[3:], [0] * 2, ADV[1:], variant=variant, normaliser=1.0)[0])
+    divisor = 2 if variant == "default" else 5
+    total = sum(p.loss.item() for p in parts) / divisor
+    assert total == pytest.approx(whole.loss.item(), abs=1e-7)
+
+
 def test_token_weight_cap() -> None:
     lp = [-1.0, -2.0, -0.7]
     b = [lp[0] - 3.0, lp[1] + 3.0, lp[2]]  # deltas +3, -3, 0: s = 1, exp(3) > 5

@@ -128,9 +128,23 @@ class TrainerConfig(_Section):
     token_weight_cap: float = Field(5.0, gt=0.0, description="cap on exp(l_t - b_t)")
     clip_low: float = Field(0.995, gt=0.0, le=1.0, description="execution ratio clip, low")
     clip_high: float = Field(1.005, ge=1.0, description="execution ratio clip, high")
+    variant: Literal["default", "token_sum", "per_trajectory_clip"] = Field(
+        "default", description="objective variant (qwengyre.training.objective)"
+    )
     optimizer: Literal["adam"] = "adam"
     lr: float = Field(1e-6, gt=0.0, description="learning rate")
     lr_schedule: Literal["constant"] = "constant"
+    grad_clip: float = Field(1.0, gt=0.0, description="global gradient-norm clip on the core")
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="rollout sampling temperature: the proxy samples at it and the trainer's "
+        "log-probs use it, so that l_t and b_t are under the same distribution",
+    )
+    micro_step_tokens: int = Field(8192, ge=16, description="token budget of one micro-step")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="rows of logits materialised at once for the log-probs"
+    )
 
 
 class ModelConfig(_Section):

@@ -81,6 +81,7 @@ def execution_gspo_loss(
     clip_high: float = 1.005,
     variant: Variant = "default",
     trajectory_index: Tensor | None = None,
+    normaliser: float | None = None,
 ) -> ObjectiveOutput:
     """The adapted GSPO loss over flat target tokens; see the module docstring.
 
@@ -88,6 +89,11 @@ def execution_gspo_loss(
     ``[0, N)``) and, for ``per_trajectory_clip``, ``trajectory_index`` (int, any
     non-negative ids; each trajectory in one execution) are [T]; ``advantages`` is
     [N]. Executions without target tokens count in ``N`` and contribute zero.
+
+    ``normaliser`` replaces the divisor (``N``, or ``sum_i n_i`` for ``token_sum``):
+    a micro-step holding part of a batch passes ``1.0`` so that its loss is a plain
+    sum, and the trainer divides the batch's summed gradient by the batch's ``N``
+    (or target-token count) once every micro-step is in.
     """
     if logprobs.shape != behaviour_logprobs.shape or logprobs.shape != execution_index.shape:
         raise ValueError("logprobs, behaviour_logprobs and execution_index must be [T]")
@@ -117,7 +123,7 @@ def execution_gspo_loss(
         clipped = _clipped(ratio, traj_adv, clip_low, clip_high)
         keep = (~clipped[traj]).float()
         per_exec = _segment_sum(keep * weight * cur, ex, n_exec) / tokens_per_exec.clamp(min=1)
-        loss = -(adv * per_exec).sum() / n_exec
+        loss = -(adv * per_exec).sum() / (normaliser or n_exec)
         units = torch.ones(n_traj, dtype=torch.bool, device=cur.device)
     elif variant in ("default", "token_sum"):
         counts = tokens_per_exec.clamp(min=1)
@@ -126,9 +132,9 @@ def execution_gspo_loss(
         keep_exec = (~clipped).float()
         sums = _segment_sum(weight * cur, ex, n_exec)
         if variant == "default":
-            loss = -(keep_exec * adv * sums / counts).sum() / n_exec
+            loss = -(keep_exec * adv * sums / counts).sum() / (normaliser or n_exec)
         else:
-            loss = -(keep_exec * adv * sums).sum() / max(cur.numel(), 1)
+            loss = -(keep_exec * adv * sums).sum() / (normaliser or max(cur.numel(), 1))
         units = tokens_per_exec > 0
     else:
         raise ValueError(f"unknown variant {variant!r}")
