@@ -74,7 +74,7 @@ def unpack(ms: MicroStep) -> list[dict[str, list]]:
                 "execution_id": ms.execution_ids[execs.pop()],
             }
         )
-    assert len({r for r in ms.trajectory_index[0].tolist()}) == len(rows)
+    assert len(set(ms.trajectory_index[0].tolist())) == len(rows)
     return rows
 
 
