@@ -161,6 +161,13 @@ def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from qwengyre.report.html import write_report
+
+    print(write_report(Path(args.run_dir), Path(args.out) if args.out else None))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qwengyre",
@@ -251,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
     tiny.set_defaults(func=cmd_model_init_tiny)
+
+    report = sub.add_parser("report", help="write a training run's HTML report from its metrics")
+    report.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    report.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

@@ -22,7 +22,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from qwengyre.scheduler.events import Role
-from qwengyre.sim.simulator import SimResult
+from qwengyre.sim.simulator import LoadSample, RoleSpan, SimResult
 
 SECONDS_PER_HOUR = 3600.0
 FIGSIZE_IN: tuple[float, float] = (10.0, 4.0)
@@ -98,14 +98,40 @@ def _end_s(result: SimResult) -> float:
 
 def role_timeline_figure(result: SimResult) -> Figure:
     """One lane per cell (cell 0, the core, on top), bars coloured by role, hours on x."""
+    return spans_timeline_figure(
+        result.role_spans,
+        end_s=_end_s(result),
+        cells=_cell_count(result),
+        step_end_s=result.step_end_s,
+        title=(
+            f"Cell roles — {_describe(result)}:"
+            f" {result.steps} steps in {_hours(result.end_to_end_s):.2f} h"
+        ),
+    )
+
+
+def spans_timeline_figure(
+    spans: Sequence[RoleSpan],
+    *,
+    end_s: float,
+    cells: int | None = None,
+    step_end_s: Sequence[float] = (),
+    title: str = "Cell roles",
+) -> Figure:
+    """The role timeline drawn from plain spans: one lane per cell, hours on x.
+
+    ``cells`` defaults to one more than the highest cell in ``spans`` (at least 1);
+    ``step_end_s`` draws a thin vertical line at each step's end.
+    """
     fig = _new_figure()
     ax = fig.add_subplot()
-    cells = _cell_count(result)
-    end_h = _hours(_end_s(result))
+    if cells is None:
+        cells = max(max((s.cell for s in spans), default=-1) + 1, 1)
+    end_h = _hours(end_s)
     min_width_h = end_h * MIN_TRANSITION_FRACTION
     lane_height = 0.8
     by_cell_role: dict[tuple[int, Role], list[tuple[float, float]]] = {}
-    for span in result.role_spans:
+    for span in spans:
         start_h, width_h = _hours(span.start_s), _hours(span.end_s - span.start_s)
         if span.role in (Role.TO_TRAINING, Role.TO_ROLLOUT):
             width_h = max(width_h, min_width_h)
@@ -122,7 +148,7 @@ def role_timeline_figure(result: SimResult) -> Figure:
                     edgecolor="none",
                     linewidth=0,
                 )
-    for step_end in result.step_end_s:
+    for step_end in step_end_s:
         ax.axvline(_hours(step_end), color=STEP_LINE_COLOUR, linewidth=0.6, alpha=0.6, zorder=3)
 
     ax.set_ylim(cells - 0.5, -0.5)  # cell 0 at the top
@@ -136,10 +162,7 @@ def role_timeline_figure(result: SimResult) -> Figure:
     ax.tick_params(axis="y", length=0)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    ax.set_title(
-        f"Cell roles — {_describe(result)}:"
-        f" {result.steps} steps in {_hours(result.end_to_end_s):.2f} h"
-    )
+    ax.set_title(title)
     handles: list[Patch | Line2D] = [
         Patch(facecolor=ROLE_COLOURS[r], label=ROLE_LABELS[r]) for r in _ROLE_ORDER
     ]
@@ -159,15 +182,15 @@ def plot_role_timeline(result: SimResult, path: Path) -> Path:
 
 
 def _step_series(
-    result: SimResult,
+    samples: Sequence[LoadSample], end_s: float
 ) -> tuple[list[float], list[int], list[int], list[int]]:
     """Sample times (hours, closed by the run's end) and the running/queued/capacity counts."""
-    times = [_hours(s.time_s) for s in result.load]
-    running = [s.running for s in result.load]
-    queued = [s.queued for s in result.load]
-    capacity = [s.capacity for s in result.load]
-    if result.load:  # hold the last sample until the end of the run
-        end_h = max(_hours(_end_s(result)), times[-1])
+    times = [_hours(s.time_s) for s in samples]
+    running = [s.running for s in samples]
+    queued = [s.queued for s in samples]
+    capacity = [s.capacity for s in samples]
+    if samples:  # hold the last sample until the end of the run
+        end_h = max(_hours(end_s), times[-1])
         times.append(end_h)
         running.append(running[-1])
         queued.append(queued[-1])
@@ -177,9 +200,20 @@ def _step_series(
 
 def load_figure(result: SimResult) -> Figure:
     """Running and queued executions (steps) and rollout capacity (dashed) over hours."""
+    return samples_load_figure(
+        result.load,
+        end_s=_end_s(result),
+        title=f"Rollout load — {_describe(result)}: utilisation {result.rollout_utilisation:.0%}",
+    )
+
+
+def samples_load_figure(
+    samples: Sequence[LoadSample], *, end_s: float, title: str = "Rollout load"
+) -> Figure:
+    """The load figure from plain samples, each held until the next (the last to ``end_s``)."""
     fig = _new_figure()
     ax = fig.add_subplot()
-    times, running, queued, capacity = _step_series(result)
+    times, running, queued, capacity = _step_series(samples, end_s)
     ax.fill_between(times, running, step="post", color=RUNNING_COLOUR, alpha=0.15, linewidth=0)
     ax.step(times, running, where="post", color=RUNNING_COLOUR, linewidth=1.4, label="running")
     ax.step(times, queued, where="post", color=QUEUED_COLOUR, linewidth=1.4, label="queued")
@@ -192,7 +226,7 @@ def load_figure(result: SimResult) -> Figure:
         linestyle="--",
         label="rollout capacity",
     )
-    ax.set_xlim(0.0, _hours(_end_s(result)))
+    ax.set_xlim(0.0, max(_hours(end_s), times[-1] if times else 0.0) or 1.0 / SECONDS_PER_HOUR)
     peak = max([*running, *queued, *capacity, 0])
     ax.set_ylim(0.0, peak * 1.08 if peak > 0 else 1.0)
     ax.set_xlabel("time (hours)")
@@ -200,9 +234,7 @@ def load_figure(result: SimResult) -> Figure:
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(
-        f"Rollout load — {_describe(result)}: utilisation {result.rollout_utilisation:.0%}"
-    )
+    ax.set_title(title)
     fig.legend(loc="outside lower center", ncol=3, frameon=False)
     return fig
 

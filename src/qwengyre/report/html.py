@@ -1,0 +1,407 @@
+"""A training run's report: ``RUN_DIR/report/index.html`` and its PNG figures.
+
+Built from ``RUN_DIR/metrics.jsonl`` alone (see :mod:`qwengyre.report.metrics`):
+
+- ``reward.png``: mean reward per step with a ± one standard deviation band;
+- ``timeline.png``: each cell's role over time (like the paper's Figure 6a), drawn
+  by :mod:`qwengyre.sim.plots` from spans built out of the ``role`` records;
+- ``load.png``: running and queued executions and rollout capacity over time;
+- ``staleness.png``: the histogram of the trained groups' staleness against Eq 2;
+- ``switches.png``: each measured switch's duration, by direction.
+
+The page is self-contained apart from those images (relative links); a figure whose
+records are missing (no switches under async, say) is replaced by a short note.
+Matplotlib's object-oriented API only, as in :mod:`qwengyre.sim.plots`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from qwengyre.report.metrics import (
+    METRICS_FILE,
+    SWITCH_DIRECTIONS,
+    GroupRecord,
+    RoleRecord,
+    RunMetrics,
+    StepRecord,
+    SwitchRecord,
+    read_metrics,
+)
+from qwengyre.scheduler.events import Role
+from qwengyre.sim.plots import (
+    QUEUED_COLOUR,
+    ROLE_COLOURS,
+    RUNNING_COLOUR,
+    _new_figure,
+    _save,
+    samples_load_figure,
+    spans_timeline_figure,
+)
+from qwengyre.sim.simulator import LoadSample, RoleSpan
+
+REPORT_DIR = "report"
+INDEX_FILE = "index.html"
+PREDICTION_COLOUR = "#333333"
+SWITCH_COLOURS: dict[str, str] = {
+    "training": ROLE_COLOURS[Role.TO_TRAINING],
+    "rollout": ROLE_COLOURS[Role.TO_ROLLOUT],
+}
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def role_spans(roles: Sequence[RoleRecord], end_s: float) -> list[RoleSpan]:
+    """Each cell's role spans: a role lasts until the cell's next role record.
+
+    A cell's last role is closed at ``end_s`` (the run's end). Records of a cell are
+    taken in time order (ties in file order); repeating the current role extends the
+    span, and zero-length spans are dropped. Spans come out sorted by cell, then time.
+    """
+    by_cell: dict[int, list[RoleRecord]] = {}
+    for record in roles:
+        by_cell.setdefault(record.cell, []).append(record)
+    spans: list[RoleSpan] = []
+    for cell in sorted(by_cell):
+        records = sorted(by_cell[cell], key=lambda r: r.time_s)  # stable: ties keep file order
+        merged: list[RoleRecord] = []
+        for record in records:
+            if merged and merged[-1].role == record.role:
+                continue  # same role again: the span goes on
+            merged.append(record)
+        for record, after in zip(merged, [*merged[1:], None], strict=True):
+            stop = max(end_s, record.time_s) if after is None else after.time_s
+            if stop > record.time_s:
+                spans.append(RoleSpan(cell, Role(record.role), record.time_s, stop))
+    return spans
+
+
+def training_fractions(spans: Sequence[RoleSpan], cells: int, end_s: float) -> list[float]:
+    """Each cell's fraction of ``[0, end_s]`` spent in the training role."""
+    seconds = [0.0] * cells
+    for span in spans:
+        if span.role is Role.TRAINING and 0 <= span.cell < cells:
+            seconds[span.cell] += span.end_s - span.start_s
+    return [s / end_s if end_s > 0 else 0.0 for s in seconds]
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(finite) if finite else math.nan
+
+
+def _fifth(n: int) -> int:
+    """How many steps a fifth of ``n`` covers: at least one."""
+    return max(1, round(n / 5)) if n else 0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The numbers in the report's summary table (NaN where nothing was recorded)."""
+
+    steps: int
+    wall_s: float
+    reward_first_fifth: float
+    reward_last_fifth: float
+    mean_staleness: float
+    predicted_staleness: float
+    mean_switch_s: dict[str, float] = field(default_factory=dict)
+    """Mean measured switch seconds by direction (``training``, ``rollout``)."""
+    switches: dict[str, int] = field(default_factory=dict)
+    training_fraction: list[float] = field(default_factory=list)
+    """Each cell's fraction of the wall time in the training role."""
+
+
+def cell_count(metrics: RunMetrics) -> int:
+    """K from the ``run`` record, or enough cells for every cell a record names."""
+    named = [r.cell for r in metrics.roles] + [s.cell for s in metrics.switches]
+    seen = max(named, default=-1) + 1
+    return max(metrics.run.cells if metrics.run is not None else 0, seen)
+
+
+def summarize(metrics: RunMetrics) -> Summary:
+    """The summary table's numbers for ``metrics``."""
+    end_s = metrics.end_s
+    rewards = [s.reward_mean for s in metrics.steps]
+    fifth = _fifth(len(rewards))
+    run = metrics.run
+    spans = role_spans(metrics.roles, end_s)
+    cells = cell_count(metrics)
+    return Summary(
+        steps=len(metrics.steps),
+        wall_s=end_s,
+        reward_first_fifth=_mean(rewards[:fifth]),
+        reward_last_fifth=_mean(rewards[-fifth:] if fifth else []),
+        mean_staleness=_mean([g.staleness for g in metrics.groups]),
+        predicted_staleness=run.predicted_staleness if run is not None else math.nan,
+        mean_switch_s={
+            d: _mean([s.seconds for s in metrics.switches if s.to == d]) for d in SWITCH_DIRECTIONS
+        },
+        switches={d: sum(1 for s in metrics.switches if s.to == d) for d in SWITCH_DIRECTIONS},
+        training_fraction=training_fractions(spans, cells, end_s) if metrics.roles else [],
+    )
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _tidy(ax: object) -> None:
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)  # type: ignore[attr-defined]
+
+
+def reward_figure(steps: Sequence[StepRecord]) -> Figure:
+    """Mean reward per step, with a band of ± one standard deviation."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    xs = [s.step for s in steps]
+    mean = [s.reward_mean for s in steps]
+    low = [s.reward_mean - s.reward_std for s in steps]
+    high = [s.reward_mean + s.reward_std for s in steps]
+    ax.fill_between(xs, low, high, color=RUNNING_COLOUR, alpha=0.2, linewidth=0, label="± std")
+    ax.plot(xs, mean, color=RUNNING_COLOUR, linewidth=1.6, marker="o", markersize=3, label="mean")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(axis="y", alpha=0.3)
+    _tidy(ax)
+    ax.set_title(f"Reward per step ({len(steps)} steps)")
+    fig.legend(loc="outside lower center", ncol=2, frameon=False)
+    return fig
+
+
+def staleness_figure(groups: Sequence[GroupRecord], predicted: float) -> Figure:
+    """Histogram of the trained groups' staleness, Eq 2's prediction as a vertical line."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    values = [g.staleness for g in groups]
+    low, high = min(values), max(values)
+    bins = [b - 0.5 for b in range(low, high + 2)]
+    ax.hist(values, bins=bins, color=RUNNING_COLOUR, edgecolor="white", label="groups")
+    measured = _mean(values)
+    ax.axvline(measured, color=QUEUED_COLOUR, linewidth=1.6, label=f"measured {measured:.2f}")
+    if math.isfinite(predicted):
+        ax.axvline(
+            predicted,
+            color=PREDICTION_COLOUR,
+            linestyle="--",
+            linewidth=1.6,
+            label=f"Eq 2 prediction {predicted:.2f}",
+        )
+    ax.set_xticks(range(low, high + 1))
+    ax.set_xlabel("staleness (policy versions)")
+    ax.set_ylabel("groups")
+    ax.grid(axis="y", alpha=0.3)
+    _tidy(ax)
+    pred = f" (Eq 2 predicts {predicted:.2f})" if math.isfinite(predicted) else ""
+    ax.set_title(f"Staleness of {len(values)} trained groups: mean {measured:.2f}{pred}")
+    fig.legend(loc="outside lower center", ncol=3, frameon=False)
+    return fig
+
+
+def switch_figure(switches: Sequence[SwitchRecord]) -> Figure:
+    """Each switch's measured seconds at the time it finished, one colour per direction."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    for direction in SWITCH_DIRECTIONS:
+        chosen = [s for s in switches if s.to == direction]
+        if not chosen:
+            continue
+        ax.scatter(
+            [s.time_s / 3600.0 for s in chosen],
+            [s.seconds for s in chosen],
+            color=SWITCH_COLOURS[direction],
+            s=24,
+            label=f"to {direction}: mean {_mean([s.seconds for s in chosen]):.2f} s",
+            zorder=3,
+        )
+    ax.set_xlabel("time (hours)")
+    ax.set_ylabel("switch duration (s)")
+    ax.set_ylim(bottom=0.0)
+    ax.grid(axis="y", alpha=0.3)
+    _tidy(ax)
+    ax.set_title(f"Cell switches ({len(switches)})")
+    fig.legend(loc="outside lower center", ncol=2, frameon=False)
+    return fig
+
+
+# ---------------------------------------------------------------- page
+
+
+def _num(value: float, digits: int = 3, unit: str = "") -> str:
+    if not math.isfinite(value):
+        return "–"
+    return f"{value:.{digits}f}{unit}"
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "–"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h ({seconds:.0f} s)"
+    return f"{seconds:.1f} s"
+
+
+def _rows(summary: Summary) -> list[tuple[str, str]]:
+    rows = [
+        ("steps", str(summary.steps)),
+        ("wall time", _duration(summary.wall_s)),
+        ("mean reward, first fifth of steps", _num(summary.reward_first_fifth)),
+        ("mean reward, last fifth of steps", _num(summary.reward_last_fifth)),
+        ("mean staleness (measured)", _num(summary.mean_staleness)),
+        ("mean staleness (Eq 2 prediction)", _num(summary.predicted_staleness)),
+    ]
+    for direction in SWITCH_DIRECTIONS:
+        count = summary.switches.get(direction, 0)
+        mean = summary.mean_switch_s.get(direction, math.nan)
+        rows.append(
+            (f"mean switch time to {direction}", f"{_num(mean, 2, ' s')} ({count} switches)")
+        )
+    for cell, share in enumerate(summary.training_fraction):
+        name = "cell 0 (core)" if cell == 0 else f"cell {cell}"
+        rows.append((f"{name}: time in training", f"{share:.1%}"))
+    return rows
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1250px; color: #222; }
+table { border-collapse: collapse; margin-bottom: 1.5em; }
+th, td { border-bottom: 1px solid #ddd; padding: 0.3em 1em; text-align: left; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+img { max-width: 100%; }
+p.none { color: #777; font-style: italic; }
+"""
+
+
+@dataclass
+class _Section:
+    title: str
+    image: str | None = None
+    note: str = ""
+
+
+def _page(title: str, subtitle: str, summary: Summary, sections: Sequence[_Section]) -> str:
+    e = html.escape
+    rows = "\n".join(
+        f"<tr><th>{e(name)}</th><td class='num'>{e(value)}</td></tr>"
+        for name, value in _rows(summary)
+    )
+    parts = [
+        "<!DOCTYPE html>",
+        "<html lang='en'>",
+        "<head>",
+        "<meta charset='utf-8'>",
+        f"<title>{e(title)}</title>",
+        f"<style>{_STYLE}</style>",
+        "</head>",
+        "<body>",
+        f"<h1>{e(title)}</h1>",
+        f"<p>{e(subtitle)}</p>",
+        "<h2>Summary</h2>",
+        f"<table id='summary'>\n{rows}\n</table>",
+    ]
+    for section in sections:
+        parts.append(f"<h2>{e(section.title)}</h2>")
+        if section.image is not None:
+            parts.append(f"<img src='{e(section.image)}' alt='{e(section.title)}'>")
+        else:
+            parts.append(f"<p class='none'>{e(section.note)}</p>")
+    parts += ["</body>", "</html>", ""]
+    return "\n".join(parts)
+
+
+def _describe(metrics: RunMetrics) -> str:
+    run = metrics.run
+    if run is None:
+        return "run shape not recorded"
+    return (
+        f"policy {run.policy} (μ={run.mu}, φ={run.phi:g}), K={run.cells} cells,"
+        f" batch {run.batch} groups of {run.group_size}"
+    )
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write the report of ``run_dir`` (default into ``run_dir/report``); return index.html.
+
+    Raises ``FileNotFoundError`` when ``run_dir`` or its ``metrics.jsonl`` is missing and
+    :class:`~qwengyre.report.metrics.MetricsError` for an unreadable log.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run directory {run_dir}")
+    log = run_dir / METRICS_FILE
+    if not log.is_file():
+        raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}")
+    metrics = read_metrics(log)
+    out = Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(metrics)
+    end_s = max(metrics.end_s, 1.0)
+    describe = _describe(metrics)
+    run = metrics.run
+    sections: list[_Section] = []
+
+    def figure(title: str, name: str, fig: Figure | None, none: str) -> None:
+        if fig is None:
+            stale = out / name
+            stale.unlink(missing_ok=True)  # a figure from an earlier report no longer applies
+            sections.append(_Section(title, note=none))
+        else:
+            _save(fig, out / name)
+            sections.append(_Section(title, image=name))
+
+    figure(
+        "Reward",
+        "reward.png",
+        reward_figure(metrics.steps) if metrics.steps else None,
+        "No steps recorded.",
+    )
+    spans = role_spans(metrics.roles, metrics.end_s)
+    figure(
+        "Cell roles",
+        "timeline.png",
+        spans_timeline_figure(
+            spans,
+            end_s=end_s,
+            cells=max(cell_count(metrics), 1),
+            step_end_s=[s.time_s for s in metrics.steps],
+            title=f"Cell roles — {describe}: {summary.steps} steps in {_duration(end_s)}",
+        )
+        if spans
+        else None,
+        "No role changes recorded.",
+    )
+    samples = [LoadSample(r.time_s, r.running, r.queued, r.capacity) for r in metrics.loads]
+    figure(
+        "Rollout load",
+        "load.png",
+        samples_load_figure(samples, end_s=end_s, title=f"Rollout load — {describe}")
+        if samples
+        else None,
+        "No load samples recorded.",
+    )
+    figure(
+        "Staleness",
+        "staleness.png",
+        staleness_figure(metrics.groups, run.predicted_staleness if run else math.nan)
+        if metrics.groups
+        else None,
+        "No trained groups recorded.",
+    )
+    figure(
+        "Switch times",
+        "switches.png",
+        switch_figure(metrics.switches) if metrics.switches else None,
+        "No switches recorded (an async run never switches cells).",
+    )
+    index = out / INDEX_FILE
+    title = f"qwengyre run report: {run_dir.resolve().name}"
+    index.write_text(_page(title, describe, summary, sections), encoding="utf-8")
+    return index

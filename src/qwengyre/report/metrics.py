@@ -1,0 +1,404 @@
+"""The live training run's metrics log, ``RUN_DIR/metrics.jsonl``.
+
+One JSON object per line, each with a ``kind`` naming its record type:
+
+- ``run``: the run's shape, written once at the start (policy, mu, phi, K cells,
+  Eq 2's predicted staleness, group size, batch).
+- ``step``: one optimizer step done (the policy version after the update, rewards,
+  loss, clipping, gradient norm, tokens, micro-steps, cells, seconds, staleness).
+- ``role``: a cell entered a role (:class:`~qwengyre.scheduler.events.Role` values).
+- ``switch``: a cell finished switching to ``training`` or ``rollout`` in ``seconds``.
+- ``load``: running and queued executions and rollout capacity from ``time_s`` on.
+- ``group``: a group trained in ``step`` that was dispatched at ``dispatch_version``.
+
+Times (``time_s``) are seconds since the run's start. :class:`MetricsWriter` appends
+records (one flushed line each, so a crash loses at most the line being written) and
+mirrors the numeric step metrics to TensorBoard when the ``tensorboard`` package is
+installed. :func:`read_metrics` reads a log back, ignoring a truncated last line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ClassVar, Protocol, Self, TypeAlias
+
+from qwengyre.jsonl import JsonlError
+from qwengyre.scheduler.events import Role
+
+METRICS_FILE = "metrics.jsonl"
+"""The metrics log's name inside a run directory."""
+
+TENSORBOARD_DIR = "tensorboard"
+"""Where the TensorBoard mirror is written inside a run directory."""
+
+SWITCH_DIRECTIONS = ("training", "rollout")
+"""The two ways a cell can switch: to ``training`` or back to ``rollout``."""
+
+
+class MetricsError(JsonlError):
+    """A metrics log line that cannot be read; the message names the file and line."""
+
+
+# ---------------------------------------------------------------- records
+
+
+def _check_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The dataclass fields of ``cls`` from ``data``, type-checked; extra keys are ignored.
+
+    ``int`` fields take JSON integers, ``float`` fields any JSON number (NaN allowed,
+    as Python's ``json`` writes it), ``str`` fields strings; bools are never numbers.
+    """
+    values: dict[str, Any] = {}
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(map(repr, missing))}")
+    for f in dataclasses.fields(cls):
+        value = data[f.name]
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind == "float":
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        elif kind == "str":
+            ok = isinstance(value, str)
+        else:  # pragma: no cover - every record field is one of the above
+            raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {kind}")
+        if not ok:
+            raise ValueError(f"field {f.name!r}: expected {kind}, got {json.dumps(value)}")
+        values[f.name] = value
+    return values
+
+
+class _Record:
+    """Shared JSON round trip of the record dataclasses below."""
+
+    KIND: ClassVar[str]
+
+    def to_json(self) -> str:
+        """One JSON line (no newline), ``kind`` first."""
+        assert dataclasses.is_dataclass(self)
+        return json.dumps({"kind": self.KIND, **dataclasses.asdict(self)})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """The record from a decoded JSON object (its ``kind`` is not checked here)."""
+        record = cls(**_check_fields(cls, data))
+        record.validate()
+        return record
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        """The record from one JSON line; ``ValueError`` when it is not one of ``cls``."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("kind") != cls.KIND:
+            raise ValueError(f"not a {cls.KIND!r} record: {text[:80]}")
+        return cls.from_dict(data)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` when a field holds an impossible value."""
+
+
+@dataclass(frozen=True)
+class RunRecord(_Record):
+    """The run's shape, written once when it starts."""
+
+    KIND: ClassVar[str] = "run"
+
+    time_s: float
+    policy: str
+    mu: int
+    phi: float
+    cells: int
+    """K, the number of elastic cells."""
+    predicted_staleness: float
+    """Eq 2: ``phi + (mu - 1) / 2``."""
+    group_size: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class StepRecord(_Record):
+    """One optimizer step done."""
+
+    KIND: ClassVar[str] = "step"
+
+    time_s: float
+    step: int
+    version: int
+    """The policy version after the update."""
+    reward_mean: float
+    reward_std: float
+    rewards: int
+    """How many valid rewards the step trained on."""
+    loss: float
+    clipped_fraction: float
+    grad_norm: float
+    tokens: int
+    micro_steps: int
+    cells: int
+    """How many cells trained this step."""
+    train_s: float
+    staleness_mean: float
+
+
+@dataclass(frozen=True)
+class RoleRecord(_Record):
+    """Cell ``cell`` entered ``role`` at ``time_s``."""
+
+    KIND: ClassVar[str] = "role"
+
+    time_s: float
+    cell: int
+    role: str
+    """A :class:`~qwengyre.scheduler.events.Role` value."""
+
+    def validate(self) -> None:
+        if self.role not in {r.value for r in Role}:
+            raise ValueError(
+                f"field 'role': {self.role!r} is not one of {', '.join(r.value for r in Role)}"
+            )
+
+
+@dataclass(frozen=True)
+class SwitchRecord(_Record):
+    """Cell ``cell`` finished switching ``to`` training or rollout, in ``seconds``."""
+
+    KIND: ClassVar[str] = "switch"
+
+    time_s: float
+    cell: int
+    to: str
+    """``"training"`` or ``"rollout"``."""
+    seconds: float
+
+    def validate(self) -> None:
+        if self.to not in SWITCH_DIRECTIONS:
+            raise ValueError(f"field 'to': {self.to!r} is not 'training' or 'rollout'")
+
+
+@dataclass(frozen=True)
+class LoadRecord(_Record):
+    """Running and queued executions and rollout capacity from ``time_s`` on."""
+
+    KIND: ClassVar[str] = "load"
+
+    time_s: float
+    running: int
+    queued: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class GroupRecord(_Record):
+    """A group dispatched at ``dispatch_version`` and trained in ``step``."""
+
+    KIND: ClassVar[str] = "group"
+
+    time_s: float
+    group_id: int
+    dispatch_version: int
+    step: int
+    staleness: int
+    """``step - dispatch_version``."""
+
+
+Record: TypeAlias = RunRecord | StepRecord | RoleRecord | SwitchRecord | LoadRecord | GroupRecord
+RECORD_TYPES: dict[str, type[Record]] = {
+    cls.KIND: cls
+    for cls in (RunRecord, StepRecord, RoleRecord, SwitchRecord, LoadRecord, GroupRecord)
+}
+"""Record class by ``kind``."""
+
+
+def parse_record(text: str) -> Record:
+    """One metrics line as its record; ``ValueError`` says what is wrong."""
+    data = json.loads(text)  # json.JSONDecodeError is a ValueError
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    kind = data.get("kind")
+    cls = RECORD_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"unknown kind {kind!r} (expected one of {', '.join(RECORD_TYPES)})")
+    return cls.from_dict(data)
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass
+class RunMetrics:
+    """A metrics log read back: the records of each kind, in file order."""
+
+    runs: list[RunRecord] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    roles: list[RoleRecord] = field(default_factory=list)
+    switches: list[SwitchRecord] = field(default_factory=list)
+    loads: list[LoadRecord] = field(default_factory=list)
+    groups: list[GroupRecord] = field(default_factory=list)
+
+    def add(self, record: Record) -> None:
+        match record:
+            case RunRecord():
+                self.runs.append(record)
+            case StepRecord():
+                self.steps.append(record)
+            case RoleRecord():
+                self.roles.append(record)
+            case SwitchRecord():
+                self.switches.append(record)
+            case LoadRecord():
+                self.loads.append(record)
+            case GroupRecord():
+                self.groups.append(record)
+
+    @property
+    def run(self) -> RunRecord | None:
+        """The run's shape: the last ``run`` record (a resumed run writes another)."""
+        return self.runs[-1] if self.runs else None
+
+    @property
+    def end_s(self) -> float:
+        """The latest time any record carries (0 for an empty log)."""
+        times = [
+            r.time_s
+            for rs in (self.runs, self.steps, self.roles, self.switches, self.loads, self.groups)
+            for r in rs
+            if math.isfinite(r.time_s)
+        ]
+        return max(times, default=0.0)
+
+    def __len__(self) -> int:
+        return sum(
+            len(rs)
+            for rs in (self.runs, self.steps, self.roles, self.switches, self.loads, self.groups)
+        )
+
+
+def read_metrics(path: Path) -> RunMetrics:
+    """Read ``metrics.jsonl`` (or a run directory holding one).
+
+    Blank lines are skipped. A last line without its newline that does not parse was
+    cut short by a crash mid-write and is ignored; any other bad line raises
+    :class:`MetricsError` naming the file and line number.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    # After the last newline: "" for a complete file, else a line the writer never finished.
+    metrics = RunMetrics()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_record(line)
+        except ValueError as exc:
+            if number == len(lines):  # no newline after it: truncated by a crash
+                continue
+            raise MetricsError(path, str(exc), number) from None
+        metrics.add(record)
+    return metrics
+
+
+# ---------------------------------------------------------------- writing
+
+
+class _ScalarWriter(Protocol):
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def tensorboard_available() -> bool:
+    """Whether TensorBoard mirroring can work: ``tensorboard`` and ``torch`` installed."""
+    return (
+        importlib.util.find_spec("tensorboard") is not None
+        and importlib.util.find_spec("torch") is not None
+    )
+
+
+def open_tensorboard(log_dir: Path) -> _ScalarWriter | None:
+    """A TensorBoard ``SummaryWriter`` on ``log_dir``, or None when it is not installed."""
+    if not tensorboard_available():
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer: _ScalarWriter = SummaryWriter(log_dir=str(log_dir))
+    return writer
+
+
+#: Step fields mirrored to TensorBoard (as ``step/<name>``), all but the step index.
+STEP_SCALARS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(StepRecord) if f.name != "step"
+)
+
+
+class MetricsWriter:
+    """Appends records to a metrics log, one flushed line each.
+
+    ``tensorboard``: where to mirror the step metrics (default ``<log's dir>/tensorboard``),
+    or False for no mirror; the mirror is skipped silently when TensorBoard is not
+    installed. ``fsync``: also fsync after every line (durable across power loss).
+    """
+
+    def __init__(self, path: Path, *, tensorboard: Path | bool = True, fsync: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb: _ScalarWriter | None = None
+        if tensorboard is not False:
+            log_dir = (
+                self.path.parent / TENSORBOARD_DIR if tensorboard is True else Path(tensorboard)
+            )
+            self._tb = open_tensorboard(log_dir)
+
+    @property
+    def mirrors_tensorboard(self) -> bool:
+        return self._tb is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def write(self, record: Record) -> None:
+        """Append ``record`` as one line and flush it (and fsync when asked)."""
+        if self._file.closed:
+            raise ValueError(f"metrics log {self.path} is closed")
+        self._file.write(record.to_json() + "\n")
+        self._file.flush()
+        if self._fsync:
+            os.fsync(self._file.fileno())
+        if self._tb is not None and isinstance(record, StepRecord):
+            for name in STEP_SCALARS:
+                value = float(getattr(record, name))
+                if math.isfinite(value):
+                    self._tb.add_scalar(f"step/{name}", value, global_step=record.step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
