@@ -196,6 +196,8 @@ def staleness_figure(groups: Sequence[GroupRecord], predicted: float) -> Figure:
             label=f"Eq 2 prediction {predicted:.2f}",
         )
     ax.set_xticks(range(low, high + 1))
+    shown = [low - 0.5, high + 0.5, *([predicted] if math.isfinite(predicted) else [])]
+    ax.set_xlim(min(shown) - 0.1, max(shown) + 0.1)
     ax.set_xlabel("staleness (policy versions)")
     ax.set_ylabel("groups")
     ax.grid(axis="y", alpha=0.3)

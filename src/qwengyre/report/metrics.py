@@ -220,7 +220,10 @@ RECORD_TYPES: dict[str, type[Record]] = {
 
 def parse_record(text: str) -> Record:
     """One metrics line as its record; ``ValueError`` says what is wrong."""
-    data = json.loads(text)  # json.JSONDecodeError is a ValueError
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     kind = data.get("kind")
