@@ -1,0 +1,1 @@
+"""Cells, their placement (local processes or Ray actors) and weight transfer."""

@@ -1,0 +1,109 @@
+"""Local placement: each cell is an object living in its own process on this machine.
+
+:class:`ProcessActor` is the smallest actor that serves the runtime: the object is
+built in a fresh (spawned) process, and method calls travel over a pipe one at a time,
+in order, like calls to a Ray actor. ``await actor.call("method", ...)`` does not block
+the caller's event loop. An exception inside the process comes back as
+:class:`ActorError` with the remote traceback; the process keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["ActorDied", "ActorError", "ProcessActor"]
+
+
+class ActorError(RuntimeError):
+    """A method raised inside the actor's process."""
+
+
+class ActorDied(RuntimeError):
+    """The actor's process is gone (crashed or killed)."""
+
+
+def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        obj = factory(*args)
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+        return
+    conn.send((True, None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            conn.send((True, None))
+            return
+        method, call_args, kwargs = message
+        try:
+            conn.send((True, getattr(obj, method)(*call_args, **kwargs)))
+        except BaseException:
+            conn.send((False, traceback.format_exc()))
+
+
+class ProcessActor:
+    """``factory(*args)`` built in its own process; call its methods with :meth:`call`."""
+
+    def __init__(self, factory: Callable[..., Any], *args: Any, name: str = "actor") -> None:
+        context = mp.get_context("spawn")
+        self.name = name
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve, args=(child, factory, args), name=name, daemon=True
+        )
+        self._process.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._started = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def _receive(self) -> Any:
+        try:
+            ok, value = self._conn.recv()
+        except (EOFError, ConnectionError) as exc:
+            raise ActorDied(f"{self.name} (pid {self.pid}) died") from exc
+        if not ok:
+            raise ActorError(f"{self.name}: {value}")
+        return value
+
+    def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` in the actor's process and return its result (blocking)."""
+        with self._lock:
+            if not self._started:
+                self._receive()  # construction result
+                self._started = True
+            try:
+                self._conn.send((method, args, kwargs))
+            except (BrokenPipeError, ConnectionError) as exc:
+                raise ActorDied(f"{self.name} (pid {self.pid}) died") from exc
+            return self._receive()
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call_sync` without blocking the event loop."""
+        return await asyncio.to_thread(self.call_sync, method, *args, **kwargs)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the process (politely, then by force)."""
+        if self._process.is_alive():
+            try:
+                with self._lock:
+                    self._conn.send(None)
+            except (BrokenPipeError, ConnectionError, OSError):
+                pass
+            self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout_s)
+        self._conn.close()

@@ -1,0 +1,142 @@
+"""Weights in shared memory: how the core hands its parameters to other cells on one
+machine (DESIGN.md §3, cluster: weight transfer).
+
+The core writes its parameters after every optimizer update into one named
+shared-memory segment; a satellite joining training mid-batch reads the core's
+current weights from it, and rollout engines on the same machine load a published
+version from it (:class:`qwengyre.engines.base.WeightsInMemory`). One writer, many
+readers, no locks: a sequence counter in the header is odd while a write is under
+way, and a reader retries until it copied a consistent snapshot (a seqlock).
+
+The layout (names, shapes, dtypes, offsets) comes from the model itself, so every
+process that holds the same architecture derives the same layout.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+from torch import Tensor
+
+__all__ = ["SharedWeights", "TensorSlot", "WeightsLayout", "layout_of"]
+
+_HEADER = struct.Struct("<qq")  # sequence counter, policy version
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes from the start of the segment
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class WeightsLayout:
+    slots: tuple[TensorSlot, ...]
+    nbytes: int
+
+
+def layout_of(named: Iterable[tuple[str, Tensor]]) -> WeightsLayout:
+    """The segment layout of ``named`` tensors (e.g. ``model.named_parameters()``,
+    which lists a tied weight once), each slot aligned to 64 bytes."""
+    slots = []
+    offset = _HEADER.size
+    for name, tensor in named:
+        offset = -(-offset // _ALIGN) * _ALIGN
+        slot = TensorSlot(name, tuple(tensor.shape), tensor.dtype, offset)
+        slots.append(slot)
+        offset += slot.nbytes
+    return WeightsLayout(tuple(slots), offset)
+
+
+class SharedWeights:
+    """A named shared-memory segment holding one copy of the weights and its version.
+
+    ``create=True`` makes (and on :meth:`close`, unlinks) the segment: the core.
+    Others attach by name with the same layout.
+    """
+
+    def __init__(self, name: str, layout: WeightsLayout, *, create: bool = False) -> None:
+        self.name = name
+        self.layout = layout
+        self._owner = create
+        if create:
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=layout.nbytes)
+        else:
+            self._shm = shared_memory.SharedMemory(name=name)
+            # Attaching registers the segment with this process's resource tracker,
+            # which would unlink it when this process exits: only the owner may.
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+            if self._shm.size < layout.nbytes:
+                raise ValueError(
+                    f"shared weights {name!r} hold {self._shm.size} bytes, the model needs "
+                    f"{layout.nbytes}: is it the same architecture?"
+                )
+        buf = self._shm.buf
+        assert buf is not None  # open until close()
+        self._buf: memoryview = buf
+        if create:
+            _HEADER.pack_into(buf, 0, 0, -1)
+        self._views = {
+            slot.name: torch.frombuffer(
+                buf, dtype=slot.dtype, count=slot.numel, offset=slot.offset
+            ).view(slot.shape)
+            for slot in layout.slots
+        }
+
+    def _header(self) -> tuple[int, int]:
+        seq, version = _HEADER.unpack_from(self._buf, 0)
+        return int(seq), int(version)
+
+    @property
+    def version(self) -> int:
+        """The version last written completely (-1 before the first write)."""
+        return self._header()[1]
+
+    def write(self, named: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy ``named`` tensors (every slot of the layout) in, as ``version``."""
+        tensors = dict(named)
+        if set(tensors) != set(self._views):
+            missing = sorted(set(self._views) - set(tensors))
+            unknown = sorted(set(tensors) - set(self._views))
+            raise ValueError(f"write is missing tensors {missing[:3]}, unknown {unknown[:3]}")
+        seq, _ = self._header()
+        _HEADER.pack_into(self._buf, 0, seq + 1, -1)
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self._views[name].copy_(tensor.detach().to("cpu", self._views[name].dtype))
+        _HEADER.pack_into(self._buf, 0, seq + 2, version)
+
+    def read(self, *, timeout_s: float = 10.0) -> tuple[int, dict[str, Tensor]]:
+        """A consistent copy of the weights and their version."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            before, version = self._header()
+            if before % 2 == 0:
+                copy = {name: view.clone() for name, view in self._views.items()}
+                if self._header()[0] == before:
+                    return version, copy
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shared weights {self.name!r}: no consistent snapshot")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self._views.clear()
+        self._shm.close()
+        if self._owner:
+            self._shm.unlink()
