@@ -1,0 +1,140 @@
+"""The trainer on one cell: packed rows reproduce the engine's log-probs, and a run
+resumed from a checkpoint continues exactly (issue 7)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import torch
+from tests.training_data import groups
+from transformers import AutoModelForCausalLM
+
+from qwengyre.config import TrainerConfig
+from qwengyre.engines.base import GenerateRequest
+from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.training.buffers import (
+    ExecutionSample,
+    GroupSample,
+    PackingBuffer,
+    TrajectoryBuffer,
+)
+from qwengyre.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from qwengyre.training.distributed import PrefixGroups
+from qwengyre.training.trainer import Trainer
+from qwengyre.trajectories.selection import AdmittedTrajectory
+from qwengyre.types import SamplingParams
+
+
+def single(model_dir: Path, config: TrainerConfig) -> Trainer:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return Trainer(model, config, PrefixGroups(0, 1, ""))
+
+
+def test_packed_rows_reproduce_the_engines_behaviour_logprobs(tiny_model_dir: Path) -> None:
+    # Several sampled replies packed into one row: position_ids must keep each
+    # trajectory attending to itself only, or l_t != b_t.
+    temperature = 0.7
+    engine = EmbeddedEngine(tiny_model_dir, capacity=4, max_context=256)
+    prompts = [tuple(range(20 + i, 40 + 7 * i)) for i in range(4)]
+
+    async def sample() -> list:
+        return await asyncio.gather(
+            *(
+                engine.generate(GenerateRequest(f"r{i}", p, SamplingParams(12, temperature)))
+                for i, p in enumerate(prompts)
+            )
+        )
+
+    try:
+        results = asyncio.run(sample())
+    finally:
+        engine.close()
+    executions = []
+    for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        n_out = len(result.output_ids)
+        row = AdmittedTrajectory(
+            leaf=0,
+            request_class="main.task",
+            nodes=(0,),
+            input_ids=prompt + result.output_ids,
+            target_mask=(False,) * len(prompt) + (True,) * n_out,
+            behaviour_logprobs=(0.0,) * len(prompt) + result.logprobs,
+            versions=(-1,) * len(prompt) + result.versions,
+        )
+        executions.append(ExecutionSample(f"e{i}", 1.0 if i % 2 else -1.0, (row,)))
+    buffer = TrajectoryBuffer()
+    buffer.add(GroupSample(0, 0, tuple(executions)))
+    (micro,) = PackingBuffer(buffer, 4096).assign(0, [0], closes_batch=True)
+    assert len(micro.execution_ids) == 4
+    trainer = single(tiny_model_dir, TrainerConfig(temperature=temperature))
+    with torch.no_grad():
+        current = trainer.current_logprobs(micro)
+    behaviour = micro.behaviour_logprobs[:, 1:][micro.target_mask[:, 1:]]
+    assert current.numel() == sum(len(r.output_ids) for r in results)
+    torch.testing.assert_close(current, behaviour, rtol=0, atol=1e-4)
+
+
+def run_steps(
+    trainer: Trainer, trajectories: TrajectoryBuffer, packing: PackingBuffer, steps: range
+) -> list[int]:
+    """Train ``steps``, two ready groups each (oldest first); returns the groups used."""
+    used = []
+    for step in steps:
+        ids = trajectories.ready_ids()[:2]
+        micro = packing.assign(step, ids, closes_batch=True)
+        for ms in micro:
+            trainer.train_micro_step(ms)
+        assert trainer.finish_batch(packing.summary(step), 1).version == step + 1
+        used += ids
+    return used
+
+
+def test_a_resumed_run_continues_with_the_same_versions_and_no_group_twice(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = TrainerConfig(lr=1e-3, micro_step_tokens=256)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    samples = groups(model, count=8, size=4, seed=3)
+
+    def fresh() -> tuple[Trainer, TrajectoryBuffer, PackingBuffer]:
+        trainer = single(tiny_model_dir, config)
+        trajectories = TrajectoryBuffer()
+        for g in samples:
+            trajectories.add(g)
+        return trainer, trajectories, PackingBuffer(trajectories, config.micro_step_tokens)
+
+    # Uninterrupted: four steps.
+    trainer, trajectories, packing = fresh()
+    straight = run_steps(trainer, trajectories, packing, range(4))
+    expected = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+
+    # Two steps, a checkpoint, a "crash", then resume for the last two.
+    trainer, trajectories, packing = fresh()
+    first = run_steps(trainer, trajectories, packing, range(2))
+    assert trainer.optimizer is not None
+    state = {
+        "version": trainer.version,
+        "trajectories": trajectories.state_dict(),
+        "packing": packing.state_dict(),
+    }
+    save_checkpoint(tmp_path, step=2, model=trainer.model, optimizer=trainer.optimizer, state=state)
+    del trainer, trajectories, packing
+
+    trainer = single(tiny_model_dir, TrainerConfig(lr=1e-3, micro_step_tokens=256))
+    path = latest_checkpoint(tmp_path)
+    assert path is not None
+    restored = load_checkpoint(path, trainer.model, trainer.optimizer)
+    json.dumps(restored)  # the state is plain JSON
+    trainer.version = restored["version"]
+    trajectories = TrajectoryBuffer()
+    trajectories.load_state_dict(restored["trajectories"])
+    packing = PackingBuffer(trajectories, config.micro_step_tokens)
+    packing.load_state_dict(restored["packing"])
+    assert trainer.version == 2 and set(first).isdisjoint(trajectories.ready_ids())
+    second = run_steps(trainer, trajectories, packing, range(2, 4))
+
+    assert first + second == straight and len(set(straight)) == len(straight)
+    for name, value in trainer.model.named_parameters():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
