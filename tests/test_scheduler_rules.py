@@ -414,3 +414,31 @@ def test_params_refuse_inconsistent_policies():
         SchedulerParams(policy="async", cells=8, async_training_cells=8)
     with pytest.raises(ValueError, match="allowed: boundary, continuous"):
         SchedulerParams(dispatch="eager")
+
+
+def test_a_resumed_scheduler_trains_the_ready_groups_first_and_never_reuses_ids():
+    s = Scheduler(
+        SchedulerParams(
+            policy="async",
+            batch=2,
+            group_size=1,
+            cells=2,
+            cell_capacity=2,
+            async_training_cells=1,
+            phi=1,
+        )
+    )
+    s.resume(3, [(7, 2), (4, 3)], next_group=9, next_execution=20)
+    out = s.handle(Start(10.0))
+    assert s.version == 3 and s.published == 3
+    # Boundary dispatch: the two ready groups hold their slots; the rest refills.
+    dispatched = of(Dispatch, out)
+    assert [d.group_id for d in dispatched] == [9, 10]  # depth (1 + 1) * 2, two held
+    assert [d.execution_ids for d in dispatched] == [(20,), (21,)]
+    assert all(d.version == 3 for d in dispatched)
+    assigned = of(AssignGroups, s.handle(PullGroups(11.0, 3, 2)))
+    assert assigned == [AssignGroups(3, (7, 4), closes_batch=True)]  # oldest v_d first
+    with pytest.raises(SchedulerError, match="before Start"):
+        s.resume(0, [], next_group=50, next_execution=50)
+    with pytest.raises(SchedulerError, match="below next_group"):
+        Scheduler(s.params).resume(0, [(5, 0)], next_group=5, next_execution=0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -243,6 +244,7 @@ class Scheduler:
         self._load: dict[int, set[int]] = {e: set() for e in [STANDALONE, *range(k)]}
         self._ready: list[tuple[int, int, int]] = []  # heap of (v_d, ready seq, group id)
         self._ready_seq = 0
+        self._next_group = self._next_execution = 0
         self._d = self._p = self._f = 0
         self.version = 0  # optimizer steps done
         self.published = 0  # latest published version
@@ -297,6 +299,33 @@ class Scheduler:
 
     def running_on(self, engine: int) -> frozenset[int]:
         return frozenset(self._load[engine])
+
+    def resume(
+        self,
+        version: int,
+        ready: Sequence[tuple[int, int]],
+        *,
+        next_group: int,
+        next_execution: int,
+    ) -> None:
+        """Before :class:`Start`: continue a run whose optimizer has made ``version``
+        updates (all published), with the ``(group id, v_d)`` groups that finished
+        their rollout and were not trained yet. New groups and executions get ids from
+        ``next_group`` / ``next_execution`` on, so they never reuse the old run's ids.
+        What was queued or running when the old run stopped is gone; its slots refill.
+        """
+        if self._started:
+            raise SchedulerError("resume() must come before Start")
+        if version < 0 or next_group < 0 or next_execution < 0:
+            raise SchedulerError("resume() needs non-negative version and ids")
+        if any(gid >= next_group for gid, _ in ready):
+            raise SchedulerError(f"ready group ids must be below next_group={next_group}")
+        self.version = self.published = version
+        self._next_group, self._next_execution = next_group, next_execution
+        for gid, v_d in ready:
+            self.groups[gid] = Group(id=gid, v_d=v_d, state=GroupState.READY)
+            heapq.heappush(self._ready, (v_d, self._ready_seq, gid))
+            self._ready_seq += 1
 
     # ------------------------------------------------------------ the one entry point
 
@@ -444,14 +473,16 @@ class Scheduler:
         return sum(1 for g in self.groups.values() if g.state in held)
 
     def _dispatch_group(self) -> None:
-        group = Group(id=len(self.groups), v_d=self.published)
+        group = Group(id=self._next_group, v_d=self.published)
+        self._next_group += 1
         self.groups[group.id] = group
         self._dispatch(group, self.params.executions_per_group, topup=False)
 
     def _dispatch(self, group: Group, n: int, topup: bool) -> None:
         ids = []
         for _ in range(n):
-            ex = Execution(id=len(self.executions), group=group.id, index=len(group.executions))
+            ex = Execution(id=self._next_execution, group=group.id, index=len(group.executions))
+            self._next_execution += 1
             self.executions[ex.id] = ex
             group.executions.append(ex.id)
             group.pending.add(ex.id)
