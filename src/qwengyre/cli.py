@@ -161,6 +161,35 @@ def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    from qwengyre.runtime.train import TrainOptions, train
+
+    if args.resume is not None:
+        if args.config_file or args.overrides or args.run_dir:
+            raise ConfigError("--resume RUN_DIR continues that run with its own config.yaml")
+        options = TrainOptions(Path(args.resume), resume=True, display=not args.quiet)
+    else:
+        given = args.config_file is not None and "=" not in args.config_file
+        config = _resolve_config(args, preset=None if given else "embedded")
+        run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        options = TrainOptions(run_dir, config, display=not args.quiet)
+    controller = asyncio.run(train(options))
+    from qwengyre.report.html import write_report
+
+    records = controller.step_records
+    if records:
+        first, last = records[0], records[-1]
+        print(
+            f"{len(records)} steps in {last.time_s:.0f} s; reward {first.reward_mean:.3f} "
+            f"(first step) -> {last.reward_mean:.3f} (last step)"
+        )
+    print(f"run {options.run_dir}; report {write_report(options.run_dir)}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from qwengyre.report.html import write_report
 
@@ -258,6 +287,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
     tiny.set_defaults(func=cmd_model_init_tiny)
+
+    trainp = sub.add_parser(
+        "train",
+        help="train (no config: the embedded default on this machine)",
+        description="Elastic RL training. Without a config file it runs the embedded "
+        "default (preset 'embedded'): the tiny local model, the toy harness, 3 cells.",
+    )
+    _add_config_args(trainp)
+    trainp.add_argument("--run-dir", help="output directory (default runs/<timestamp>)")
+    trainp.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run")
+    trainp.add_argument("--quiet", action="store_true", help="no live display")
+    trainp.set_defaults(func=cmd_train)
 
     report = sub.add_parser("report", help="write a training run's HTML report from its metrics")
     report.add_argument("run_dir", help="run directory holding metrics.jsonl")

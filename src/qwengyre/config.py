@@ -175,6 +175,43 @@ class SimConfig(_Section):
         return self
 
 
+class RunConfig(_Section):
+    """The live training run (``qwengyre train``): rollout, placement, outputs."""
+
+    steps: int = Field(20, ge=1, description="RL training steps (optimizer updates) to run")
+    placement: Literal["local", "ray"] = Field(
+        "local", description="cells as local processes, or as Ray actors (the 'ray' extra)"
+    )
+    harness: str = Field(
+        "toy", description="toy, claude-code, mini-swe-agent, or a command template"
+    )
+    tasks: Path | None = Field(None, description="JSONL tasks; None = the bundled toy tasks")
+    harness_s: float = Field(120.0, gt=0.0, description="harness deadline per execution")
+    overall_s: float = Field(300.0, gt=0.0, description="overall budget per execution")
+    device: str = Field("cpu", description="torch device of the cells")
+    torch_threads: int = Field(1, ge=1, description="torch threads per cell process")
+    max_context: int = Field(4096, ge=64, description="tokens per model call, prompt + reply")
+    checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints")
+    keep_checkpoints: int = Field(2, ge=1)
+    warm_start_accuracy: float | None = Field(
+        0.4,
+        gt=0.0,
+        le=1.0,
+        description="tiny model only: supervised warm start on the toy task until this "
+        "measured accuracy (None: no warm start)",
+    )
+    warm_start_max_s: float = Field(300.0, gt=0.0, description="warm start time limit")
+    load_sample_s: float = Field(1.0, gt=0.0, description="seconds between load samples")
+
+    @model_validator(mode="after")
+    def _budgets(self) -> RunConfig:
+        if self.harness_s > self.overall_s:
+            raise ValueError(
+                f"run.harness_s ({self.harness_s}) must not exceed run.overall_s ({self.overall_s})"
+            )
+        return self
+
+
 class Config(_Section):
     """The root of the configuration tree."""
 
@@ -185,6 +222,7 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

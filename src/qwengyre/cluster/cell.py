@@ -8,24 +8,45 @@ training. Every method is synchronous: the placement backend runs one call at a 
 
 Start-up: build all ``K`` cells, then call :meth:`Cell.connect` on all of them
 concurrently (creating the torch.distributed groups is collective).
+
+Rollout: :meth:`Cell.start_engine` serves an :class:`~qwengyre.engines.embedded.EmbeddedEngine`
+behind SGLang's HTTP API on 127.0.0.1 (the proxy drives it with
+:class:`~qwengyre.engines.sglang.SGLangEngine`, as it would a real SGLang server).
+A move to training is :meth:`release_engine` (after the proxy drained it); the way
+back is :meth:`resume_engine`, which also loads the newest weights from the board.
+Publication is :meth:`update_engine_weights` (shared memory on one machine). The
+engine keeps its own copy of the weights: on an accelerator they would share one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
+import threading
+import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
+from aiohttp import web
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from qwengyre.cluster.weights import SharedWeights, layout_of
 from qwengyre.config import TrainerConfig
+from qwengyre.engines.base import WeightsInMemory
+from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.engines.server import engine_app
 from qwengyre.training.buffers import BatchSummary, MicroStep
+from qwengyre.training.checkpoint import load_checkpoint, save_checkpoint
 from qwengyre.training.distributed import PrefixGroups
 from qwengyre.training.trainer import MicroStepResult, StepResult, Trainer
 
 __all__ = ["Cell", "CellSpec"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,10 @@ class CellSpec:
     device: str = "cpu"
     torch_threads: int = 1
     seed: int = 0
+    engine_capacity: int = 8
+    max_context: int | None = None
+    version: int = 0  # policy version of the weights in model_dir
+    checkpoint: str | None = None  # resume: the core loads its optimizer state from here
 
 
 class Cell:
@@ -56,6 +81,8 @@ class Cell:
         )
         self.model = model.to(torch.device(spec.device))  # type: ignore[arg-type]
         self.trainer: Trainer | None = None
+        self.engine: EmbeddedEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def rank(self) -> int:
@@ -75,8 +102,12 @@ class Cell:
         # new_group() is collective: once it returned everywhere the core's board exists.
         if board is None:
             board = SharedWeights(self.spec.board, layout)
-        self.trainer = Trainer(self.model, self.spec.trainer, comm, board=board)
+        self.trainer = Trainer(
+            self.model, self.spec.trainer, comm, version=self.spec.version, board=board
+        )
         if core:
+            if self.spec.checkpoint is not None:
+                load_checkpoint(self.spec.checkpoint, self.model, self.trainer.optimizer)
             self.trainer.publish_weights()
         return os.getpid()
 
@@ -96,6 +127,83 @@ class Cell:
     def finish_batch(self, summary: BatchSummary, cells: int) -> StepResult:
         return self._trainer().finish_batch(summary, cells)
 
+    # ------------------------------------------------------------------ rollout
+
+    def _on_loop(self, coro: Coroutine[Any, Any, T], timeout_s: float = 120.0) -> T:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def _engine(self) -> EmbeddedEngine:
+        if self.engine is None:
+            raise RuntimeError(f"cell {self.rank}: start_engine() first")
+        return self.engine
+
+    def start_engine(self) -> tuple[str, str]:
+        """Serve rollout; returns the engine's base URL and API key."""
+        if self.engine is not None:
+            raise RuntimeError(f"cell {self.rank}: the engine is already running")
+        self.engine = EmbeddedEngine(
+            self.spec.model_dir,
+            name=f"cell-{self.rank}",
+            capacity=self.spec.engine_capacity,
+            device=self.spec.device,
+            max_context=self.spec.max_context,
+            seed=self.spec.seed + 1000 * self.rank,
+        )
+        self.engine.version = self.spec.version
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="engine-http", daemon=True).start()
+        api_key = secrets.token_urlsafe(24)
+
+        async def serve() -> int:
+            assert self.engine is not None
+            runner = web.AppRunner(engine_app(self.engine, api_key), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            return int(runner.addresses[0][1])
+
+        port = self._on_loop(serve())
+        return f"http://127.0.0.1:{port}", api_key
+
+    def release_engine(self, timeout_s: float = 60.0) -> None:
+        """Free the engine's memory once the requests the proxy aborted have left."""
+        engine = self._engine()
+        deadline = time.monotonic() + timeout_s
+        while engine.load:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell {self.rank}: {engine.load} requests did not drain")
+            time.sleep(0.01)
+        self._on_loop(engine.release_memory())
+
+    def resume_engine(self) -> int:
+        """Serve rollout again with the newest weights; returns their version."""
+        engine = self._engine()
+        self._on_loop(engine.resume_memory())
+        return self.update_engine_weights()
+
+    def update_engine_weights(self) -> int:
+        """Load the board's weights into the engine (between decode steps) if newer."""
+        engine = self._engine()
+        board = self._trainer().board
+        assert board is not None
+        if board.version > engine.version:
+            version, tensors = board.read()
+            self._on_loop(engine.update_weights(WeightsInMemory(tensors), version))
+        return engine.version
+
+    # ------------------------------------------------------------------ state
+
+    def save_checkpoint(self, root: str, step: int, state: dict[str, Any]) -> str:
+        """The core writes model, optimizer and the caller's state atomically."""
+        trainer = self._trainer()
+        if not trainer.is_core:
+            raise RuntimeError("only the core holds the optimizer")
+        path = save_checkpoint(
+            Path(root), step=step, model=self.model, optimizer=trainer.optimizer, state=state
+        )
+        return str(path)
+
     def parameters(self) -> dict[str, torch.Tensor]:
         """A copy of the current parameters (tests, checkpoints)."""
         return {k: v.detach().clone() for k, v in self.model.named_parameters()}
@@ -105,6 +213,8 @@ class Cell:
         return path
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.trainer is not None:
             self.trainer.comm.close()
             if self.trainer.board is not None:

@@ -75,6 +75,13 @@ class Router:
             self._routes[execution_id] = name
         return name
 
+    def assign(self, execution_id: str, name: str) -> None:
+        """Route ``execution_id`` to engine ``name`` (the scheduler's choice at launch or
+        reroute); its next call goes there, an in-flight one finishes where it is."""
+        if name not in self._slots:
+            raise ValueError(f"engine {name!r} is not registered")
+        self._routes[execution_id] = name
+
     def forget(self, execution_id: str) -> None:
         self._routes.pop(execution_id, None)
 

@@ -64,7 +64,10 @@ class ProxyServer:
         max_context: int,
         admin_token: str,
         max_body_bytes: int = 32 * 1024 * 1024,
+        temperature: float | None = None,
     ) -> None:
+        """``temperature``: if set, every call samples at it whatever the harness asks
+        (training: the trainer computes its log-probs at the rollout temperature)."""
         if len(admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
         self.renderer = renderer
@@ -74,6 +77,7 @@ class ProxyServer:
         self.max_context = max_context
         self.admin_token = admin_token
         self.max_body_bytes = max_body_bytes
+        self.temperature = temperature
         self.executions: dict[str, ExecutionState] = {}
         self._by_key: dict[str, str] = {}
         self.base_url = ""
@@ -182,7 +186,9 @@ class ProxyServer:
         room = self.max_context - len(call.prompt_ids)
         sampling = SamplingParams(
             max_tokens=min(chat.sampling.max_tokens, room),
-            temperature=chat.sampling.temperature,
+            temperature=(
+                chat.sampling.temperature if self.temperature is None else self.temperature
+            ),
             top_p=chat.sampling.top_p,
             top_k=chat.sampling.top_k,
             stop=chat.sampling.stop,
@@ -283,24 +289,36 @@ class ProxyServer:
             )
         return state
 
-    async def _admin_create(self, http: web.Request) -> web.Response:
-        self._admin(http)
+    async def create_execution(self) -> dict[str, str]:
+        """A new execution with its own key, durable before it is returned: ``id``,
+        ``key``, ``base_url`` (Anthropic) and ``openai_base_url``."""
         execution_id = new_id("ex_", 16)
         key = "qg-" + secrets.token_urlsafe(32)
         await asyncio.to_thread(self.store.add_execution, execution_id, hash_key(key), time.time())
         self._new_state(execution_id, hash_key(key))
         prefix = f"{self.base_url}/x/{execution_id}"
-        return web.json_response(
-            {"id": execution_id, "key": key, "base_url": prefix, "openai_base_url": prefix + "/v1"},
-            status=201,
-        )
+        return {
+            "id": execution_id,
+            "key": key,
+            "base_url": prefix,
+            "openai_base_url": prefix + "/v1",
+        }
+
+    async def revoke_execution(self, execution_id: str) -> None:
+        """The execution's key stops working and its route is forgotten."""
+        state = self.executions[execution_id]
+        await asyncio.to_thread(self.store.revoke, state.id)
+        state.revoked = True
+        self.router.forget(state.id)
+
+    async def _admin_create(self, http: web.Request) -> web.Response:
+        self._admin(http)
+        return web.json_response(await self.create_execution(), status=201)
 
     async def _admin_delete(self, http: web.Request) -> web.Response:
         self._admin(http)
         state = self._execution(http)
-        await asyncio.to_thread(self.store.revoke, state.id)
-        state.revoked = True
-        self.router.forget(state.id)
+        await self.revoke_execution(state.id)
         return web.json_response({"id": state.id, "revoked": True})
 
     async def _admin_tree(self, http: web.Request) -> web.Response:

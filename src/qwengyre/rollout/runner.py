@@ -191,7 +191,9 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
                         async with http.get(tree_url, headers=admin) as r:
                             nodes = (await r.json())["nodes"]
                         results.add(index, result)  # durable before it counts
-                        traces.write(_trace(task, group, index, result, began, nodes, start_wall))
+                        traces.write(
+                            trace_record(task, group, index, result, began, nodes, start_wall)
+                        )
 
                 async def group_of(task: Task, group: int) -> None:
                     n, total = options.executions_per_task, options.executions_per_task
@@ -218,7 +220,7 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
         server.store.close()
 
 
-def _trace(
+def trace_record(
     task: Task,
     group: int,
     index: int,

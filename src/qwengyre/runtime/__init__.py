@@ -1,0 +1,1 @@
+"""The live runtime: the controller that drives the scheduler for real, and `qwengyre train`."""

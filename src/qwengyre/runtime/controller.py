@@ -1,0 +1,467 @@
+"""The live controller: the scheduler's actions carried out with the real clock
+(DESIGN.md §3; PAPER: elastic cells, role transitions, streaming training).
+
+The scheduler is the same pure state machine the simulator drives. Everything that
+happens (an execution ends, a cell finished moving, a step's update is done, a
+publication landed, a timer fired, the packing buffer runs low) becomes an event on
+one queue, and the heart of the runtime is::
+
+    event = await self.events.get()
+    for action in self.scheduler.handle(event):
+        await self.execute(action)
+
+Actions start work and never wait for it: executions, cell moves, training steps and
+publications run as tasks and answer with their events. Events are stamped with the
+controller's clock when they are handled, so the scheduler sees time move forward.
+
+Data flow: an execution runs its harness against the proxy (routed to the engine the
+scheduler chose); when its group has its rewards, the group's trajectories are
+admitted, appended to the ledger (durable) and put in the trajectory buffer. The
+scheduler assigns ready groups to the open step; the packing buffer turns them into
+micro-steps on the queue; every cell in training claims micro-steps; once the batch is
+closed and drained, the participating prefix of cells reduces and the core updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qwengyre.cluster.placement import CellHandle
+from qwengyre.config import Config
+from qwengyre.proxy.server import ProxyServer
+from qwengyre.report.metrics import (
+    GroupRecord,
+    LoadRecord,
+    MetricsWriter,
+    RoleRecord,
+    StepRecord,
+    SwitchRecord,
+)
+from qwengyre.rollout.execution import Budgets, run_execution
+from qwengyre.rollout.groups import group_advantages
+from qwengyre.rollout.harness import HarnessSpec
+from qwengyre.rollout.runner import trace_record
+from qwengyre.rollout.tasks import Task
+from qwengyre.runtime.ledger import Ledger
+from qwengyre.scheduler.core import GroupState, Scheduler
+from qwengyre.scheduler.events import (
+    STANDALONE,
+    Action,
+    AssignGroups,
+    Cancel,
+    CellMoved,
+    Dispatch,
+    DropGroup,
+    Event,
+    ExecutionFinished,
+    Launch,
+    MoveCell,
+    PublicationDone,
+    Publish,
+    PullGroups,
+    Reroute,
+    Role,
+    StepDone,
+    Tick,
+    WakeAt,
+)
+from qwengyre.sim.trace import TraceWriter
+from qwengyre.training.buffers import (
+    ExecutionSample,
+    GroupSample,
+    MicroStepQueue,
+    PackingBuffer,
+    TrajectoryBuffer,
+)
+from qwengyre.training.trainer import MicroStepResult, StepResult
+from qwengyre.trajectories.selection import admit_execution
+
+__all__ = ["Controller", "RunOutputs", "engine_name"]
+
+log = logging.getLogger(__name__)
+
+
+def engine_name(engine: int) -> str:
+    """The proxy's name for the scheduler's engine id."""
+    return "standalone" if engine == STANDALONE else f"cell-{engine}"
+
+
+@dataclass
+class RunOutputs:
+    """Where the controller writes: metrics, traces, the ledger, checkpoints."""
+
+    run_dir: Path
+    metrics: MetricsWriter
+    traces: TraceWriter
+    ledger: Ledger
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+@dataclass
+class _Execution:
+    id: int
+    group: int
+    index: int
+    proxy_id: str
+    cancel: asyncio.Event
+    started_s: float
+
+
+@dataclass
+class _Step:
+    """One training step in flight: who trains it, what they produced."""
+
+    step: int
+    workers: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    window_open: bool = True  # cells may still join this batch
+    results: list[MicroStepResult] = field(default_factory=list)
+    started_s: float = 0.0
+
+
+class Controller:
+    """Drives one training run; see the module docstring."""
+
+    def __init__(
+        self,
+        config: Config,
+        scheduler: Scheduler,
+        proxy: ProxyServer,
+        cells: Sequence[CellHandle],
+        tasks: Sequence[Task],
+        harness: HarnessSpec,
+        outputs: RunOutputs,
+        *,
+        trajectories: TrajectoryBuffer | None = None,
+        trained: Sequence[int] = (),
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.proxy = proxy
+        self.cells = list(cells)
+        self.tasks = list(tasks)
+        self.harness = harness
+        self.outputs = outputs
+        self.budgets = Budgets(config.run.harness_s, config.run.overall_s)
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.trajectories = trajectories or TrajectoryBuffer()
+        self.packing = PackingBuffer(self.trajectories, config.trainer.micro_step_tokens)
+        self.queue = MicroStepQueue()
+        self.trained: list[int] = list(trained)  # group ids, in training order
+        self.rng = random.Random(config.seed)
+        self._task_order = self.rng.sample(range(len(self.tasks)), len(self.tasks))
+        self._group_task: dict[int, Task] = {}
+        self._dispatch_version: dict[int, int] = {}
+        self._executions: dict[int, _Execution] = {}
+        self._buffered: set[int] = {g for g in self.trajectories.ready_ids()}
+        self._rewards: dict[int, list[float]] = {}  # step -> rewards of its groups
+        self._synced: set[int] = {0}  # cells whose parameters equal the core's
+        self._step: _Step | None = None
+        self._pull_queued = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._roles = list(scheduler.roles)
+        self._t0 = time.monotonic()
+        self._wall0 = time.time()
+        self._last_load = (-1, -1, -1)
+        self.failure: BaseException | None = None
+        self.step_records: list[StepRecord] = []
+
+    # ------------------------------------------------------------------ clock
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name or None)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = task.exception()  # stop the run: a bug or a dead cell
+            self.events.put_nowait(Tick(self.now()))
+
+    def _emit(self, make: Callable[[float], Event]) -> None:
+        self.events.put_nowait(make(self.now()))
+
+    # ------------------------------------------------------------------ the heart
+
+    async def run(self, start: Event) -> None:
+        """Handle events until ``run.steps`` updates are published (or a task failed)."""
+        for cell, role in enumerate(self._roles):
+            self.outputs.metrics.write(RoleRecord(0.0, cell, role.value))
+        await self.handle(start)
+        for cell, role in enumerate(self.scheduler.roles):  # async: cells that start training
+            if role is Role.TRAINING:
+                await self.proxy.router.drain(engine_name(cell))
+                await self.cells[cell].call("release_engine")
+        self._spawn(self._sample_load())
+        while not self.finished:
+            event = await self.events.get()
+            if self.failure is not None:
+                raise self.failure
+            if isinstance(event, PullGroups):
+                self._pull_queued = False
+                if event.step != self.scheduler.version:
+                    continue  # the step it asked for is over
+            await self.handle(dataclasses.replace(event, time=self.now()))
+
+    @property
+    def finished(self) -> bool:
+        s = self.scheduler
+        return s.version >= self.config.run.steps and not s.publishing
+
+    async def handle(self, event: Event) -> None:
+        for action in self.scheduler.handle(event):
+            await self.execute(action)
+        if isinstance(event, ExecutionFinished):
+            self._buffer_if_ready(self._executions[event.execution_id].group)
+        self._observe_roles()
+        self._maybe_pull()
+
+    async def execute(self, action: Action) -> None:
+        match action:
+            case Dispatch():
+                if not action.topup:
+                    order = self._task_order[action.group_id % len(self._task_order)]
+                    self._group_task[action.group_id] = self.tasks[order]
+                    self._dispatch_version[action.group_id] = action.version
+            case Launch():
+                await self._launch(action)
+            case Cancel():
+                self._executions[action.execution_id].cancel.set()
+            case Reroute():
+                proxy_id = self._executions[action.execution_id].proxy_id
+                self.proxy.router.assign(proxy_id, engine_name(action.destination))
+            case MoveCell():
+                self._spawn(self._move(action.cell, action.role))
+            case AssignGroups():
+                await self._assign(action)
+            case DropGroup():
+                log.info("group %d dropped: it cannot reach its valid rewards", action.group_id)
+            case Publish():
+                self._spawn(self._publish(action.version))
+            case WakeAt():
+                delay = max(0.0, action.time - self.now())
+                asyncio.get_running_loop().call_later(delay, self._emit, Tick)
+
+    # ------------------------------------------------------------------ rollout
+
+    async def _launch(self, action: Launch) -> None:
+        info = await self.proxy.create_execution()
+        self.proxy.router.assign(info["id"], engine_name(action.engine))
+        ex = _Execution(
+            action.execution_id,
+            action.group_id,
+            action.index,
+            info["id"],
+            asyncio.Event(),
+            self.now(),
+        )
+        self._executions[ex.id] = ex
+        self._spawn(self._run_execution(ex, info), name="execution")
+
+    async def _run_execution(self, ex: _Execution, info: dict[str, str]) -> None:
+        task = self._group_task[ex.group]
+        result = await run_execution(
+            task,
+            self.harness,
+            self.budgets,
+            execution_id=ex.proxy_id,
+            run_dir=self.outputs.run_dir,
+            base_url=info["base_url"],
+            api_key=info["key"],
+            cancel=ex.cancel,
+        )
+        await self.proxy.revoke_execution(ex.proxy_id)
+        nodes = self.proxy.executions[ex.proxy_id].recorder.tree.to_json()["nodes"]
+        self.outputs.traces.write(
+            trace_record(task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0)
+        )
+        self._emit(lambda t: ExecutionFinished(t, ex.id, result.outcome, result.reward))
+
+    def _buffer_if_ready(self, group_id: int) -> None:
+        """A group that just became ready: admit its trajectories, ledger, buffer."""
+        group = self.scheduler.groups[group_id]
+        if group.state is not GroupState.READY or group_id in self._buffered:
+            return
+        advantages = group_advantages(group.valid)
+        executions = []
+        for eid in sorted(group.valid):
+            proxy_id = self._executions[eid].proxy_id
+            tree = self.proxy.executions[proxy_id].recorder.tree
+            admitted = admit_execution(
+                tree, proxy_id, advantages[eid], j_max=self.config.trainer.j_max, rng=self.rng
+            )
+            executions.append(ExecutionSample(proxy_id, advantages[eid], tuple(admitted)))
+        sample = GroupSample(group_id, group.v_d, tuple(executions))
+        self.outputs.ledger.append(sample)  # durable before it can be trained
+        self.trajectories.add(sample)
+        self._buffered.add(group_id)
+        self._rewards[group_id] = list(group.valid.values())
+
+    # ------------------------------------------------------------------ cells
+
+    async def _move(self, cell: int, role: Role) -> None:
+        """A role switch (PAPER §role transitions); answers with CellMoved."""
+        start = self.now()
+        name = engine_name(cell)
+        if role is Role.TRAINING:
+            await self.proxy.router.drain(name)  # calls in flight retry at their new engine
+            await self.cells[cell].call("release_engine")
+        else:
+            await self.cells[cell].call("resume_engine")
+            self.proxy.router.resume(name)
+        to = "training" if role is Role.TRAINING else "rollout"
+        self.outputs.metrics.write(SwitchRecord(self.now(), cell, to, self.now() - start))
+        self._emit(lambda t: CellMoved(t, cell))
+
+    def _observe_roles(self) -> None:
+        now = self.now()
+        for cell, role in enumerate(self.scheduler.roles):
+            if role is not self._roles[cell]:
+                self._roles[cell] = role
+                self.outputs.metrics.write(RoleRecord(now, cell, role.value))
+        if self._step is not None and self._step.window_open:
+            for cell in self.scheduler.training_cells:
+                self._start_worker(cell)
+
+    async def _publish(self, version: int) -> None:
+        rollout = [c for c, r in enumerate(self.scheduler.roles) if r is Role.ROLLOUT]
+        await asyncio.gather(*(self.cells[c].call("update_engine_weights") for c in rollout))
+        self._emit(lambda t: PublicationDone(t, version))
+
+    # ------------------------------------------------------------------ training
+
+    async def _assign(self, action: AssignGroups) -> None:
+        if self._step is None or self._step.step != action.step:
+            self.queue.open(action.step)
+            self._step = _Step(action.step, started_s=self.now())
+            for cell in self.scheduler.training_cells:
+                self._start_worker(cell)
+            self._spawn(self._finish_step(self._step))
+        for gid in action.group_ids:
+            v_d = self.scheduler.groups[gid].v_d
+            self.outputs.metrics.write(
+                GroupRecord(self.now(), gid, v_d, action.step, action.step - v_d)
+            )
+        for ms in self.packing.assign(action.step, action.group_ids, action.closes_batch):
+            await self.queue.put(ms)
+        if action.closes_batch:
+            await self.queue.close(self.packing.summary(action.step))
+
+    def _start_worker(self, cell: int) -> None:
+        step = self._step
+        if step is None or not step.window_open or cell in step.workers:
+            return
+        step.workers[cell] = self._spawn(self._work(cell, step))
+
+    async def _work(self, cell: int, step: _Step) -> None:
+        """A cell in training claims micro-steps until the batch is drained."""
+        if cell not in self._synced:
+            await self.cells[cell].call("join_training")  # the core's current weights
+        while (ms := await self.queue.claim(cell)) is not None:
+            step.results.append(await self.cells[cell].call("train_micro_step", ms))
+            self._maybe_pull()
+
+    def _maybe_pull(self) -> None:
+        """The packing buffer runs low: ask for one more ready group (streaming)."""
+        s = self.scheduler
+        if (
+            not self._pull_queued
+            and s.batch_needs > 0
+            and s.groups_wanted == 0
+            and s.ready_unassigned > 0
+            and s.training_cells
+            and self.packing.wanted_groups(self.queue.queued_tokens) > 0
+        ):
+            self._pull_queued = True
+            self._emit(lambda t: PullGroups(t, s.version, 1))
+
+    async def _finish_step(self, step: _Step) -> None:
+        summary = await self.queue.wait_drained()
+        step.window_open = False  # the joining window closes before the update
+        await asyncio.gather(*step.workers.values())
+        k = len(step.workers)
+        if sorted(step.workers) != list(range(k)):
+            raise RuntimeError(f"step {step.step}: cells {sorted(step.workers)} are not a prefix")
+        results: list[StepResult] = await asyncio.gather(
+            *(self.cells[c].call("finish_batch", summary, k) for c in range(k))
+        )
+        self._synced = set(range(k))
+        self.trained += list(summary.group_ids)
+        rewards = [r for g in summary.group_ids for r in self._rewards.pop(g, [])]
+        core = results[0]
+        record = StepRecord(
+            time_s=self.now(),
+            step=step.step,
+            version=core.version,
+            reward_mean=statistics.fmean(rewards) if rewards else 0.0,
+            reward_std=statistics.pstdev(rewards) if rewards else 0.0,
+            rewards=len(rewards),
+            loss=sum(r.loss for r in step.results) / max(summary.num_executions, 1),
+            clipped_fraction=sum(r.clipped for r in step.results)
+            / max(sum(r.executions for r in step.results), 1),
+            grad_norm=core.grad_norm,
+            tokens=summary.num_tokens,
+            micro_steps=summary.num_micro_steps,
+            cells=k,
+            train_s=self.now() - step.started_s,
+            staleness_mean=statistics.fmean(
+                step.step - self.scheduler.groups[g].v_d for g in summary.group_ids
+            ),
+        )
+        self.outputs.metrics.write(record)
+        self.step_records.append(record)
+        if core.version % self.config.run.checkpoint_every == 0 or self.last_step(core.version):
+            await self._checkpoint(core.version)
+        self._step = None
+        self._emit(lambda t: StepDone(t, step.step))
+
+    def last_step(self, version: int) -> bool:
+        return version >= self.config.run.steps
+
+    async def _checkpoint(self, version: int) -> None:
+        """The core writes model, optimizer and what a resumed run needs."""
+        state = {
+            "version": version,
+            "trained_groups": self.trained,
+            "next_group": max(self.scheduler.groups, default=-1) + 1,
+            "next_execution": max(self.scheduler.executions, default=-1) + 1,
+        }
+        await self.cells[0].call("save_checkpoint", str(self.outputs.checkpoints), version, state)
+
+    # ------------------------------------------------------------------ observation
+
+    async def _sample_load(self) -> None:
+        while True:
+            c, s = self.scheduler.counters, self.scheduler
+            sample = (c.running, c.queued, s.capacity)
+            if sample != self._last_load:
+                self._last_load = sample
+                self.outputs.metrics.write(LoadRecord(self.now(), *sample))
+            await asyncio.sleep(self.config.run.load_sample_s)
+
+    async def shutdown(self) -> None:
+        """Stop every execution (their harnesses are killed) and every background task."""
+        for ex in self._executions.values():
+            ex.cancel.set()
+        pending = [t for t in self._tasks if not t.done()]
+        for task in pending:
+            if task.get_name() != "execution":
+                task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=30)

@@ -1,0 +1,61 @@
+"""The live ``rich`` view of a training run: step, reward, each cell's role,
+running/queued executions and staleness, redrawn twice a second."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from qwengyre.runtime.controller import Controller
+from qwengyre.scheduler.events import Role
+
+ROLE_STYLE = {
+    Role.ROLLOUT: "blue",
+    Role.TRAINING: "red",
+    Role.TO_TRAINING: "yellow",
+    Role.TO_ROLLOUT: "green",
+}
+
+
+def render(controller: Controller) -> Table:
+    s = controller.scheduler
+    c = s.counters
+    last = controller.step_records[-1] if controller.step_records else None
+    table = Table(title=f"qwengyre train · {s.params.policy}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("elapsed", f"{controller.now():.0f} s")
+    table.add_row("step", f"{s.version} / {controller.config.run.steps}")
+    if last is not None:
+        table.add_row("reward (last step)", f"{last.reward_mean:.3f} ± {last.reward_std:.3f}")
+        table.add_row("staleness (last step)", f"{last.staleness_mean:.2f}")
+    cells = " ".join(
+        f"[{ROLE_STYLE[r]}]{i}:{r.value}[/{ROLE_STYLE[r]}]" for i, r in enumerate(s.roles)
+    )
+    table.add_row("cells", cells)
+    table.add_row("executions", f"{c.running} running, {c.queued} queued")
+    table.add_row("ready groups", str(s.ready_unassigned))
+    return table
+
+
+async def show(controller: Controller, console: Console | None = None) -> None:
+    """Redraw until cancelled (a terminal), or print one line per step (a log)."""
+    console = console or Console()
+    if console.is_terminal:
+        with Live(render(controller), console=console, refresh_per_second=4) as live:
+            while True:
+                await asyncio.sleep(0.5)
+                live.update(render(controller))
+    printed = 0
+    while True:
+        await asyncio.sleep(1.0)
+        for record in controller.step_records[printed:]:
+            console.print(
+                f"step {record.step}: reward {record.reward_mean:.3f} ± {record.reward_std:.3f}"
+                f" over {record.rewards}, staleness {record.staleness_mean:.2f},"
+                f" {record.cells} cells, {record.train_s:.1f} s training, t={record.time_s:.0f}s"
+            )
+        printed = len(controller.step_records)

@@ -1,0 +1,299 @@
+"""``qwengyre train``: build a run (model, proxy, cells, controller), run it, resume it.
+
+Everything lives under the run directory::
+
+    config.yaml        the resolved configuration (resume reads it back)
+    warm_start/        the tiny model after its supervised warm start
+    proxy.sqlite       every model call (TITO records) and execution
+    ledger.jsonl       every group that finished its rollout (admitted trajectories)
+    metrics.jsonl      steps, roles, switches, load, groups (qwengyre.report.metrics)
+    traces.jsonl       one line per execution, in the simulator's trace format
+    checkpoints/       model + optimizer + what a resumed run needs (every step)
+    workspaces/, logs/ per execution
+    report/            the HTML report, written at the end
+
+Resume (``--resume RUN_DIR``): the newest checkpoint gives the weights, the optimizer,
+the version and the groups it trained; the ledger's other groups are ready again; the
+harnesses the killed run left behind are stopped. Executions that were running are
+lost and their slots refill: no finished group is lost and none is trained twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from qwengyre.cluster.cell import CellSpec
+from qwengyre.cluster.placement import CellHandle, start_cells, stop_cells
+from qwengyre.config import Config, config_to_yaml, load_config
+from qwengyre.engines.sglang import SGLangEngine
+from qwengyre.proxy.render import ChatRenderer
+from qwengyre.proxy.routing import Router
+from qwengyre.proxy.server import ProxyServer
+from qwengyre.proxy.store import Store
+from qwengyre.report.metrics import MetricsWriter, RunRecord
+from qwengyre.rollout.harness import kill_orphaned_harness
+from qwengyre.rollout.runner import harness_spec
+from qwengyre.rollout.tasks import Task, load_tasks
+from qwengyre.runtime.controller import Controller, RunOutputs, engine_name
+from qwengyre.runtime.display import show
+from qwengyre.runtime.ledger import Ledger
+from qwengyre.scheduler.core import Scheduler, SchedulerParams
+from qwengyre.scheduler.events import Start
+from qwengyre.scheduler.staleness import predicted_staleness
+from qwengyre.sim.trace import TraceWriter
+from qwengyre.training.buffers import TrajectoryBuffer
+from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
+
+__all__ = ["Resumed", "TrainOptions", "train"]
+
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    run_dir: Path
+    config: Config | None = None  # None with resume: the run's own config.yaml
+    resume: bool = False
+    log: Callable[[str], None] = print
+    display: bool = True  # the live rich view (one line per step when not a terminal)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resumed run starts from."""
+
+    model_dir: Path
+    checkpoint: Path | None
+    version: int
+    trained: list[int]
+    trajectories: TrajectoryBuffer
+    ready: list[tuple[int, int]]  # (group id, v_d) of the ready, untrained groups
+    next_group: int
+    next_execution: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prepare_run_dir(options: TrainOptions) -> Config:
+    """Create (or, resuming, reopen) the run directory; returns the run's config."""
+    run_dir, path = options.run_dir, options.run_dir / CONFIG_FILE
+    if options.resume:
+        if not path.exists():
+            raise ValueError(f"{run_dir} is not a training run (no {CONFIG_FILE}) to resume")
+        return load_config(path)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"{run_dir} is not empty; pick a new --run-dir or pass --resume")
+    if options.config is None:
+        raise ValueError("a new run needs a config")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_to_yaml(options.config))
+    return options.config
+
+
+def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Path:
+    """The model the run starts from: the configured one, or the (warm-started) tiny one."""
+    if config.model.path is not None:
+        return config.model.path
+    from qwengyre.models import cached_tiny_model
+
+    tiny = cached_tiny_model(config.model.tiny_size)
+    if config.run.warm_start_accuracy is None:
+        return tiny
+    out = run_dir / "warm_start"
+    if (out / "config.json").exists():
+        return out
+    from qwengyre.training.warm_start import warm_start
+
+    log(f"warm start: supervised, until accuracy >= {config.run.warm_start_accuracy:.2f}")
+    result = warm_start(
+        tiny,
+        out,
+        target_accuracy=config.run.warm_start_accuracy,
+        max_seconds=config.run.warm_start_max_s,
+        seed=config.seed,
+        log=log,
+    )
+    log(
+        f"warm start: accuracy {result.accuracy:.2f} after {result.steps} steps, "
+        f"{result.seconds:.0f} s" + ("" if result.reached else " (time limit reached)")
+    )
+    return out
+
+
+def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
+    """The newest checkpoint plus the ledger's untrained groups (a fresh run: nothing)."""
+    trajectories = TrajectoryBuffer()
+    ready = []
+    ledger = Ledger(run_dir / "ledger.jsonl").read()
+    path = latest_checkpoint(run_dir / "checkpoints")
+    state = read_checkpoint(path).state if path is not None else {}
+    trained = [int(g) for g in state.get("trained_groups", [])]
+    for group in ledger:
+        if group.group_id not in trained:
+            trajectories.add(group)
+            ready.append((group.group_id, group.version))
+    known = [group.group_id for group in ledger] + trained
+    return Resumed(
+        model_dir=path / "model" if path is not None else model_dir,
+        checkpoint=path,
+        version=int(state.get("version", 0)),
+        trained=trained,
+        trajectories=trajectories,
+        ready=ready,
+        next_group=max([int(state.get("next_group", 0)), *(g + 1 for g in known)]),
+        next_execution=int(state.get("next_execution", 0)),
+    )
+
+
+def stop_orphans(run_dir: Path) -> int:
+    """Kill the harness process groups a killed run left behind; how many."""
+    logs = run_dir / "logs"
+    return sum(kill_orphaned_harness(d, d.name) for d in logs.glob("*")) if logs.exists() else 0
+
+
+def load_task_set(config: Config) -> list[Task]:
+    if config.run.tasks is not None:
+        return load_tasks(config.run.tasks)
+    from qwengyre.rollout.tasks import example_tasks_path
+
+    return load_tasks(example_tasks_path())
+
+
+async def _start_proxy(
+    config: Config, model_dir: Path, run_dir: Path
+) -> tuple[ProxyServer, web.AppRunner]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    server = ProxyServer(
+        ChatRenderer(tokenizer),
+        Router(),
+        Store(run_dir / "proxy.sqlite"),
+        model=model_dir.name,
+        max_context=config.run.max_context,
+        admin_token=secrets.token_urlsafe(24),
+        temperature=config.trainer.temperature,
+    )
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    server.base_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    return server, runner
+
+
+async def _start_cells(
+    config: Config, resumed: Resumed, run_dir: Path, proxy: ProxyServer
+) -> list[CellHandle]:
+    port, board = _free_port(), f"qg-{uuid.uuid4().hex[:16]}"
+    specs = [
+        CellSpec(
+            rank=rank,
+            world=config.cells.count,
+            init_method=f"tcp://127.0.0.1:{port}",
+            model_dir=str(resumed.model_dir),
+            trainer=config.trainer,
+            board=board,
+            device=config.run.device,
+            torch_threads=config.run.torch_threads,
+            seed=config.seed,
+            engine_capacity=config.cells.capacity,
+            max_context=config.run.max_context,
+            version=resumed.version,
+            checkpoint=str(resumed.checkpoint) if resumed.checkpoint is not None else None,
+        )
+        for rank in range(config.cells.count)
+    ]
+    cells = start_cells(config.run.placement, specs, run_dir=run_dir)
+    try:
+        await asyncio.gather(*(cell.call("connect") for cell in cells))
+        for rank, cell in enumerate(cells):
+            url, key = await cell.call("start_engine")
+            engine = SGLangEngine(
+                url,
+                engine_name(rank),
+                capacity=config.cells.capacity,
+                api_key=key,
+                policy_version=resumed.version,
+            )
+            proxy.router.register(engine, preference=rank)
+    except BaseException:
+        stop_cells(cells)
+        raise
+    return cells
+
+
+async def train(options: TrainOptions) -> Controller:
+    """Run (or resume) a training run to ``run.steps`` updates; returns its controller."""
+    config = prepare_run_dir(options)
+    run_dir, log = options.run_dir, options.log
+    if options.resume:
+        log(f"resume: stopped {stop_orphans(run_dir)} orphaned harness process groups")
+    resumed = resume_state(run_dir, base_model(config, run_dir, log))
+    scheduler = Scheduler(SchedulerParams.from_config(config))
+    if options.resume:
+        scheduler.resume(
+            resumed.version,
+            resumed.ready,
+            next_group=resumed.next_group,
+            next_execution=resumed.next_execution,
+        )
+        log(
+            f"resume: version {resumed.version}, {len(resumed.trained)} groups trained, "
+            f"{len(resumed.trajectories)} ready groups back"
+        )
+    proxy, site = await _start_proxy(config, resumed.model_dir, run_dir)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    traces = TraceWriter(run_dir / "traces.jsonl", fsync=True)
+    s = config.scheduler
+    metrics.write(
+        RunRecord(
+            0.0,
+            s.policy,
+            s.mu,
+            s.phi,
+            config.cells.count,
+            predicted_staleness(s.mu, s.phi),
+            config.groups.size,
+            config.groups.batch,
+        )
+    )
+    cells: list[CellHandle] = []
+    try:
+        cells = await _start_cells(config, resumed, run_dir, proxy)
+        controller = Controller(
+            config,
+            scheduler,
+            proxy,
+            cells,
+            load_task_set(config),
+            harness_spec(config.run.harness, config.run.harness_s),
+            RunOutputs(run_dir, metrics, traces, Ledger(run_dir / "ledger.jsonl")),
+            trajectories=resumed.trajectories,
+            trained=resumed.trained,
+        )
+        view = asyncio.create_task(show(controller)) if options.display else None
+        try:
+            await controller.run(Start(0.0))
+        finally:
+            if view is not None:
+                view.cancel()
+            await controller.shutdown()
+        return controller
+    finally:
+        stop_cells(cells)
+        await site.cleanup()
+        proxy.store.close()
+        metrics.close()
+        traces.close()
