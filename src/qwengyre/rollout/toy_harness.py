@@ -32,15 +32,17 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
 __all__ = [
     "COMPACTION_PROMPT",
     "ModelCallError",
+    "ModelClient",
     "ToyResult",
     "main",
+    "run_episode",
     "run_toy_agent",
     "write_file",
 ]
@@ -95,6 +97,20 @@ DELEGATE_TOOL: dict[str, Any] = {
         },
     },
 }
+
+
+class ModelClient(Protocol):
+    """What the agent needs from a model endpoint: one call (the reply message, i.e. an
+    OpenAI ``choices[0].message``) and a count of the calls made."""
+
+    calls: int
+
+    async def complete(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]: ...
 
 
 class ModelCallError(RuntimeError):
@@ -213,7 +229,7 @@ def _arguments(call: dict[str, Any]) -> tuple[str, dict[str, Any] | str]:
 
 
 class _Agent:
-    def __init__(self, client: _Client, workspace: Path) -> None:
+    def __init__(self, client: ModelClient, workspace: Path) -> None:
         self.client = client
         self.workspace = workspace
         self.subagents = 0
@@ -278,49 +294,57 @@ async def run_toy_agent(
 
     Raises :class:`ModelCallError` when a model call fails for good.
     """
-    workspace = Path(workspace)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         client = _Client(session, base_url, api_key, model, retry_backoff_s)
-        agent = _Agent(client, workspace)
-        tools = [WRITE_FILE_TOOL, DELEGATE_TOOL]
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": instructions},
-        ]
-        compacted = finished = False
-        turns = 0
-        final = ""
-        while turns < max_turns:
-            if not compacted and len(messages) - 2 >= COMPACT_AFTER:
-                summary_reply = await client.complete(
-                    [*messages, {"role": "user", "content": COMPACTION_PROMPT}], None
-                )
-                summary = str(summary_reply.get("content") or "").strip()
-                messages = [
-                    messages[0],
-                    {
-                        "role": "user",
-                        "content": CONTINUATION.format(summary=summary, task=instructions),
-                    },
-                ]
-                compacted = True
-            reply = await client.complete(messages, tools)
-            turns += 1
-            final = str(reply.get("content") or "")
-            if not reply.get("tool_calls"):
-                finished = True
-                break
-            messages.append(_assistant_message(reply))
-            messages += await agent.tool_results(reply, allow_delegate=True)
-        return ToyResult(
-            turns=turns,
-            calls=client.calls,
-            compacted=compacted,
-            subagent_calls=agent.subagent_calls,
-            final_text=final,
-            finished=finished,
-        )
+        return await run_episode(client, instructions, Path(workspace), max_turns=max_turns)
+
+
+async def run_episode(
+    client: ModelClient, instructions: str, workspace: Path, *, max_turns: int = 8
+) -> ToyResult:
+    """The agent's loop over any :class:`ModelClient` (the HTTP one, or an in-process
+    stand-in such as :mod:`qwengyre.training.warm_start`'s, which drives the proxy's
+    recorder directly and must see exactly the requests the HTTP client would send)."""
+    agent = _Agent(client, workspace)
+    tools = [WRITE_FILE_TOOL, DELEGATE_TOOL]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": instructions},
+    ]
+    compacted = finished = False
+    turns = 0
+    final = ""
+    while turns < max_turns:
+        if not compacted and len(messages) - 2 >= COMPACT_AFTER:
+            summary_reply = await client.complete(
+                [*messages, {"role": "user", "content": COMPACTION_PROMPT}], None
+            )
+            summary = str(summary_reply.get("content") or "").strip()
+            messages = [
+                messages[0],
+                {
+                    "role": "user",
+                    "content": CONTINUATION.format(summary=summary, task=instructions),
+                },
+            ]
+            compacted = True
+        reply = await client.complete(messages, tools)
+        turns += 1
+        final = str(reply.get("content") or "")
+        if not reply.get("tool_calls"):
+            finished = True
+            break
+        messages.append(_assistant_message(reply))
+        messages += await agent.tool_results(reply, allow_delegate=True)
+    return ToyResult(
+        turns=turns,
+        calls=client.calls,
+        compacted=compacted,
+        subagent_calls=agent.subagent_calls,
+        final_text=final,
+        finished=finished,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
