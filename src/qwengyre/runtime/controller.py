@@ -353,11 +353,6 @@ class Controller:
             for cell in self.scheduler.training_cells:
                 self._start_worker(cell)
             self._spawn(self._finish_step(self._step))
-        for gid in action.group_ids:
-            v_d = self.scheduler.groups[gid].v_d
-            self.outputs.metrics.write(
-                GroupRecord(self.now(), gid, v_d, action.step, action.step - v_d)
-            )
         for ms in self.packing.assign(action.step, action.group_ids, action.closes_batch):
             await self.queue.put(ms)
         if action.closes_batch:
@@ -424,6 +419,11 @@ class Controller:
                 step.step - self.scheduler.groups[g].v_d for g in summary.group_ids
             ),
         )
+        for gid in summary.group_ids:  # trained in this step
+            v_d = self.scheduler.groups[gid].v_d
+            self.outputs.metrics.write(
+                GroupRecord(self.now(), gid, v_d, step.step, step.step - v_d)
+            )
         self.outputs.metrics.write(record)
         self.step_records.append(record)
         if core.version % self.config.run.checkpoint_every == 0 or self.last_step(core.version):
