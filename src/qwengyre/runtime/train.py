@@ -166,9 +166,9 @@ def stop_orphans(run_dir: Path) -> int:
 def load_task_set(config: Config) -> list[Task]:
     if config.run.tasks is not None:
         return load_tasks(config.run.tasks)
-    from qwengyre.rollout.tasks import example_tasks_path
+    from qwengyre.rollout.toy_tasks import rl_tasks
 
-    return load_tasks(example_tasks_path())
+    return rl_tasks()
 
 
 async def _start_proxy(
