@@ -1,0 +1,560 @@
+"""Supervised warm start of a tiny model on the toy harness's ideal addition episode.
+
+RL needs a policy whose reward is neither ~0 nor ~1; a randomly initialised tiny model
+scores 0. :func:`warm_start` fine-tunes it (SFT) on *ideal episodes* of the bundled toy
+harness (:mod:`qwengyre.rollout.toy_harness`) until the sampled accuracy it measures on
+held-out additions reaches a threshold.
+
+The ideal episode
+-----------------
+For the task ``Compute a+b and write only the number into answer.txt`` one execution
+makes six model calls and records every request class the trainer cares about
+(``main.task``, ``sub.task``, ``main.summary``)::
+
+    call  class         reply (exact text; each ends with <|im_end|>)
+    1     main.task     <tool_call>{"name": "delegate", "arguments": {"task": "a+b"}}</tool_call>
+    2     sub.task      <tool_call>{"name": "write_file",
+                            "arguments": {"path": "answer.txt", "content": "<a+b>"}}</tool_call>
+    3     sub.task      Done.                 (the sub-agent's report = delegate's result)
+    4     main.task     <tool_call>{"name": "write_file",
+                            "arguments": {"path": "done.txt", "content": "ok"}}</tool_call>
+    5     main.summary  Done.                 (4 messages after the first user turn: compaction)
+    6     main.task     Done.                 (after the restart: final answer, exit status 0)
+
+(each ``<tool_call>`` block is ``<tool_call>\\n{json}\\n</tool_call>``, as the chat
+template renders one). The reward depends on sampled tokens twice: the main agent must
+copy ``a+b`` into the delegated task (call 1) and the sub-agent must write the right sum
+(call 2, the *answer call*). Call 4 only exists to reach the compaction threshold
+(:data:`~qwengyre.rollout.toy_harness.COMPACT_AFTER` = 4 messages) with one short tool
+call; it writes ``done.txt``, which the evaluator ignores. The trajectory tree has four
+chains (leaves): main 1 -> 4, sub 2 -> 3, summary 5, restarted main 6.
+
+Training data equals what the proxy records
+-------------------------------------------
+Episodes are not re-implemented: :func:`run_recorded_episode` runs the toy harness's own
+loop (:func:`~qwengyre.rollout.toy_harness.run_episode`) over :class:`RecorderClient`, an
+in-process stand-in for the HTTP client that sends each request through the proxy's own
+pieces -- :func:`~qwengyre.proxy.openai_api.parse_chat_request`, an
+:class:`~qwengyre.proxy.tito.ExecutionRecorder` (tree matching, suffix-only encoding),
+and :func:`~qwengyre.proxy.openai_api.completion_body` for the reply. A reply is the
+tokenised ideal text plus the end-of-turn token, as the scripted engine produces it, and as
+a real engine must sample it. ``tests/test_warm_start.py`` checks that the (prompt, reply)
+ids equal the nodes a live proxy records for the same episode.
+
+SFT and the stopping rule
+-------------------------
+AdamW on batches of ideal episodes of random additions from
+:func:`~qwengyre.rollout.toy_tasks.warm_start_pairs` (disjoint from the RL tasks and from
+the held-out set); the loss is the mean cross-entropy over reply tokens only (the
+engine's output ids, end-of-turn token included) of every chain of the tree. Each chain
+kind is one forward pass whose shared prompt prefix (the system prompt and tool
+definitions) is computed once and broadcast over the batch (gradients flow through it),
+which is exact and ~3x cheaper than recomputing it per row.
+
+Every ``eval_every`` steps the accuracy is *measured* as the RL reward sees it: the
+answer call's reply is sampled at temperature 1 (the rollout temperature, no top-k/top-p)
+for a fixed set of held-out additions, parsed like the proxy parses it
+(:func:`~qwengyre.proxy.render.parse_reply`), and counted right when its last
+``write_file`` to ``answer.txt`` holds the sum (stripped, like the exact-match
+evaluator). Training stops at the first measurement ``>= target_accuracy`` -- the curve
+jumps, so a step count is not a stopping rule -- or once ``max_seconds`` have passed
+(``reached=False``; it does not raise). :func:`episode_accuracy` samples whole episodes
+(all six calls at temperature 1) and scores them with the task's evaluator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qwengyre.engines.base import GenerateResult
+from qwengyre.proxy import openai_api
+from qwengyre.proxy.render import ChatRenderer, parse_reply
+from qwengyre.proxy.tito import ExecutionRecorder
+from qwengyre.rollout.toy_harness import ToyResult, run_episode
+from qwengyre.rollout.toy_tasks import (
+    ANSWER_FILE,
+    addition_task,
+    heldout_pairs,
+    warm_start_pairs,
+)
+
+__all__ = [
+    "ANSWER_CALL",
+    "Episode",
+    "ModelCall",
+    "Policy",
+    "RecorderClient",
+    "WarmStartResult",
+    "answer_correct",
+    "episode_accuracy",
+    "ideal_episode",
+    "ideal_script",
+    "run_recorded_episode",
+    "scripted_policy",
+    "tool_call_text",
+    "warm_start",
+]
+
+ANSWER_CALL = ("sub.task", 0)
+"""(request class, turn within that class) of the call that writes answer.txt."""
+
+Policy = Callable[[str, int, Sequence[int]], Sequence[int]]
+"""(request class, turn within the class, prompt ids) -> output ids (end-of-turn included)."""
+
+
+def tool_call_text(name: str, **arguments: str) -> str:
+    """A tool call as the chat template renders one (and as the model must write it)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def ideal_script(a: int, b: int) -> dict[str, list[str]]:
+    """The ideal replies by request class, in turn order (a ScriptedEngine script)."""
+    return {
+        "main.task": [
+            tool_call_text("delegate", task=f"{a}+{b}"),
+            tool_call_text("write_file", path="done.txt", content="ok"),
+            "Done.",
+        ],
+        "sub.task": [tool_call_text("write_file", path=ANSWER_FILE, content=str(a + b)), "Done."],
+        "main.summary": ["Done."],
+    }
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One recorded call: the full prompt the engine saw and the ids it produced."""
+
+    request_class: str
+    turn: int  # within its class
+    prompt_ids: tuple[int, ...]
+    reply_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Episode:
+    pair: tuple[int, int]
+    calls: tuple[ModelCall, ...]
+    chains: tuple[tuple[tuple[int, ...], tuple[bool, ...]], ...]
+    """Per leaf of the tree: its context ids and which of them are sampled (targets)."""
+    result: ToyResult
+    score: float
+
+
+class RecorderClient:
+    """A :class:`~qwengyre.rollout.toy_harness.ModelClient` that runs each request through
+    the proxy's parser and TITO recorder in-process and answers with ``policy``'s ids."""
+
+    def __init__(self, renderer: ChatRenderer, policy: Policy, max_context: int = 1 << 30):
+        self.renderer = renderer
+        self.policy = policy
+        self.recorder = ExecutionRecorder(renderer, max_context)
+        self.calls = 0
+        self.records: list[ModelCall] = []
+        self._turns: dict[str, int] = {}
+
+    async def complete(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        headers: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": "qwengyre", "messages": messages}
+        if tools:
+            body["tools"] = tools
+        self.calls += 1
+        all_headers = {"authorization": "Bearer in-process", **(headers or {})}
+        chat = openai_api.parse_chat_request(json.dumps(body).encode(), all_headers)
+        call = self.recorder.prepare(chat)
+        klass = call.request_class.name
+        turn = self._turns.get(klass, 0)
+        self._turns[klass] = turn + 1
+        prompt = tuple(call.prompt_ids)
+        ids = tuple(int(t) for t in self.policy(klass, turn, prompt))
+        self.records.append(ModelCall(klass, turn, prompt, ids))
+        zeros = (0.0,) * len(ids)
+        result = GenerateResult(ids, zeros, (0,) * len(ids), "stop")
+        _, completion = self.recorder.record(
+            call, result, api="openai", model="qwengyre", engine="warm-start",
+            started_s=0.0, finished_s=0.0,
+        )  # fmt: skip
+        message = openai_api.completion_body(completion, 0)["choices"][0]["message"]
+        return dict(json.loads(json.dumps(message)))
+
+
+def scripted_policy(tokenizer: Any, script: dict[str, list[str]]) -> Policy:
+    """Replies as :class:`~qwengyre.engines.scripted.ScriptedEngine` produces them."""
+    eos = int(tokenizer.eos_token_id)
+
+    def policy(klass: str, turn: int, prompt: Sequence[int]) -> list[int]:
+        replies = script[klass]
+        text = replies[min(turn, len(replies) - 1)]
+        return [*tokenizer.encode(text, add_special_tokens=False), eos]
+
+    return policy
+
+
+def run_recorded_episode(
+    renderer: ChatRenderer, a: int, b: int, policy: Policy, *, max_turns: int = 8
+) -> Episode:
+    """One toy-harness execution of task ``a+b`` answered by ``policy``, recorded."""
+    task = addition_task(a, b)
+    client = RecorderClient(renderer, policy)
+    with tempfile.TemporaryDirectory(prefix="qwengyre-ws-") as tmp:
+        workspace = Path(tmp)
+        result = asyncio.run(run_episode(client, task.instructions, workspace, max_turns=max_turns))
+        evaluator = task.evaluator
+        assert hasattr(evaluator, "score")
+        score = float(evaluator.score(workspace))
+    tree = client.recorder.tree
+    chains = []
+    for leaf in tree.leaves():
+        ids: list[int] = []
+        mask: list[bool] = []
+        for node in tree.path(leaf.id):
+            ids += node.input_ids
+            mask += [False] * len(node.input_ids)
+            ids += node.output_ids
+            mask += [True] * len(node.output_ids)
+        chains.append((tuple(ids), tuple(mask)))
+    return Episode((a, b), tuple(client.records), tuple(chains), result, score)
+
+
+def ideal_episode(renderer: ChatRenderer, a: int, b: int) -> Episode:
+    """The ideal episode for ``a+b`` (see the module docstring)."""
+    return run_recorded_episode(
+        renderer, a, b, scripted_policy(renderer.tokenizer, ideal_script(a, b))
+    )
+
+
+def answer_correct(text: str, expected: str) -> bool:
+    """Does a decoded reply's last ``write_file`` to answer.txt hold ``expected``?"""
+    _, calls = parse_reply(text)
+    written = [
+        args.get("content")
+        for name, args in calls
+        if name == "write_file" and args.get("path") == ANSWER_FILE
+    ]
+    return bool(written) and isinstance(written[-1], str) and written[-1].strip() == expected
+
+
+# --------------------------------------------------------------------------- model work
+
+
+def _cache_kw(model: Any) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.x deprecation)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _broadcast_cache(kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in kv])
+
+
+def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
+    first = rows[0]
+    n = min(len(r) for r in rows)
+    for row in rows[1:]:
+        i = 0
+        while i < n and row[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
+def _chain_loss(
+    model: Any, chains: Sequence[tuple[tuple[int, ...], tuple[bool, ...]]], pad: int
+) -> tuple[torch.Tensor, int]:
+    """Summed reply-token cross-entropy of same-kind chains (right-padded, no mask needed:
+    attention is causal and padding only follows real tokens), and the target count.
+    The shared prefix is run once and its KV cache broadcast over the rows."""
+    rows = [c[0] for c in chains]
+    first_target = min(c[1].index(True) for c in chains)
+    prefix = max(0, min(_common_prefix(rows), first_target) - 1)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (row, mask) in enumerate(chains):
+        ids[i, : len(row)] = torch.tensor(row)
+        targets = torch.tensor(row)
+        targets[~torch.tensor(mask)] = -100
+        labels[i, : len(row)] = targets
+    cache = None
+    if prefix > 0:
+        out = model(input_ids=ids[:1, :prefix], use_cache=True)
+        cache = _broadcast_cache(_layer_kv(out.past_key_values), len(rows))
+    positions = torch.arange(prefix, width).unsqueeze(0).expand(len(rows), -1)
+    logits = model(
+        input_ids=ids[:, prefix:],
+        position_ids=positions,
+        use_cache=True,
+        **{_cache_kw(model): cache},
+    ).logits
+    shifted = labels[:, prefix + 1 :]
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        shifted.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    return loss, int((shifted != -100).sum())
+
+
+@torch.no_grad()
+def _sample(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    eos: int,
+    generator: torch.Generator,
+    *,
+    max_new_tokens: int = 48,
+    temperature: float = 1.0,
+) -> list[list[int]]:
+    """Sample replies for equal-length prompts at ``temperature`` (full distribution),
+    each up to and including the end-of-turn token."""
+    rows = len(prompts)
+    kw = _cache_kw(model)
+    ids = torch.tensor([list(p) for p in prompts], dtype=torch.long)
+    prefix = max(0, _common_prefix(prompts) - 1)
+    cache = None
+    if prefix > 0:
+        out = model(input_ids=ids[:1, :prefix], use_cache=True)
+        cache = _broadcast_cache(
+            [(k.contiguous(), v.contiguous()) for k, v in _layer_kv(out.past_key_values)], rows
+        )
+    pos = ids.shape[1]
+    out = model(
+        input_ids=ids[:, prefix:],
+        position_ids=torch.arange(prefix, pos).unsqueeze(0).expand(rows, -1),
+        use_cache=True,
+        **{kw: cache},
+    )
+    replies: list[list[int]] = [[] for _ in range(rows)]
+    done = torch.zeros(rows, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1].float() / temperature
+        token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(1)
+        for i in range(rows):
+            if not done[i]:
+                replies[i].append(int(token[i]))
+        done |= token == eos
+        if bool(done.all()):
+            break
+        out = model(
+            input_ids=token.unsqueeze(1),
+            position_ids=torch.full((rows, 1), pos),
+            use_cache=True,
+            **{kw: out.past_key_values},
+        )
+        pos += 1
+    return replies
+
+
+def _decode_reply(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The text the proxy parses: the reply minus its end-of-turn token, specials dropped."""
+    body = list(ids[:-1]) if ids and ids[-1] == tokenizer.eos_token_id else list(ids)
+    return str(tokenizer.decode(body, skip_special_tokens=True))
+
+
+def _answer_accuracy(
+    model: Any,
+    tokenizer: Any,
+    eval_set: Sequence[tuple[tuple[int, int], tuple[int, ...]]],
+    generator: torch.Generator,
+) -> float:
+    was_training = model.training
+    model.eval()
+    try:
+        replies = _sample(model, [p for _, p in eval_set], int(tokenizer.eos_token_id), generator)
+    finally:
+        model.train(was_training)
+    right = sum(
+        answer_correct(_decode_reply(tokenizer, r), str(a + b))
+        for ((a, b), _), r in zip(eval_set, replies, strict=True)
+    )
+    return right / len(eval_set)
+
+
+def episode_accuracy(
+    model_dir: Path | str,
+    pairs: Sequence[tuple[int, int]] | None = None,
+    *,
+    n: int = 32,
+    seed: int = 0,
+) -> float:
+    """Fraction of whole toy-harness episodes (every call sampled at temperature 1, through
+    the in-process proxy recorder) that the task's evaluator scores 1.0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    renderer = ChatRenderer(tokenizer)
+    generator = torch.Generator().manual_seed(seed)
+    eos = int(tokenizer.eos_token_id)
+
+    def policy(klass: str, turn: int, prompt: Sequence[int]) -> list[int]:
+        return _sample(model, [prompt], eos, generator, max_new_tokens=96)[0]
+
+    chosen = list(pairs) if pairs is not None else heldout_pairs()[:n]
+    scores = [run_recorded_episode(renderer, a, b, policy).score for a, b in chosen]
+    return sum(scores) / len(scores)
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+@dataclass(frozen=True)
+class WarmStartResult:
+    steps: int
+    seconds: float
+    accuracy: float
+    """The last measured accuracy (of the saved model)."""
+    history: tuple[tuple[int, float, float], ...]
+    """(step, seconds since the start, measured accuracy) of every evaluation."""
+    reached: bool
+    """Whether the measured accuracy reached the target (False: stopped at max_seconds)."""
+    path: Path
+    losses: tuple[float, ...] = ()
+    """Mean reply-token loss of every step."""
+
+
+def warm_start(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    target_accuracy: float = 0.4,
+    max_seconds: float = 240.0,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+    batch_size: int = 16,
+    answer_batch: int = 64,
+    lr: float = 3e-3,
+    eval_every: int = 10,
+    eval_size: int = 64,
+    threads: int | None = None,
+) -> WarmStartResult:
+    """SFT ``model_dir`` on ideal episodes until the measured sampled accuracy of the
+    answer call reaches ``target_accuracy`` (or ``max_seconds`` pass); save to ``out_dir``.
+
+    Each step trains on ``batch_size`` ideal episodes (every chain of their trees) plus
+    the sub-agent chain -- the one holding the answer call, cheap since its long prompt
+    prefix is shared -- of ``answer_batch`` episodes in all: the addition is what is hard
+    to learn, the rest is fixed text. ``seconds`` counts everything from the call
+    (loading, data, training, evaluations).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.monotonic()
+    say = log or (lambda _msg: None)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or max(1, min(2, os.cpu_count() or 1)))
+    try:
+        torch.manual_seed(seed)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        renderer = ChatRenderer(tokenizer)
+        pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        eval_set = []
+        for a, b in heldout_pairs()[:eval_size]:
+            call = next(
+                c
+                for c in ideal_episode(renderer, a, b).calls
+                if (c.request_class, c.turn) == ANSWER_CALL
+            )
+            eval_set.append(((a, b), call.prompt_ids))
+        train_pairs = warm_start_pairs()
+        probe = ideal_episode(renderer, *train_pairs[0])
+        answer_prompt = next(c for c in probe.calls if (c.request_class, c.turn) == ANSWER_CALL)
+        n = len(answer_prompt.prompt_ids)
+        sizes = [
+            answer_batch if ids[:n] == answer_prompt.prompt_ids else batch_size
+            for ids, _ in probe.chains
+        ]
+        rng = random.Random(seed)
+        generator = torch.Generator().manual_seed(seed)
+        episodes: dict[tuple[int, int], Episode] = {}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        history: list[tuple[int, float, float]] = []
+        losses: list[float] = []
+        step = 0
+        accuracy = math.nan
+        reached = False
+
+        def evaluate() -> float:
+            acc = _answer_accuracy(model, tokenizer, eval_set, generator)
+            history.append((step, time.monotonic() - start, acc))
+            say(
+                f"step {step}: {time.monotonic() - start:.1f}s loss "
+                f"{losses[-1] if losses else math.nan:.3f} accuracy {acc:.3f}"
+            )
+            return acc
+
+        while True:
+            if step and step % eval_every == 0:
+                accuracy = evaluate()
+                if accuracy >= target_accuracy:
+                    reached = True
+                    break
+            if time.monotonic() - start >= max_seconds:
+                if not history or history[-1][0] != step:
+                    accuracy = evaluate()
+                reached = accuracy >= target_accuracy
+                if not reached:
+                    say(f"stopped at max_seconds={max_seconds:g} with accuracy {accuracy:.3f}")
+                break
+            batch = []
+            for pair in rng.sample(train_pairs, max(batch_size, answer_batch)):
+                if pair not in episodes:
+                    episodes[pair] = ideal_episode(renderer, *pair)
+                batch.append(episodes[pair])
+            groups = [[e.chains[kind] for e in batch[:size]] for kind, size in enumerate(sizes)]
+            optimizer.zero_grad(set_to_none=True)
+            total = sum(sum(m) for group in groups for _, m in group)
+            summed = 0.0
+            for group in groups:
+                if group:
+                    loss, _count = _chain_loss(model, group, pad)
+                    (loss / total).backward()
+                    summed += float(loss.detach())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(summed / total)
+            step += 1
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.eval()
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        result = WarmStartResult(
+            steps=step,
+            seconds=time.monotonic() - start,
+            accuracy=accuracy,
+            history=tuple(history),
+            reached=reached,
+            path=out_dir,
+            losses=tuple(losses),
+        )
+        record = {**asdict(result), "path": str(out_dir), "target_accuracy": target_accuracy}
+        (out_dir / "warm_start.json").write_text(json.dumps(record, indent=1) + "\n")
+        return result
+    finally:
+        torch.set_num_threads(previous_threads)

@@ -1,0 +1,160 @@
+"""Warm start: the ideal episode is what the proxy records; tasks split; SFT stops on accuracy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.test_proxy_server import Running, start
+
+from qwengyre.engines.scripted import ScriptedEngine
+from qwengyre.proxy.render import ChatRenderer
+from qwengyre.rollout import toy_tasks
+from qwengyre.rollout.tasks import load_tasks
+from qwengyre.rollout.toy_harness import run_toy_agent
+from qwengyre.training import warm_start as ws
+
+PAIR = (37, 45)
+
+
+@pytest.fixture
+def ideal_proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
+    from transformers import AutoTokenizer
+
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), ws.ideal_script(*PAIR))
+    yield from start(tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000)
+
+
+def test_ideal_episode_equals_what_the_proxy_records(ideal_proxy: Running, tmp_path: Path):
+    task = toy_tasks.addition_task(*PAIR)
+    ex = ideal_proxy.new_execution()
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    result = asyncio.run(
+        run_toy_agent(ex["openai_base_url"], ex["key"], task.instructions, workspace)
+    )
+    assert result.finished and result.compacted and result.calls == 6
+    assert task.evaluator.score(workspace) == 1.0  # type: ignore[union-attr]
+    nodes = ideal_proxy.tree(ex["id"])
+    by_id = {n["id"]: n for n in nodes}
+
+    def context(node: dict) -> list[int]:
+        ids: list[int] = []
+        path = [node]
+        while path[-1]["parent"] is not None:
+            path.append(by_id[path[-1]["parent"]])
+        for n in reversed(path):
+            ids += n["input_ids"] + n["output_ids"]
+        return ids
+
+    recorded = [
+        (n["class"], context(n)[: -len(n["output_ids"])], n["output_ids"]) for n in nodes
+    ]
+    episode = ws.ideal_episode(ChatRenderer(ideal_proxy.tokenizer), *PAIR)  # type: ignore[arg-type]
+    ours = [(c.request_class, list(c.prompt_ids), list(c.reply_ids)) for c in episode.calls]
+    assert ours == recorded
+    assert [c for c, _, _ in recorded] == [
+        "main.task",
+        "sub.task",
+        "sub.task",
+        "main.task",
+        "main.summary",
+        "main.task",
+    ]
+    assert episode.score == 1.0 and episode.result == result
+    # The chains are the tree's leaves with the sampled tokens as targets.
+    leaves = [n for n in nodes if not any(m["parent"] == n["id"] for m in nodes)]
+    assert [list(ids) for ids, _ in episode.chains] == [context(n) for n in leaves]
+    for (ids, mask), leaf in zip(episode.chains, leaves, strict=True):
+        assert [t for t, m in zip(ids, mask, strict=True) if m][-len(leaf["output_ids"]) :] == (
+            leaf["output_ids"]
+        )
+    # The answer call's reply is the sum, parsed as the proxy parses it.
+    answer = next(c for c in episode.calls if (c.request_class, c.turn) == ws.ANSWER_CALL)
+    text = ideal_proxy.tokenizer.decode(answer.reply_ids[:-1])  # type: ignore[attr-defined]
+    assert ws.answer_correct(text, "82") and not ws.answer_correct(text, "83")
+
+
+def test_answer_parsing():
+    call = ws.tool_call_text
+    assert ws.answer_correct(call("write_file", path="answer.txt", content=" 82\n"), "82")
+    assert not ws.answer_correct(call("write_file", path="other.txt", content="82"), "82")
+    assert not ws.answer_correct("82", "82")
+    two = call("write_file", path="answer.txt", content="82") + call(
+        "write_file", path="answer.txt", content="8"
+    )
+    assert not ws.answer_correct(two, "82")  # the last write wins, as in the workspace
+
+
+def test_tasks_are_deterministic_and_disjoint():
+    rl, held, train = (
+        toy_tasks.rl_pairs(),
+        toy_tasks.heldout_pairs(),
+        toy_tasks.warm_start_pairs(),
+    )
+    assert len(rl) == toy_tasks.RL_SIZE and len(held) == toy_tasks.HELDOUT_SIZE
+    assert len(set(rl)) == len(rl) and len(set(held)) == len(held)
+    assert not set(rl) & set(held) and not set(rl) & set(train) and not set(held) & set(train)
+    assert len(rl) + len(held) + len(train) == 90 * 90
+    examples = load_tasks(Path(toy_tasks.__file__).with_name("example_tasks.jsonl"))
+    assert {(t.metadata["a"], t.metadata["b"]) for t in examples} <= set(rl)
+    # The same split in a fresh computation (no hidden state), and the bundled file.
+    toy_tasks._split.cache_clear()
+    toy_tasks._example_pairs.cache_clear()
+    assert toy_tasks.rl_pairs() == rl and toy_tasks.warm_start_pairs() == train
+    bundled = load_tasks(toy_tasks.toy_tasks_path())
+    assert bundled == toy_tasks.rl_tasks()
+    assert bundled[0].instructions == examples[0].instructions
+    assert bundled[0].evaluator == examples[0].evaluator
+
+
+def test_short_warm_start_lowers_loss_and_saves_a_loadable_model(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    from transformers import AutoModelForCausalLM
+
+    from qwengyre.engines.embedded import EmbeddedEngine
+
+    logs: list[str] = []
+    out = tmp_path / "warm"
+    result = ws.warm_start(
+        tiny_model_dir,
+        out,
+        target_accuracy=1.01,  # unreachable: it must stop on time
+        max_seconds=6.0,
+        batch_size=8,
+        eval_every=5,
+        eval_size=16,
+        log=logs.append,
+    )
+    assert not result.reached and result.path == out
+    assert result.steps >= 5 and result.seconds >= 6.0
+    assert result.history and result.history[-1][0] == result.steps
+    assert result.accuracy == result.history[-1][2] and 0.0 <= result.accuracy <= 1.0
+    assert result.losses[-1] < result.losses[0] * 0.7
+    assert any("max_seconds" in line for line in logs)
+    record = json.loads((out / "warm_start.json").read_text())
+    assert record["reached"] is False and record["steps"] == result.steps
+    AutoModelForCausalLM.from_pretrained(out)
+    EmbeddedEngine(out, capacity=2).close()
+
+
+def test_stops_at_the_first_evaluation_meeting_the_target(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    measured = iter([0.1, 0.3, 0.5, 0.9])
+    monkeypatch.setattr(ws, "_answer_accuracy", lambda *args: next(measured))
+    result = ws.warm_start(
+        tiny_model_dir,
+        tmp_path / "warm",
+        target_accuracy=0.45,
+        max_seconds=60.0,
+        batch_size=2,
+        eval_every=2,
+        eval_size=2,
+    )
+    assert result.reached and result.accuracy == 0.5 and result.steps == 6
+    assert [(s, a) for s, _, a in result.history] == [(2, 0.1), (4, 0.3), (6, 0.5)]
