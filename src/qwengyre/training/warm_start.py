@@ -82,7 +82,13 @@ from qwengyre.engines.base import GenerateResult
 from qwengyre.proxy import openai_api
 from qwengyre.proxy.render import ChatRenderer, parse_reply
 from qwengyre.proxy.tito import ExecutionRecorder
-from qwengyre.rollout.toy_harness import ToyResult, run_episode
+from qwengyre.rollout.toy_harness import (
+    SUBAGENT_HEADER,
+    SUBAGENT_PROMPT,
+    WRITE_FILE_TOOL,
+    ToyResult,
+    run_episode,
+)
 from qwengyre.rollout.toy_tasks import (
     ANSWER_FILE,
     addition_task,
@@ -97,6 +103,7 @@ __all__ = [
     "Policy",
     "RecorderClient",
     "WarmStartResult",
+    "answer_call",
     "answer_correct",
     "episode_accuracy",
     "ideal_episode",
@@ -280,6 +287,27 @@ def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
     return n
 
 
+def answer_call(renderer: ChatRenderer, a: int, b: int) -> ModelCall:
+    """The ideal episode's answer call alone, ~6x cheaper than :func:`ideal_episode`:
+    the sub-agent's first request (a root of the tree, rendered whole) as the harness
+    sends it, recorded with its ideal reply."""
+    script = ideal_script(a, b)
+    client = RecorderClient(renderer, scripted_policy(renderer.tokenizer, script))
+    messages = [
+        {"role": "system", "content": SUBAGENT_PROMPT},
+        {"role": "user", "content": f"{a}+{b}"},  # the ideal delegate task
+    ]
+    asyncio.run(client.complete(messages, [WRITE_FILE_TOOL], {SUBAGENT_HEADER: "sub-1"}))
+    return client.records[0]
+
+
+def _answer_row(renderer: ChatRenderer, a: int, b: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """The answer call as a training row: its prompt, then its reply (the only targets)."""
+    call = answer_call(renderer, a, b)
+    mask = (False,) * len(call.prompt_ids) + (True,) * len(call.reply_ids)
+    return call.prompt_ids + call.reply_ids, mask
+
+
 def _chain_loss(
     model: Any, chains: Sequence[tuple[tuple[int, ...], tuple[bool, ...]]], pad: int
 ) -> tuple[torch.Tensor, int]:
@@ -444,9 +472,9 @@ def warm_start(
     max_seconds: float = 240.0,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
-    batch_size: int = 16,
-    answer_batch: int = 64,
-    lr: float = 3e-3,
+    batch_size: int = 8,
+    answer_batch: int = 128,
+    lr: float = 5e-3,
     eval_every: int = 10,
     eval_size: int = 64,
     threads: int | None = None,
@@ -455,9 +483,9 @@ def warm_start(
     answer call reaches ``target_accuracy`` (or ``max_seconds`` pass); save to ``out_dir``.
 
     Each step trains on ``batch_size`` ideal episodes (every chain of their trees) plus
-    the sub-agent chain -- the one holding the answer call, cheap since its long prompt
-    prefix is shared -- of ``answer_batch`` episodes in all: the addition is what is hard
-    to learn, the rest is fixed text. ``seconds`` counts everything from the call
+    the answer call alone (its prompt and reply; cheap, since the long prompt prefix is
+    shared) of ``answer_batch - batch_size`` more: the addition is what is hard to learn,
+    the rest is fixed text. ``seconds`` counts everything from the call
     (loading, data, training, evaluations).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -475,23 +503,12 @@ def warm_start(
         pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         eval_set = []
         for a, b in heldout_pairs()[:eval_size]:
-            call = next(
-                c
-                for c in ideal_episode(renderer, a, b).calls
-                if (c.request_class, c.turn) == ANSWER_CALL
-            )
-            eval_set.append(((a, b), call.prompt_ids))
+            eval_set.append(((a, b), answer_call(renderer, a, b).prompt_ids))
         train_pairs = warm_start_pairs()
-        probe = ideal_episode(renderer, *train_pairs[0])
-        answer_prompt = next(c for c in probe.calls if (c.request_class, c.turn) == ANSWER_CALL)
-        n = len(answer_prompt.prompt_ids)
-        sizes = [
-            answer_batch if ids[:n] == answer_prompt.prompt_ids else batch_size
-            for ids, _ in probe.chains
-        ]
         rng = random.Random(seed)
         generator = torch.Generator().manual_seed(seed)
         episodes: dict[tuple[int, int], Episode] = {}
+        answers: dict[tuple[int, int], tuple[tuple[int, ...], tuple[bool, ...]]] = {}
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         history: list[tuple[int, float, float]] = []
         losses: list[float] = []
@@ -521,12 +538,19 @@ def warm_start(
                 if not reached:
                     say(f"stopped at max_seconds={max_seconds:g} with accuracy {accuracy:.3f}")
                 break
+            pairs = rng.sample(train_pairs, max(batch_size, answer_batch))
             batch = []
-            for pair in rng.sample(train_pairs, max(batch_size, answer_batch)):
+            for pair in pairs[:batch_size]:
                 if pair not in episodes:
                     episodes[pair] = ideal_episode(renderer, *pair)
                 batch.append(episodes[pair])
-            groups = [[e.chains[kind] for e in batch[:size]] for kind, size in enumerate(sizes)]
+            groups = [[e.chains[kind] for e in batch] for kind in range(len(batch[0].chains))]
+            extra = []
+            for pair in pairs[batch_size:answer_batch]:
+                if pair not in answers:
+                    answers[pair] = _answer_row(renderer, *pair)
+                extra.append(answers[pair])
+            groups.append(extra)
             optimizer.zero_grad(set_to_none=True)
             total = sum(sum(m) for group in groups for _, m in group)
             summed = 0.0
