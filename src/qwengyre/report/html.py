@@ -118,6 +118,8 @@ class Summary:
     switches: dict[str, int] = field(default_factory=dict)
     training_fraction: list[float] = field(default_factory=list)
     """Each cell's fraction of the wall time in the training role."""
+    idle_fraction: list[float] = field(default_factory=list)
+    """Each cell's fraction of its time idle (see :class:`UsageRecord`)."""
 
 
 def cell_count(metrics: RunMetrics) -> int:
@@ -147,7 +149,14 @@ def summarize(metrics: RunMetrics) -> Summary:
         },
         switches={d: sum(1 for s in metrics.switches if s.to == d) for d in SWITCH_DIRECTIONS},
         training_fraction=training_fractions(spans, cells, end_s) if metrics.roles else [],
+        idle_fraction=idle_fractions(metrics),
     )
+
+
+def idle_fractions(metrics: RunMetrics) -> list[float]:
+    """Each cell's idle share of its time, from its last ``usage`` record."""
+    last = {u.cell: u for u in metrics.usage}
+    return [last[c].idle_s / max(last[c].idle_s + last[c].busy_s, 1e-9) for c in sorted(last)]
 
 
 # ---------------------------------------------------------------- figures
@@ -269,6 +278,8 @@ def _rows(summary: Summary) -> list[tuple[str, str]]:
     for cell, share in enumerate(summary.training_fraction):
         name = "cell 0 (core)" if cell == 0 else f"cell {cell}"
         rows.append((f"{name}: time in training", f"{share:.1%}"))
+    for cell, share in enumerate(summary.idle_fraction):
+        rows.append((f"cell {cell}: idle", f"{share:.1%}"))
     return rows
 
 

@@ -210,10 +210,36 @@ class GroupRecord(_Record):
     """``step - dispatch_version``."""
 
 
-Record: TypeAlias = RunRecord | StepRecord | RoleRecord | SwitchRecord | LoadRecord | GroupRecord
+@dataclass(frozen=True)
+class UsageRecord(_Record):
+    """Cell ``cell``'s busy and idle seconds since the run started, as of ``time_s``.
+
+    Busy: serving rollout with at least one execution routed to it, or training (a
+    micro-step or an update in progress). Idle: everything else, transitions included.
+    """
+
+    KIND: ClassVar[str] = "usage"
+
+    time_s: float
+    cell: int
+    busy_s: float
+    idle_s: float
+
+
+Record: TypeAlias = (
+    RunRecord | StepRecord | RoleRecord | SwitchRecord | LoadRecord | GroupRecord | UsageRecord
+)
 RECORD_TYPES: dict[str, type[Record]] = {
     cls.KIND: cls
-    for cls in (RunRecord, StepRecord, RoleRecord, SwitchRecord, LoadRecord, GroupRecord)
+    for cls in (
+        RunRecord,
+        StepRecord,
+        RoleRecord,
+        SwitchRecord,
+        LoadRecord,
+        GroupRecord,
+        UsageRecord,
+    )
 }
 """Record class by ``kind``."""
 
@@ -246,6 +272,7 @@ class RunMetrics:
     switches: list[SwitchRecord] = field(default_factory=list)
     loads: list[LoadRecord] = field(default_factory=list)
     groups: list[GroupRecord] = field(default_factory=list)
+    usage: list[UsageRecord] = field(default_factory=list)
 
     def add(self, record: Record) -> None:
         match record:
@@ -261,6 +288,8 @@ class RunMetrics:
                 self.loads.append(record)
             case GroupRecord():
                 self.groups.append(record)
+            case UsageRecord():
+                self.usage.append(record)
 
     @property
     def run(self) -> RunRecord | None:

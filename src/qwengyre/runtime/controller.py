@@ -45,6 +45,7 @@ from qwengyre.report.metrics import (
     RoleRecord,
     StepRecord,
     SwitchRecord,
+    UsageRecord,
 )
 from qwengyre.rollout.execution import Budgets, run_execution
 from qwengyre.rollout.groups import group_advantages
@@ -174,6 +175,9 @@ class Controller:
         self._t0 = time.monotonic()
         self._wall0 = time.time()
         self._last_load = (-1, -1, -1)
+        self._busy_s = [0.0] * len(self._roles)  # per cell, see UsageRecord
+        self._serving = [False] * len(self._roles)  # rollout with executions routed to it
+        self._accounted_at = 0.0
         self.failure: BaseException | None = None
         self.step_records: list[StepRecord] = []
 
@@ -225,8 +229,13 @@ class Controller:
         return s.version >= self.config.run.steps and not s.publishing
 
     async def handle(self, event: Event) -> None:
+        self._account()
         for action in self.scheduler.handle(event):
             await self.execute(action)
+        self._serving = [
+            role is Role.ROLLOUT and bool(self.scheduler.running_on(cell))
+            for cell, role in enumerate(self.scheduler.roles)
+        ]
         if isinstance(event, ExecutionFinished):
             self._buffer_if_ready(self._executions[event.execution_id].group)
         self._observe_roles()
@@ -369,7 +378,7 @@ class Controller:
         if cell not in self._synced:
             await self.cells[cell].call("join_training")  # the core's current weights
         while (ms := await self.queue.claim(cell)) is not None:
-            step.results.append(await self.cells[cell].call("train_micro_step", ms))
+            step.results.append(await self._timed(cell, "train_micro_step", ms))
             self._maybe_pull()
 
     def _maybe_pull(self) -> None:
@@ -394,7 +403,7 @@ class Controller:
         if sorted(step.workers) != list(range(k)):
             raise RuntimeError(f"step {step.step}: cells {sorted(step.workers)} are not a prefix")
         results: list[StepResult] = await asyncio.gather(
-            *(self.cells[c].call("finish_batch", summary, k) for c in range(k))
+            *(self._timed(c, "finish_batch", summary, k) for c in range(k))
         )
         self._synced = set(range(k))
         self.trained += list(summary.group_ids)
@@ -425,6 +434,7 @@ class Controller:
                 GroupRecord(self.now(), gid, v_d, step.step, step.step - v_d)
             )
         self.outputs.metrics.write(record)
+        self.write_usage()
         self.step_records.append(record)
         if core.version % self.config.run.checkpoint_every == 0 or self.last_step(core.version):
             await self._checkpoint(core.version)
@@ -445,6 +455,28 @@ class Controller:
         await self.cells[0].call("save_checkpoint", str(self.outputs.checkpoints), version, state)
 
     # ------------------------------------------------------------------ observation
+
+    def _account(self) -> None:
+        """Rollout busy time up to now (training time is added per call)."""
+        now = self.now()
+        for cell, serving in enumerate(self._serving):
+            if serving:
+                self._busy_s[cell] += now - self._accounted_at
+        self._accounted_at = now
+
+    async def _timed(self, cell: int, method: str, *args: Any) -> Any:
+        """A training call on ``cell``, its duration counted as busy."""
+        start = time.monotonic()
+        try:
+            return await self.cells[cell].call(method, *args)
+        finally:
+            self._busy_s[cell] += time.monotonic() - start
+
+    def write_usage(self) -> None:
+        self._account()
+        now = self.now()
+        for cell, busy in enumerate(self._busy_s):
+            self.outputs.metrics.write(UsageRecord(now, cell, busy, max(0.0, now - busy)))
 
     async def _sample_load(self) -> None:
         while True:
