@@ -46,6 +46,8 @@ def test_local_backend_returns_process_actors(tiny_model_dir: Path, tmp_path: Pa
 
 def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
+    from qwengyre.cluster.ray import RayActor, core_address
+
     assert not ray.is_initialized()
     data = batches(tiny_model_dir)[:1]
     (micro_steps, summary) = data[0]
@@ -54,7 +56,6 @@ def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_p
     address, board = f"tcp://127.0.0.1:{free_port()}", _board()
     specs = [CellSpec(r, 2, address, str(tiny_model_dir), CONFIG, board) for r in (1, 0)]
     handles = start_cells("ray", specs, run_dir=tmp_path)
-    assert [h.name for h in handles] == ["cell-0", "cell-1"]  # rank order
 
     async def train() -> tuple[list[int], list[dict[str, torch.Tensor]]]:
         # An error inside a Ray cell comes back as ActorError, and the cell keeps serving.
@@ -69,9 +70,15 @@ def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_p
         return list(pids), [await h.call("parameters") for h in handles]
 
     try:
+        assert [h.name for h in handles] == ["cell-0", "cell-1"]  # rank order
+        group = handles[0].cells if isinstance(handles[0], RayActor) else None
+        assert group is not None and all(isinstance(h, RayActor) for h in handles)
         with pytest.raises(ActorError, match=r"connect\(\) first"):
             handles[0].call_sync("join_training")
         pids, (core, satellite) = asyncio.run(train())
+        # Multi-node rendezvous helper: the core node's IP and a port free there.
+        host, port = core_address(group.placement).removeprefix("tcp://").split(":")
+        assert host == ray.util.get_node_ip_address() and 0 < int(port) < 65536
     finally:
         stop_cells(handles)
     assert not ray.is_initialized()  # start_cells started Ray, stop_cells shut it down
