@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import sys
 import time
@@ -51,7 +52,7 @@ CREATE TABLE IF NOT EXISTS rollout_groups (
 class RolloutOptions:
     model: Path
     tasks: Path
-    harness: str  # toy, claude-code, mini-swe-agent, or a command template
+    harness: str  # toy, claude-code[-bare], mini-swe-agent, or a command template
     run_dir: Path
     executions_per_task: int = 4  # N: valid rewards a group needs
     oversample: int = 0  # extra executions; the surplus is cancelled once N are valid
@@ -64,19 +65,33 @@ class RolloutOptions:
     device: str = "cpu"
 
 
+#: Environment variable naming the Claude Code binary (default: ``claude`` on PATH).
+CLAUDE_BIN_ENV = "QWENGYRE_CLAUDE_BIN"
+
+
 def harness_spec(name: str, deadline_s: float) -> HarnessSpec:
-    """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec)."""
+    """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec).
+
+    ``claude-code`` runs Claude Code with ``--tools Bash,Read,Edit,Write``;
+    ``claude-code-bare`` runs it with ``--bare`` (3 tools, a far shorter prompt: the one
+    that fits a tiny model's window). The binary is ``$QWENGYRE_CLAUDE_BIN`` if set, else
+    ``claude`` looked up on the PATH the harness inherits.
+    """
     if name == "toy":
         command = (sys.executable, "-m", "qwengyre.rollout.toy_harness", "{instructions}")
         return HarnessSpec(command=command, deadline_s=deadline_s)
-    if name == "claude-code":
-        return claude_code_spec(deadline_s=deadline_s)
+    if name in ("claude-code", "claude-code-bare"):
+        binary = os.environ.get(CLAUDE_BIN_ENV) or "claude"
+        binary = binary.replace("{", "{{").replace("}", "}}")  # a literal, not a template
+        if name == "claude-code-bare":
+            return claude_code_spec(binary, tools=None, deadline_s=deadline_s)
+        return claude_code_spec(binary, deadline_s=deadline_s)
     if name == "mini-swe-agent":
         return mini_swe_agent_spec(deadline_s=deadline_s)
     if "{instructions}" not in name:
         raise ValueError(
-            f"harness {name!r}: use toy, claude-code, mini-swe-agent or a command template"
-            " containing {instructions}"
+            f"harness {name!r}: use toy, claude-code, claude-code-bare, mini-swe-agent or a"
+            " command template containing {instructions}"
         )
     return HarnessSpec(command=tuple(name.split()), deadline_s=deadline_s)
 
