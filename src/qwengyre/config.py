@@ -183,7 +183,8 @@ class RunConfig(_Section):
         "local", description="cells as local processes, or as Ray actors (the 'ray' extra)"
     )
     harness: str = Field(
-        "toy", description="toy, claude-code, mini-swe-agent, or a command template"
+        "toy",
+        description="toy, claude-code, claude-code-bare, mini-swe-agent, or a command template",
     )
     tasks: Path | None = Field(None, description="JSONL tasks; None = the bundled toy tasks")
     harness_s: float = Field(120.0, gt=0.0, description="harness deadline per execution")

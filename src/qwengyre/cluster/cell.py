@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from qwengyre.cluster.weights import SharedWeights, layout_of
 from qwengyre.config import TrainerConfig
@@ -82,6 +82,7 @@ class Cell:
         self.model = model.to(torch.device(spec.device))  # type: ignore[arg-type]
         self.trainer: Trainer | None = None
         self.engine: EmbeddedEngine | None = None
+        self._tokenizer: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -199,8 +200,15 @@ class Cell:
         trainer = self._trainer()
         if not trainer.is_core:
             raise RuntimeError("only the core holds the optimizer")
+        if self._tokenizer is None:  # saved too, so the checkpoint is a whole model dir
+            self._tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir)
         path = save_checkpoint(
-            Path(root), step=step, model=self.model, optimizer=trainer.optimizer, state=state
+            Path(root),
+            step=step,
+            model=self.model,
+            optimizer=trainer.optimizer,
+            state=state,
+            tokenizer=self._tokenizer,
         )
         return str(path)
 

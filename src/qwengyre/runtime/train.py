@@ -292,8 +292,8 @@ async def train(options: TrainOptions) -> Controller:
             await controller.shutdown()
         return controller
     finally:
+        await site.cleanup()  # no new calls reach the cells while they stop
         stop_cells(cells)
-        await site.cleanup()
         proxy.store.close()
         metrics.close()
         traces.close()

@@ -1,0 +1,142 @@
+"""`qwengyre train` end to end on this machine (issue 8): real cell processes, the
+proxy, the toy harness, the scheduler with the real clock, training and resume.
+
+Rewards come from a grader that flips a coin, so groups have non-zero advantages and
+the trainer really trains (the untrained test model cannot solve anything)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from qwengyre.config import Config, load_config
+from qwengyre.presets import preset_path
+from qwengyre.report.metrics import read_metrics
+from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
+from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.train import TrainOptions, train
+from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
+
+pytestmark = pytest.mark.slow
+
+COIN = (
+    "import json, random; print(json.dumps({'score': float(random.random() < 0.5), 'valid': True}))"
+)
+
+
+def coin_tasks(path: Path) -> Path:
+    evaluator = CommandEvaluator(command=[sys.executable, "-c", COIN], timeout_s=30)
+    dump_tasks(
+        path,
+        [Task(id=f"t{i}", instructions=f"Say {i}.", evaluator=evaluator) for i in range(6)],
+    )
+    return path
+
+
+def overrides(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"model.path={model_dir}",
+        f"run.tasks={coin_tasks(tmp_path / 'tasks.jsonl')}",
+        "run.warm_start_accuracy=null",
+        "run.harness_s=30",
+        "run.overall_s=60",
+        "run.max_context=1024",
+        "groups.size=4",
+        "trainer.lr=1e-3",
+        "trainer.micro_step_tokens=512",
+        "scheduler.tau_s=0.5",
+        *extra,
+    ]
+
+
+def config(tmp_path: Path, model_dir: Path, *extra: str) -> Config:
+    return load_config(preset_path("embedded"), overrides(tmp_path, model_dir, *extra))
+
+
+def run(tmp_path: Path, model_dir: Path, *extra: str) -> Path:
+    run_dir = tmp_path / "run"
+    options = TrainOptions(run_dir, config(tmp_path, model_dir, *extra), display=False)
+    asyncio.run(train(options))
+    return run_dir
+
+
+def test_elastic_run_trains_every_group_once_and_moves_cells(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = run(tmp_path, tiny_model_dir, "run.steps=3")
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1, 2, 3]
+    assert sum(s.micro_steps for s in metrics.steps) > 0  # coin rewards: real gradients
+    assert all(s.rewards >= 2 * 2 for s in metrics.steps)  # B=2 groups, >= 2 valid each
+    trained = [g.group_id for g in metrics.groups]
+    assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
+    ledger = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+    assert set(trained) <= ledger  # a group is durable before it trains
+    # Elastic: the core moved from rollout to training, with a measured switch time.
+    assert [r.role for r in metrics.roles if r.cell == 0][:3] == [
+        "rollout",
+        "to_training",
+        "training",
+    ]
+    assert metrics.switches[0].cell == 0 and metrics.switches[0].to == "training"
+    assert all(0 < s.seconds < 60 for s in metrics.switches)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert checkpoint is not None
+    assert read_checkpoint(checkpoint).state["trained_groups"] == trained
+    traces = (run_dir / "traces.jsonl").read_text().splitlines()
+    assert len(traces) >= 3 * 2 * 4 and all(json.loads(t)["calls"] for t in traces)
+
+
+def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    run_dir = run(tmp_path, tiny_model_dir, "run.steps=2", "scheduler.policy=async")
+    metrics = read_metrics(run_dir)
+    assert len(metrics.steps) == 2 and not metrics.switches
+    assert all(s.cells == 1 for s in metrics.steps)  # the one fixed training cell
+    first = {r.cell: r.role for r in metrics.roles if r.time_s == 0.0}
+    assert first == {0: "rollout", 1: "rollout", 2: "rollout"}
+    assert {(r.cell, r.role) for r in metrics.roles if r.time_s > 0} <= {(0, "training")}
+
+
+def test_a_killed_run_resumes_without_losing_or_repeating_a_group(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "qwengyre", "train", "--quiet", "--run-dir", str(run_dir)]
+    command += overrides(tmp_path, tiny_model_dir, "run.steps=6")
+    process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # kill it once it has trained and checkpointed
+        checkpoint = latest_checkpoint(run_dir / "checkpoints")
+        if checkpoint is not None and read_checkpoint(checkpoint).state["version"] >= 2:
+            break
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        time.sleep(0.2)
+    else:
+        pytest.fail("no checkpoint at version 2 within 240 s")
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    before = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
+    finished_before = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+
+    asyncio.run(train(TrainOptions(run_dir, resume=True, display=False)))
+
+    after = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
+    assert after["version"] == 6
+    trained = after["trained_groups"]
+    assert trained[: len(before["trained_groups"])] == before["trained_groups"]
+    assert len(set(trained)) == len(trained)  # none twice
+    # Every group that had finished before the kill and was not trained is trained now
+    # (oldest version first, so they lead the resumed steps).
+    waiting = finished_before - set(before["trained_groups"])
+    assert waiting <= set(trained)
+    counts = Counter(g.group_id for g in read_metrics(run_dir).groups)
+    assert set(counts) == set(trained) and set(counts.values()) == {1}
