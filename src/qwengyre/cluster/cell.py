@@ -39,6 +39,7 @@ from qwengyre.config import TrainerConfig
 from qwengyre.engines.base import WeightsInMemory
 from qwengyre.engines.embedded import EmbeddedEngine
 from qwengyre.engines.server import engine_app
+from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.training.buffers import BatchSummary, MicroStep
 from qwengyre.training.checkpoint import load_checkpoint, save_checkpoint
 from qwengyre.training.distributed import PrefixGroups
@@ -76,9 +77,10 @@ class Cell:
         torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed + spec.rank)
         self.spec = spec
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            spec.model_dir, dtype=torch.float32
-        )
+        with quiet_progress_bars():
+            model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+                spec.model_dir, dtype=torch.float32
+            )
         self.model = model.to(torch.device(spec.device))  # type: ignore[arg-type]
         self.trainer: Trainer | None = None
         self.engine: EmbeddedEngine | None = None

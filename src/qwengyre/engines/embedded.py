@@ -40,6 +40,7 @@ from qwengyre.engines.base import (
     WeightsOnDisk,
     WeightSource,
 )
+from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.types import SamplingParams
 
 
@@ -106,9 +107,10 @@ class EmbeddedEngine:
         self.capacity = capacity
         self.device = torch.device(device)
         self.model_dir = Path(model_dir)
-        self.model: Any = cast(
-            Any, AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
-        )
+        with quiet_progress_bars():
+            self.model: Any = cast(
+                Any, AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+            )
         self.model.to(self.device).eval()
         config = self.model.config
         self.vocab_size = int(config.vocab_size)

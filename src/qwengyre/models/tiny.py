@@ -42,6 +42,7 @@ __all__ = [
     "build_tiny_model",
     "cached_tiny_model",
     "default_cache_dir",
+    "quiet_progress_bars",
 ]
 
 TinySize = Literal["test", "demo"]
@@ -201,7 +202,7 @@ def _arch() -> tuple[type[Any], type[Any]]:
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def quiet_progress_bars() -> Iterator[None]:
     """Silence transformers' tqdm bars (e.g. "Writing model shards") for a moment."""
     hf_logging = transformers.utils.logging
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -282,7 +283,7 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(
         bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
     )
-    with _no_progress_bars():
+    with quiet_progress_bars():
         model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -46,10 +46,10 @@ from typing import Any, Final
 
 import safetensors.torch
 import torch
-import transformers
 from transformers import PreTrainedModel
 
 from qwengyre import __version__
+from qwengyre.models.tiny import quiet_progress_bars
 
 __all__ = [
     "FORMAT_VERSION",
@@ -190,18 +190,6 @@ def _files_under(directory: Path) -> Iterator[Path]:
     for path in sorted(directory.rglob("*")):
         if path.is_file():
             yield path
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    hf_logging = transformers.utils.logging
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _remove(path: Path) -> None:
@@ -366,7 +354,7 @@ def save_checkpoint(
     final = root / name
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}-", dir=root))
     try:
-        with _no_progress_bars():
+        with quiet_progress_bars():
             model.save_pretrained(tmp / MODEL_DIR, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / MODEL_DIR)
