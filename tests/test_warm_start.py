@@ -89,26 +89,42 @@ def test_answer_parsing():
     assert not ws.answer_correct(two, "82")  # the last write wins, as in the workspace
 
 
-def test_tasks_are_deterministic_and_disjoint():
+@pytest.mark.parametrize("ranges", [toy_tasks.RANGES, toy_tasks.TWO_DIGIT])
+def test_tasks_are_deterministic_and_disjoint(ranges: toy_tasks.Ranges):
     rl, held, train = (
-        toy_tasks.rl_pairs(),
-        toy_tasks.heldout_pairs(),
-        toy_tasks.warm_start_pairs(),
+        toy_tasks.rl_pairs(ranges),
+        toy_tasks.heldout_pairs(ranges),
+        toy_tasks.warm_start_pairs(ranges),
     )
     assert len(rl) == toy_tasks.RL_SIZE and len(held) == toy_tasks.HELDOUT_SIZE
     assert len(set(rl)) == len(rl) and len(set(held)) == len(held)
     assert not set(rl) & set(held) and not set(rl) & set(train) and not set(held) & set(train)
-    assert len(rl) + len(held) + len(train) == 90 * 90
+    everything = toy_tasks.all_pairs(ranges)
+    assert set(rl) | set(held) | set(train) == set(everything)
+    assert len(rl) + len(held) + len(train) == len(everything)
+    (a_lo, a_hi), (b_lo, b_hi) = ranges
+    assert all(a_lo <= a <= a_hi and b_lo <= b <= b_hi for a, b in everything)
     examples = load_tasks(Path(toy_tasks.__file__).with_name("example_tasks.jsonl"))
-    assert {(t.metadata["a"], t.metadata["b"]) for t in examples} <= set(rl)
-    # The same split in a fresh computation (no hidden state), and the bundled file.
+    in_range = [(t.metadata["a"], t.metadata["b"]) for t in examples]
+    in_range = [p for p in in_range if p in set(everything)]
+    assert rl[: len(in_range)] == in_range  # the in-range examples come first
+    # The same split in a fresh computation (no hidden state).
     toy_tasks._split.cache_clear()
     toy_tasks._example_pairs.cache_clear()
-    assert toy_tasks.rl_pairs() == rl and toy_tasks.warm_start_pairs() == train
+    assert toy_tasks.rl_pairs(ranges) == rl and toy_tasks.warm_start_pairs(ranges) == train
+
+
+def test_default_tasks_are_two_digit_plus_one_digit_and_bundled():
+    assert toy_tasks.RANGES == toy_tasks.TWO_PLUS_ONE == ((10, 99), (1, 9))
+    assert len(toy_tasks.all_pairs()) == 810
+    assert len(toy_tasks.all_pairs(toy_tasks.TWO_DIGIT)) == 8100
+    examples = load_tasks(Path(toy_tasks.__file__).with_name("example_tasks.jsonl"))
     bundled = load_tasks(toy_tasks.toy_tasks_path())
     assert bundled == toy_tasks.rl_tasks()
-    assert bundled[0].instructions == examples[0].instructions
-    assert bundled[0].evaluator == examples[0].evaluator
+    a, b = bundled[0].metadata["a"], bundled[0].metadata["b"]
+    assert bundled[0].instructions == examples[0].instructions.replace("37+45", f"{a}+{b}")
+    assert type(bundled[0].evaluator) is type(examples[0].evaluator)
+    assert bundled[0].evaluator.expected == str(a + b)  # type: ignore[attr-defined]
 
 
 def test_short_warm_start_lowers_loss_and_saves_a_loadable_model(

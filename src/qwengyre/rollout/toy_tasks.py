@@ -1,11 +1,14 @@
-"""Deterministic two-digit addition tasks for the toy harness, split three ways.
+"""Deterministic addition tasks for the toy harness, split three ways.
 
-Every ordered pair ``(a, b)`` with ``10 <= a, b <= 99`` (8,100 pairs) belongs to exactly
-one of three sets, fixed by a seeded shuffle (:data:`SPLIT_SEED`) so that every process
-and machine agrees:
+Every ordered pair ``(a, b)`` with operands in their inclusive ranges (:data:`RANGES`,
+by default :data:`TWO_PLUS_ONE`: ``10 <= a <= 99``, ``1 <= b <= 9``, 810 pairs;
+:data:`TWO_DIGIT` is two-digit plus two-digit, 8,100 pairs) belongs to exactly one of
+three sets, fixed by a seeded shuffle (:data:`SPLIT_SEED`) so that every process and
+machine agrees:
 
 * the **RL** set (:func:`rl_pairs`, :func:`rl_tasks`): the tasks ``qwengyre train`` rolls
-  out; it always contains the pairs of the bundled ``example_tasks.jsonl``;
+  out; it always starts with the pairs of the bundled ``example_tasks.jsonl`` that lie
+  in the ranges;
 * the **held-out** set (:func:`heldout_pairs`): the warm start measures its accuracy on
   these, never trains on them;
 * the **warm-start** set (:func:`warm_start_pairs`): everything else, the supervised
@@ -36,8 +39,12 @@ from qwengyre.rollout.tasks import (
 __all__ = [
     "ANSWER_FILE",
     "HELDOUT_SIZE",
+    "RANGES",
     "RL_SIZE",
     "SPLIT_SEED",
+    "TWO_DIGIT",
+    "TWO_PLUS_ONE",
+    "Ranges",
     "addition_task",
     "all_pairs",
     "heldout_pairs",
@@ -50,11 +57,19 @@ __all__ = [
 ]
 
 SPLIT_SEED = 20_240_611
-RL_SIZE = 512
-HELDOUT_SIZE = 256
+RL_SIZE = 256
+HELDOUT_SIZE = 128
 ANSWER_FILE = "answer.txt"
 
 Pair = tuple[int, int]
+Ranges = tuple[tuple[int, int], tuple[int, int]]
+"""Inclusive ``((a_min, a_max), (b_min, b_max))`` operand ranges."""
+TWO_DIGIT: Ranges = ((10, 99), (10, 99))
+"""Two-digit plus two-digit (8,100 pairs)."""
+TWO_PLUS_ONE: Ranges = ((10, 99), (1, 9))
+"""Two-digit plus one-digit (810 pairs)."""
+RANGES: Ranges = TWO_PLUS_ONE
+"""The default operand ranges."""
 
 
 @cache
@@ -81,47 +96,55 @@ def addition_task(a: int, b: int) -> Task:
     )
 
 
-def all_pairs() -> list[Pair]:
-    return [(a, b) for a in range(10, 100) for b in range(10, 100)]
+def all_pairs(ranges: Ranges = RANGES) -> list[Pair]:
+    """Every ordered pair with ``a`` and ``b`` in their (inclusive) ranges."""
+    (a_lo, a_hi), (b_lo, b_hi) = ranges
+    return [(a, b) for a in range(a_lo, a_hi + 1) for b in range(b_lo, b_hi + 1)]
 
 
 @cache
-def _split() -> tuple[tuple[Pair, ...], tuple[Pair, ...], tuple[Pair, ...]]:
-    examples = set(_example_pairs())
-    rest = [p for p in all_pairs() if p not in examples]
+def _split(
+    ranges: Ranges = RANGES,
+) -> tuple[tuple[Pair, ...], tuple[Pair, ...], tuple[Pair, ...]]:
+    pairs = all_pairs(ranges)
+    inside = set(pairs)
+    examples = tuple(p for p in _example_pairs() if p in inside)
+    rest = [p for p in pairs if p not in set(examples)]
     random.Random(SPLIT_SEED).shuffle(rest)
     n_rl = RL_SIZE - len(examples)
-    rl = (*_example_pairs(), *rest[:n_rl])
+    rl = (*examples, *rest[:n_rl])
     heldout = tuple(rest[n_rl : n_rl + HELDOUT_SIZE])
     train = tuple(rest[n_rl + HELDOUT_SIZE :])
+    if len(train) < HELDOUT_SIZE:
+        raise ValueError(f"operand ranges {ranges} leave only {len(train)} warm-start pairs")
     return rl, heldout, train
 
 
-def rl_pairs() -> list[Pair]:
-    """The RL set (:data:`RL_SIZE` pairs, the examples first)."""
-    return list(_split()[0])
+def rl_pairs(ranges: Ranges = RANGES) -> list[Pair]:
+    """The RL set (:data:`RL_SIZE` pairs, the in-range examples first)."""
+    return list(_split(ranges)[0])
 
 
-def heldout_pairs() -> list[Pair]:
+def heldout_pairs(ranges: Ranges = RANGES) -> list[Pair]:
     """The warm start's held-out evaluation set (:data:`HELDOUT_SIZE` pairs)."""
-    return list(_split()[1])
+    return list(_split(ranges)[1])
 
 
-def warm_start_pairs() -> list[Pair]:
+def warm_start_pairs(ranges: Ranges = RANGES) -> list[Pair]:
     """The warm start's training problems (all pairs in neither other set)."""
-    return list(_split()[2])
+    return list(_split(ranges)[2])
 
 
-def rl_tasks(n: int | None = None) -> list[Task]:
+def rl_tasks(n: int | None = None, ranges: Ranges = RANGES) -> list[Task]:
     """The first ``n`` RL tasks (all of them by default), in a fixed order."""
-    pairs = rl_pairs()
+    pairs = rl_pairs(ranges)
     return [addition_task(a, b) for a, b in pairs[: len(pairs) if n is None else n]]
 
 
-def write_tasks_jsonl(path: Path | str, n: int | None = None) -> Path:
-    """Write :func:`rl_tasks` ``(n)`` as a task file; returns the path."""
+def write_tasks_jsonl(path: Path | str, n: int | None = None, ranges: Ranges = RANGES) -> Path:
+    """Write :func:`rl_tasks` ``(n, ranges)`` as a task file; returns the path."""
     path = Path(path)
-    dump_tasks(path, rl_tasks(n))
+    dump_tasks(path, rl_tasks(n, ranges))
     return path
 
 

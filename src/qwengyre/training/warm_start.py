@@ -14,7 +14,7 @@ makes six model calls and records every request class the trainer cares about
     call  class         reply (exact text; each ends with <|im_end|>)
     1     main.task     <tool_call>{"name": "delegate", "arguments": {"task": "a+b"}}</tool_call>
     2     sub.task      <tool_call>{"name": "write_file",
-                            "arguments": {"path": "answer.txt", "content": "<a+b>"}}</tool_call>
+                            "arguments": {"content": "<a+b>", "path": "answer.txt"}}</tool_call>
     3     sub.task      Done.                 (the sub-agent's report = delegate's result)
     4     main.task     <tool_call>{"name": "write_file",
                             "arguments": {"path": "done.txt", "content": "ok"}}</tool_call>
@@ -22,7 +22,9 @@ makes six model calls and records every request class the trainer cares about
     6     main.task     Done.                 (after the restart: final answer, exit status 0)
 
 (each ``<tool_call>`` block is ``<tool_call>\\n{json}\\n</tool_call>``, as the chat
-template renders one). The reward depends on sampled tokens twice: the main agent must
+template renders one; the answer call puts ``content`` before ``path`` -- JSON key order
+is free for the proxy's parser -- so the sum's digits follow the operands closely).
+The reward depends on sampled tokens twice: the main agent must
 copy ``a+b`` into the delegated task (call 1) and the sub-agent must write the right sum
 (call 2, the *answer call*). Call 4 only exists to reach the compaction threshold
 (:data:`~qwengyre.rollout.toy_harness.COMPACT_AFTER` = 4 messages) with one short tool
@@ -91,6 +93,8 @@ from qwengyre.rollout.toy_harness import (
 )
 from qwengyre.rollout.toy_tasks import (
     ANSWER_FILE,
+    RANGES,
+    Ranges,
     addition_task,
     heldout_pairs,
     warm_start_pairs,
@@ -134,7 +138,7 @@ def ideal_script(a: int, b: int) -> dict[str, list[str]]:
             tool_call_text("write_file", path="done.txt", content="ok"),
             "Done.",
         ],
-        "sub.task": [tool_call_text("write_file", path=ANSWER_FILE, content=str(a + b)), "Done."],
+        "sub.task": [tool_call_text("write_file", content=str(a + b), path=ANSWER_FILE), "Done."],
         "main.summary": ["Done."],
     }
 
@@ -427,6 +431,7 @@ def episode_accuracy(
     *,
     n: int = 32,
     seed: int = 0,
+    ranges: Ranges = RANGES,
 ) -> float:
     """Fraction of whole toy-harness episodes (every call sampled at temperature 1, through
     the in-process proxy recorder) that the task's evaluator scores 1.0."""
@@ -441,7 +446,7 @@ def episode_accuracy(
     def policy(klass: str, turn: int, prompt: Sequence[int]) -> list[int]:
         return _sample(model, [prompt], eos, generator, max_new_tokens=96)[0]
 
-    chosen = list(pairs) if pairs is not None else heldout_pairs()[:n]
+    chosen = list(pairs) if pairs is not None else heldout_pairs(ranges)[:n]
     scores = [run_recorded_episode(renderer, a, b, policy).score for a, b in chosen]
     return sum(scores) / len(scores)
 
@@ -478,6 +483,7 @@ def warm_start(
     eval_every: int = 10,
     eval_size: int = 64,
     threads: int | None = None,
+    ranges: Ranges = RANGES,
 ) -> WarmStartResult:
     """SFT ``model_dir`` on ideal episodes until the measured sampled accuracy of the
     answer call reaches ``target_accuracy`` (or ``max_seconds`` pass); save to ``out_dir``.
@@ -502,9 +508,9 @@ def warm_start(
         renderer = ChatRenderer(tokenizer)
         pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         eval_set = []
-        for a, b in heldout_pairs()[:eval_size]:
+        for a, b in heldout_pairs(ranges)[:eval_size]:
             eval_set.append(((a, b), answer_call(renderer, a, b).prompt_ids))
-        train_pairs = warm_start_pairs()
+        train_pairs = warm_start_pairs(ranges)
         rng = random.Random(seed)
         generator = torch.Generator().manual_seed(seed)
         episodes: dict[tuple[int, int], Episode] = {}
