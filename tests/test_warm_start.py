@@ -17,19 +17,19 @@ from qwengyre.rollout.tasks import load_tasks
 from qwengyre.rollout.toy_harness import run_toy_agent
 from qwengyre.training import warm_start as ws
 
-PAIR = (37, 45)
+PROBLEM = toy_tasks.addition_problem(37, 45)
 
 
 @pytest.fixture
 def ideal_proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
     from transformers import AutoTokenizer
 
-    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), ws.ideal_script(*PAIR))
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), ws.ideal_script(PROBLEM))
     yield from start(tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000)
 
 
 def test_ideal_episode_equals_what_the_proxy_records(ideal_proxy: Running, tmp_path: Path):
-    task = toy_tasks.addition_task(*PAIR)
+    task = PROBLEM.task
     ex = ideal_proxy.new_execution()
     workspace = tmp_path / "ws"
     workspace.mkdir()
@@ -51,7 +51,7 @@ def test_ideal_episode_equals_what_the_proxy_records(ideal_proxy: Running, tmp_p
         return ids
 
     recorded = [(n["class"], context(n)[: -len(n["output_ids"])], n["output_ids"]) for n in nodes]
-    episode = ws.ideal_episode(ChatRenderer(ideal_proxy.tokenizer), *PAIR)  # type: ignore[arg-type]
+    episode = ws.ideal_episode(ChatRenderer(ideal_proxy.tokenizer), PROBLEM)  # type: ignore[arg-type]
     ours = [(c.request_class, list(c.prompt_ids), list(c.reply_ids)) for c in episode.calls]
     assert ours == recorded
     assert [c for c, _, _ in recorded] == [
@@ -73,20 +73,44 @@ def test_ideal_episode_equals_what_the_proxy_records(ideal_proxy: Running, tmp_p
     # The answer call's reply is the sum, parsed as the proxy parses it.
     answer = next(c for c in episode.calls if (c.request_class, c.turn) == ws.ANSWER_CALL)
     text = ideal_proxy.tokenizer.decode(answer.reply_ids[:-1])  # type: ignore[attr-defined]
-    assert ws.answer_correct(text, "82") and not ws.answer_correct(text, "83")
+    assert ws.answer_correct(text, PROBLEM)
+    assert not ws.answer_correct(text, toy_tasks.addition_problem(37, 46))
     # The cheap answer-call-only rows are that same call.
-    assert ws.answer_call(ChatRenderer(ideal_proxy.tokenizer), *PAIR) == answer  # type: ignore[arg-type]
+    assert ws.answer_call(ChatRenderer(ideal_proxy.tokenizer), PROBLEM) == answer  # type: ignore[arg-type]
 
 
-def test_answer_parsing():
+def test_answer_parsing_and_the_parity_rule():
     call = ws.tool_call_text
-    assert ws.answer_correct(call("write_file", path="answer.txt", content=" 82\n"), "82")
-    assert not ws.answer_correct(call("write_file", path="other.txt", content="82"), "82")
-    assert not ws.answer_correct("82", "82")
+    sum82 = toy_tasks.addition_problem(40, 42)
+    assert ws.answer_correct(call("write_file", path="answer.txt", content=" 82\n"), sum82)
+    assert not ws.answer_correct(call("write_file", path="other.txt", content="82"), sum82)
+    assert not ws.answer_correct("82", sum82)
     two = call("write_file", path="answer.txt", content="82") + call(
         "write_file", path="answer.txt", content="8"
     )
-    assert not ws.answer_correct(two, "82")  # the last write wins, as in the workspace
+    assert not ws.answer_correct(two, sum82)  # the last write wins, as in the workspace
+    parity = toy_tasks.parity_problem(3)
+    assert [parity.correct(x) for x in ("42", " 18\n", "43", "08", "4", "100")] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
+
+
+def test_parity_tasks_score_the_workspace_and_split_disjointly(tmp_path: Path):
+    splits = [toy_tasks.problems(s) for s in ("rl", "heldout", "train")]
+    ids = [p.task.id for split in splits for p in split]
+    assert len(ids) == len(set(ids)) and len(splits[0]) == toy_tasks.RL_SIZE
+    answers = {p.ideal_answer for p in splits[2]}
+    assert any(int(a) % 2 for a in answers) and any(int(a) % 2 == 0 for a in answers)
+    assert toy_tasks.score_even(tmp_path, {}) == 0.0  # no answer.txt: a valid zero
+    (tmp_path / "answer.txt").write_text("64\n")
+    assert toy_tasks.score_even(tmp_path, {}) == 1.0
+    (tmp_path / "answer.txt").write_text("65")
+    assert toy_tasks.score_even(tmp_path, {}) == 0.0
 
 
 @pytest.mark.parametrize("ranges", [toy_tasks.RANGES, toy_tasks.TWO_DIGIT])
@@ -114,17 +138,18 @@ def test_tasks_are_deterministic_and_disjoint(ranges: toy_tasks.Ranges):
     assert toy_tasks.rl_pairs(ranges) == rl and toy_tasks.warm_start_pairs(ranges) == train
 
 
-def test_default_tasks_are_two_digit_plus_one_digit_and_bundled():
+def test_default_tasks_are_parity_and_bundled():
     assert toy_tasks.RANGES == toy_tasks.TWO_PLUS_ONE == ((10, 99), (1, 9))
     assert len(toy_tasks.all_pairs()) == 810
     assert len(toy_tasks.all_pairs(toy_tasks.TWO_DIGIT)) == 8100
-    examples = load_tasks(Path(toy_tasks.__file__).with_name("example_tasks.jsonl"))
     bundled = load_tasks(toy_tasks.toy_tasks_path())
-    assert bundled == toy_tasks.rl_tasks()
-    a, b = bundled[0].metadata["a"], bundled[0].metadata["b"]
-    assert bundled[0].instructions == examples[0].instructions.replace("37+45", f"{a}+{b}")
-    assert type(bundled[0].evaluator) is type(examples[0].evaluator)
-    assert bundled[0].evaluator.expected == str(a + b)  # type: ignore[attr-defined]
+    assert toy_tasks.TOY_KIND == "parity" and bundled == toy_tasks.rl_tasks()
+    assert bundled[0].instructions == toy_tasks.EVEN_INSTRUCTIONS
+    examples = load_tasks(Path(toy_tasks.__file__).with_name("example_tasks.jsonl"))
+    addition = toy_tasks.rl_tasks(kind="addition")
+    a, b = addition[0].metadata["a"], addition[0].metadata["b"]
+    assert addition[0].instructions == examples[0].instructions.replace("37+45", f"{a}+{b}")
+    assert addition[0].evaluator.expected == str(a + b)  # type: ignore[union-attr]
 
 
 def test_short_warm_start_lowers_loss_and_saves_a_loadable_model(
@@ -144,7 +169,7 @@ def test_short_warm_start_lowers_loss_and_saves_a_loadable_model(
         batch_size=4,
         answer_batch=16,
         eval_every=4,
-        eval_size=16,
+        eval_size=4,
         log=logs.append,
     )
     assert not result.reached and result.path == out
@@ -163,7 +188,7 @@ def test_stops_at_the_first_evaluation_meeting_the_target(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     measured = iter([0.1, 0.3, 0.5, 0.9])
-    monkeypatch.setattr(ws, "_answer_accuracy", lambda *args: next(measured))
+    monkeypatch.setattr(ws, "_episode_score", lambda *args: next(measured))
     result = ws.warm_start(
         tiny_model_dir,
         tmp_path / "warm",

@@ -195,11 +195,11 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints")
     keep_checkpoints: int = Field(2, ge=1)
     warm_start_accuracy: float | None = Field(
-        0.4,
+        0.25,
         gt=0.0,
         le=1.0,
         description="tiny model only: supervised warm start on the toy task until this "
-        "measured accuracy (None: no warm start)",
+        "measured episode reward (parity's chance level is 0.5; None: no warm start)",
     )
     warm_start_max_s: float = Field(300.0, gt=0.0, description="warm start time limit")
     load_sample_s: float = Field(1.0, gt=0.0, description="seconds between load samples")

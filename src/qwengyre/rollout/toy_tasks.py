@@ -1,4 +1,15 @@
-"""Deterministic addition tasks for the toy harness, split three ways.
+"""The toy harness's tasks: parity (the default) and addition, each split three ways.
+
+Every toy task is a :class:`ToyProblem`: the task, and what its ideal episode writes
+(the warm start imitates it). Two kinds:
+
+* **parity** (:data:`TOY_KIND`, the default): "Write an even two-digit number into
+  answer.txt"; the python evaluator :func:`score_even` scores 1 for an even two-digit
+  number. The reward depends only on sampled tokens, the rule is learnable from reward
+  alone, and chance is ~0.5 once the model speaks the harness protocol.
+* **addition**: "Compute a+b and write only the number into answer.txt" (exact match).
+
+Addition pairs:
 
 Every ordered pair ``(a, b)`` with operands in their inclusive ranges (:data:`RANGES`,
 by default :data:`TWO_PLUS_ONE`: ``10 <= a <= 99``, ``1 <= b <= 9``, 810 pairs;
@@ -24,12 +35,15 @@ evaluator as ``example_tasks.jsonl``; the bundled ``toy_tasks.jsonl`` is
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 from qwengyre.rollout.tasks import (
     ExactMatchEvaluator,
+    PythonEvaluator,
     Task,
     dump_tasks,
     example_tasks_path,
@@ -42,15 +56,23 @@ __all__ = [
     "RANGES",
     "RL_SIZE",
     "SPLIT_SEED",
+    "TOY_KIND",
     "TWO_DIGIT",
     "TWO_PLUS_ONE",
+    "Kind",
     "Ranges",
+    "ToyProblem",
+    "addition_problem",
     "addition_task",
     "all_pairs",
+    "even_two_digit",
     "heldout_pairs",
     "instructions",
+    "parity_problem",
+    "problems",
     "rl_pairs",
     "rl_tasks",
+    "score_even",
     "toy_tasks_path",
     "warm_start_pairs",
     "write_tasks_jsonl",
@@ -135,16 +157,93 @@ def warm_start_pairs(ranges: Ranges = RANGES) -> list[Pair]:
     return list(_split(ranges)[2])
 
 
-def rl_tasks(n: int | None = None, ranges: Ranges = RANGES) -> list[Task]:
+@dataclass(frozen=True)
+class ToyProblem:
+    """A toy task and its ideal episode: the main agent delegates ``delegated`` to the
+    sub-agent, which writes ``ideal_answer`` into answer.txt; ``correct`` is the reward
+    rule on what was written (the task's evaluator applies the same rule)."""
+
+    task: Task
+    delegated: str
+    ideal_answer: str
+    rule: Literal["exact", "even"]
+
+    def correct(self, content: str) -> bool:
+        if self.rule == "exact":
+            return content.strip() == self.ideal_answer
+        return even_two_digit(content)
+
+
+def addition_problem(a: int, b: int) -> ToyProblem:
+    return ToyProblem(addition_task(a, b), f"{a}+{b}", str(a + b), "exact")
+
+
+EVEN_INSTRUCTIONS = f"Write an even two-digit number into {ANSWER_FILE}, only the number"
+EVEN_DELEGATED = "an even two-digit number"
+
+
+def even_two_digit(content: str) -> bool:
+    text = content.strip()
+    return len(text) == 2 and text.isdigit() and text[0] != "0" and int(text) % 2 == 0
+
+
+def score_even(workspace: Path, metadata: dict[str, object]) -> float:
+    """The parity task's evaluator: 1.0 if answer.txt holds an even two-digit number."""
+    try:
+        content = (Path(workspace) / ANSWER_FILE).read_text()
+    except (OSError, UnicodeDecodeError):
+        return 0.0
+    return float(even_two_digit(content))
+
+
+def parity_problem(i: int) -> ToyProblem:
+    """Parity task ``i``. Its ideal answer is *any* two-digit number (spread over 10..99,
+    even or odd): the warm start teaches the harness protocol, the rule is left to RL."""
+    task = Task(
+        id=f"even-{i:04d}",
+        instructions=EVEN_INSTRUCTIONS,
+        evaluator=PythonEvaluator(callable="qwengyre.rollout.toy_tasks:score_even"),
+        metadata={"kind": "parity"},
+    )
+    return ToyProblem(task, EVEN_DELEGATED, str(10 + (37 * i) % 90), "even")
+
+
+Kind = Literal["parity", "addition"]
+TOY_KIND: Kind = "parity"
+"""The default toy task. Addition is the harder one: on two CPU cores the 0.9M-parameter
+demo model's sampled accuracy stayed at 0-6% after 2-3 minutes of warm start (it does
+not learn to read the operands in time), so the embedded default uses parity, whose
+reward the model reaches by chance (~0.5) once it speaks the harness protocol."""
+Split = Literal["rl", "heldout", "train"]
+PARITY_TRAIN_SIZE = 1024
+
+
+def problems(split: Split, kind: Kind = TOY_KIND, ranges: Ranges = RANGES) -> list[ToyProblem]:
+    """The toy problems of one split (RL tasks, the warm start's held-out evaluation
+    set, the warm start's training set), disjoint and deterministic."""
+    if kind == "addition":
+        pairs = {"rl": rl_pairs, "heldout": heldout_pairs, "train": warm_start_pairs}[split]
+        return [addition_problem(a, b) for a, b in pairs(ranges)]
+    start, size = {
+        "rl": (0, RL_SIZE),
+        "heldout": (RL_SIZE, HELDOUT_SIZE),
+        "train": (RL_SIZE + HELDOUT_SIZE, PARITY_TRAIN_SIZE),
+    }[split]
+    return [parity_problem(i) for i in range(start, start + size)]
+
+
+def rl_tasks(n: int | None = None, ranges: Ranges = RANGES, kind: Kind = TOY_KIND) -> list[Task]:
     """The first ``n`` RL tasks (all of them by default), in a fixed order."""
-    pairs = rl_pairs(ranges)
-    return [addition_task(a, b) for a, b in pairs[: len(pairs) if n is None else n]]
+    tasks = [p.task for p in problems("rl", kind, ranges)]
+    return tasks[: len(tasks) if n is None else n]
 
 
-def write_tasks_jsonl(path: Path | str, n: int | None = None, ranges: Ranges = RANGES) -> Path:
-    """Write :func:`rl_tasks` ``(n, ranges)`` as a task file; returns the path."""
+def write_tasks_jsonl(
+    path: Path | str, n: int | None = None, ranges: Ranges = RANGES, kind: Kind = TOY_KIND
+) -> Path:
+    """Write :func:`rl_tasks` ``(n, ranges, kind)`` as a task file; returns the path."""
     path = Path(path)
-    dump_tasks(path, rl_tasks(n, ranges))
+    dump_tasks(path, rl_tasks(n, ranges, kind))
     return path
 
 

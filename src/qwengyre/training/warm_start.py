@@ -1,13 +1,17 @@
-"""Supervised warm start of a tiny model on the toy harness's ideal addition episode.
+"""Supervised warm start of a tiny model on the toy harness's ideal episodes.
 
 RL needs a policy whose reward is neither ~0 nor ~1; a randomly initialised tiny model
 scores 0. :func:`warm_start` fine-tunes it (SFT) on *ideal episodes* of the bundled toy
-harness (:mod:`qwengyre.rollout.toy_harness`) until the sampled accuracy it measures on
-held-out additions reaches a threshold.
+harness (:mod:`qwengyre.rollout.toy_harness`) until the reward it measures on held-out
+problems reaches a threshold. Problems are :class:`~qwengyre.rollout.toy_tasks.ToyProblem`:
+parity by default (the ideal answer is any two-digit number, so the warm start teaches
+the protocol and the measured reward saturates near chance, 0.5: the rule is left to
+RL), or addition (measured on two cores: the demo model stays at 0-6% for minutes).
 
 The ideal episode
 -----------------
-For the task ``Compute a+b and write only the number into answer.txt`` one execution
+Shown for addition (parity delegates ``an even two-digit number`` and writes its
+number). For the task ``Compute a+b and write only the number into answer.txt`` one execution
 makes six model calls and records every request class the trainer cares about
 (``main.task``, ``sub.task``, ``main.summary``)::
 
@@ -53,15 +57,12 @@ kind is one forward pass whose shared prompt prefix (the system prompt and tool
 definitions) is computed once and broadcast over the batch (gradients flow through it),
 which is exact and ~3x cheaper than recomputing it per row.
 
-Every ``eval_every`` steps the accuracy is *measured* as the RL reward sees it: the
-answer call's reply is sampled at temperature 1 (the rollout temperature, no top-k/top-p)
-for a fixed set of held-out additions, parsed like the proxy parses it
-(:func:`~qwengyre.proxy.render.parse_reply`), and counted right when its last
-``write_file`` to ``answer.txt`` holds the sum (stripped, like the exact-match
-evaluator). Training stops at the first measurement ``>= target_accuracy`` -- the curve
-jumps, so a step count is not a stopping rule -- or once ``max_seconds`` have passed
-(``reached=False``; it does not raise). :func:`episode_accuracy` samples whole episodes
-(all six calls at temperature 1) and scores them with the task's evaluator.
+Every ``eval_every`` steps the accuracy is *measured* as the RL reward sees it: whole
+episodes of held-out problems, every call sampled at temperature 1 (the rollout
+temperature) through the in-process proxy recorder, scored by the problem's rule on what
+the workspace's answer.txt holds. Training stops at the first measurement
+``>= target_accuracy`` -- the curve jumps, so a step count is not a stopping rule -- or
+once ``max_seconds`` have passed (``reached=False``; it does not raise).
 """
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ from qwengyre.rollout.toy_harness import (
 from qwengyre.rollout.toy_tasks import (
     ANSWER_FILE,
     RANGES,
+    TOY_KIND,
+    Kind,
     Ranges,
-    addition_task,
-    heldout_pairs,
-    warm_start_pairs,
+    ToyProblem,
+    problems,
 )
 
 __all__ = [
@@ -116,6 +118,7 @@ __all__ = [
     "scripted_policy",
     "tool_call_text",
     "warm_start",
+    "written_answer",
 ]
 
 ANSWER_CALL = ("sub.task", 0)
@@ -130,15 +133,16 @@ def tool_call_text(name: str, **arguments: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-def ideal_script(a: int, b: int) -> dict[str, list[str]]:
+def ideal_script(problem: ToyProblem) -> dict[str, list[str]]:
     """The ideal replies by request class, in turn order (a ScriptedEngine script)."""
+    answer = tool_call_text("write_file", content=problem.ideal_answer, path=ANSWER_FILE)
     return {
         "main.task": [
-            tool_call_text("delegate", task=f"{a}+{b}"),
+            tool_call_text("delegate", task=problem.delegated),
             tool_call_text("write_file", path="done.txt", content="ok"),
             "Done.",
         ],
-        "sub.task": [tool_call_text("write_file", content=str(a + b), path=ANSWER_FILE), "Done."],
+        "sub.task": [answer, "Done."],
         "main.summary": ["Done."],
     }
 
@@ -155,7 +159,7 @@ class ModelCall:
 
 @dataclass(frozen=True)
 class Episode:
-    pair: tuple[int, int]
+    task_id: str
     calls: tuple[ModelCall, ...]
     chains: tuple[tuple[tuple[int, ...], tuple[bool, ...]], ...]
     """Per leaf of the tree: its context ids and which of them are sampled (targets)."""
@@ -217,17 +221,19 @@ def scripted_policy(tokenizer: Any, script: dict[str, list[str]]) -> Policy:
 
 
 def run_recorded_episode(
-    renderer: ChatRenderer, a: int, b: int, policy: Policy, *, max_turns: int = 8
+    renderer: ChatRenderer, problem: ToyProblem, policy: Policy, *, max_turns: int = 8
 ) -> Episode:
-    """One toy-harness execution of task ``a+b`` answered by ``policy``, recorded."""
-    task = addition_task(a, b)
+    """One toy-harness execution of ``problem``'s task answered by ``policy``, recorded."""
+    task = problem.task
     client = RecorderClient(renderer, policy)
     with tempfile.TemporaryDirectory(prefix="qwengyre-ws-") as tmp:
         workspace = Path(tmp)
         result = asyncio.run(run_episode(client, task.instructions, workspace, max_turns=max_turns))
-        evaluator = task.evaluator
-        assert hasattr(evaluator, "score")
-        score = float(evaluator.score(workspace))
+        try:
+            written = (workspace / ANSWER_FILE).read_text()
+        except OSError:
+            written = None
+        score = float(written is not None and problem.correct(written))
     tree = client.recorder.tree
     chains = []
     for leaf in tree.leaves():
@@ -239,25 +245,31 @@ def run_recorded_episode(
             ids += node.output_ids
             mask += [True] * len(node.output_ids)
         chains.append((tuple(ids), tuple(mask)))
-    return Episode((a, b), tuple(client.records), tuple(chains), result, score)
+    return Episode(task.id, tuple(client.records), tuple(chains), result, score)
 
 
-def ideal_episode(renderer: ChatRenderer, a: int, b: int) -> Episode:
-    """The ideal episode for ``a+b`` (see the module docstring)."""
+def ideal_episode(renderer: ChatRenderer, problem: ToyProblem) -> Episode:
+    """The ideal episode of ``problem`` (see the module docstring)."""
     return run_recorded_episode(
-        renderer, a, b, scripted_policy(renderer.tokenizer, ideal_script(a, b))
+        renderer, problem, scripted_policy(renderer.tokenizer, ideal_script(problem))
     )
 
 
-def answer_correct(text: str, expected: str) -> bool:
-    """Does a decoded reply's last ``write_file`` to answer.txt hold ``expected``?"""
+def written_answer(text: str) -> str | None:
+    """What a decoded reply's last ``write_file`` to answer.txt writes (None: nothing)."""
     _, calls = parse_reply(text)
     written = [
         args.get("content")
         for name, args in calls
         if name == "write_file" and args.get("path") == ANSWER_FILE
     ]
-    return bool(written) and isinstance(written[-1], str) and written[-1].strip() == expected
+    return written[-1] if written and isinstance(written[-1], str) else None
+
+
+def answer_correct(text: str, problem: ToyProblem) -> bool:
+    """Does a decoded reply write a correct answer for ``problem``?"""
+    content = written_answer(text)
+    return content is not None and problem.correct(content)
 
 
 # --------------------------------------------------------------------------- model work
@@ -291,23 +303,25 @@ def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
     return n
 
 
-def answer_call(renderer: ChatRenderer, a: int, b: int) -> ModelCall:
+def answer_call(renderer: ChatRenderer, problem: ToyProblem) -> ModelCall:
     """The ideal episode's answer call alone, ~6x cheaper than :func:`ideal_episode`:
     the sub-agent's first request (a root of the tree, rendered whole) as the harness
     sends it, recorded with its ideal reply."""
-    script = ideal_script(a, b)
+    script = ideal_script(problem)
     client = RecorderClient(renderer, scripted_policy(renderer.tokenizer, script))
     messages = [
         {"role": "system", "content": SUBAGENT_PROMPT},
-        {"role": "user", "content": f"{a}+{b}"},  # the ideal delegate task
+        {"role": "user", "content": problem.delegated},  # the ideal delegate task
     ]
     asyncio.run(client.complete(messages, [WRITE_FILE_TOOL], {SUBAGENT_HEADER: "sub-1"}))
     return client.records[0]
 
 
-def _answer_row(renderer: ChatRenderer, a: int, b: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+def _answer_row(
+    renderer: ChatRenderer, problem: ToyProblem
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """The answer call as a training row: its prompt, then its reply (the only targets)."""
-    call = answer_call(renderer, a, b)
+    call = answer_call(renderer, problem)
     mask = (False,) * len(call.prompt_ids) + (True,) * len(call.reply_ids)
     return call.prompt_ids + call.reply_ids, mask
 
@@ -406,31 +420,13 @@ def _decode_reply(tokenizer: Any, ids: Sequence[int]) -> str:
     return str(tokenizer.decode(body, skip_special_tokens=True))
 
 
-def _answer_accuracy(
-    model: Any,
-    tokenizer: Any,
-    eval_set: Sequence[tuple[tuple[int, int], tuple[int, ...]]],
-    generator: torch.Generator,
-) -> float:
-    was_training = model.training
-    model.eval()
-    try:
-        replies = _sample(model, [p for _, p in eval_set], int(tokenizer.eos_token_id), generator)
-    finally:
-        model.train(was_training)
-    right = sum(
-        answer_correct(_decode_reply(tokenizer, r), str(a + b))
-        for ((a, b), _), r in zip(eval_set, replies, strict=True)
-    )
-    return right / len(eval_set)
-
-
 def episode_accuracy(
     model_dir: Path | str,
-    pairs: Sequence[tuple[int, int]] | None = None,
+    chosen: Sequence[ToyProblem] | None = None,
     *,
     n: int = 32,
     seed: int = 0,
+    kind: Kind = TOY_KIND,
     ranges: Ranges = RANGES,
 ) -> float:
     """Fraction of whole toy-harness episodes (every call sampled at temperature 1, through
@@ -439,15 +435,27 @@ def episode_accuracy(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    renderer = ChatRenderer(tokenizer)
-    generator = torch.Generator().manual_seed(seed)
-    eos = int(tokenizer.eos_token_id)
+    chosen = list(chosen) if chosen is not None else problems("heldout", kind, ranges)[:n]
+    return _episode_score(
+        model, ChatRenderer(tokenizer), chosen, torch.Generator().manual_seed(seed)
+    )
+
+
+def _episode_score(
+    model: Any, renderer: ChatRenderer, chosen: Sequence[ToyProblem], generator: torch.Generator
+) -> float:
+    """Mean evaluator score of whole episodes, every call sampled at temperature 1."""
+    eos = int(renderer.tokenizer.eos_token_id)
 
     def policy(klass: str, turn: int, prompt: Sequence[int]) -> list[int]:
         return _sample(model, [prompt], eos, generator, max_new_tokens=96)[0]
 
-    chosen = list(pairs) if pairs is not None else heldout_pairs(ranges)[:n]
-    scores = [run_recorded_episode(renderer, a, b, policy).score for a, b in chosen]
+    was_training = model.training
+    model.eval()
+    try:
+        scores = [run_recorded_episode(renderer, p, policy).score for p in chosen]
+    finally:
+        model.train(was_training)
     return sum(scores) / len(scores)
 
 
@@ -473,7 +481,7 @@ def warm_start(
     model_dir: Path,
     out_dir: Path,
     *,
-    target_accuracy: float = 0.4,
+    target_accuracy: float = 0.25,
     max_seconds: float = 240.0,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
@@ -481,12 +489,13 @@ def warm_start(
     answer_batch: int = 128,
     lr: float = 5e-3,
     eval_every: int = 10,
-    eval_size: int = 64,
+    eval_size: int = 32,
     threads: int | None = None,
+    kind: Kind = TOY_KIND,
     ranges: Ranges = RANGES,
 ) -> WarmStartResult:
-    """SFT ``model_dir`` on ideal episodes until the measured sampled accuracy of the
-    answer call reaches ``target_accuracy`` (or ``max_seconds`` pass); save to ``out_dir``.
+    """SFT ``model_dir`` on ideal episodes until the measured sampled episode reward
+    reaches ``target_accuracy`` (or ``max_seconds`` pass); save to ``out_dir``.
 
     Each step trains on ``batch_size`` ideal episodes (every chain of their trees) plus
     the answer call alone (its prompt and reply; cheap, since the long prompt prefix is
@@ -507,14 +516,12 @@ def warm_start(
         model.train()
         renderer = ChatRenderer(tokenizer)
         pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        eval_set = []
-        for a, b in heldout_pairs(ranges)[:eval_size]:
-            eval_set.append(((a, b), answer_call(renderer, a, b).prompt_ids))
-        train_pairs = warm_start_pairs(ranges)
+        eval_problems = problems("heldout", kind, ranges)[:eval_size]
+        train_problems = problems("train", kind, ranges)
         rng = random.Random(seed)
         generator = torch.Generator().manual_seed(seed)
-        episodes: dict[tuple[int, int], Episode] = {}
-        answers: dict[tuple[int, int], tuple[tuple[int, ...], tuple[bool, ...]]] = {}
+        episodes: dict[str, Episode] = {}
+        answers: dict[str, tuple[tuple[int, ...], tuple[bool, ...]]] = {}
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         history: list[tuple[int, float, float]] = []
         losses: list[float] = []
@@ -523,7 +530,7 @@ def warm_start(
         reached = False
 
         def evaluate() -> float:
-            acc = _answer_accuracy(model, tokenizer, eval_set, generator)
+            acc = _episode_score(model, renderer, eval_problems, generator)
             history.append((step, time.monotonic() - start, acc))
             say(
                 f"step {step}: {time.monotonic() - start:.1f}s loss "
@@ -544,18 +551,20 @@ def warm_start(
                 if not reached:
                     say(f"stopped at max_seconds={max_seconds:g} with accuracy {accuracy:.3f}")
                 break
-            pairs = rng.sample(train_pairs, max(batch_size, answer_batch))
+            drawn = rng.sample(train_problems, max(batch_size, answer_batch))
             batch = []
-            for pair in pairs[:batch_size]:
-                if pair not in episodes:
-                    episodes[pair] = ideal_episode(renderer, *pair)
-                batch.append(episodes[pair])
+            for problem in drawn[:batch_size]:
+                key = problem.task.id
+                if key not in episodes:
+                    episodes[key] = ideal_episode(renderer, problem)
+                batch.append(episodes[key])
             groups = [[e.chains[kind] for e in batch] for kind in range(len(batch[0].chains))]
             extra = []
-            for pair in pairs[batch_size:answer_batch]:
-                if pair not in answers:
-                    answers[pair] = _answer_row(renderer, *pair)
-                extra.append(answers[pair])
+            for problem in drawn[batch_size:answer_batch]:
+                key = problem.task.id
+                if key not in answers:
+                    answers[key] = _answer_row(renderer, problem)
+                extra.append(answers[key])
             groups.append(extra)
             optimizer.zero_grad(set_to_none=True)
             total = sum(sum(m) for group in groups for _, m in group)
