@@ -240,7 +240,9 @@ async def train(options: TrainOptions) -> Controller:
     run_dir, log = options.run_dir, options.log
     if options.resume:
         log(f"resume: stopped {stop_orphans(run_dir)} orphaned harness process groups")
-    resumed = resume_state(run_dir, base_model(config, run_dir, log))
+    # The warm start runs its own event loops (the toy harness in-process): a thread.
+    model_dir = await asyncio.to_thread(base_model, config, run_dir, log)
+    resumed = resume_state(run_dir, model_dir)
     scheduler = Scheduler(SchedulerParams.from_config(config))
     if options.resume:
         scheduler.resume(
