@@ -138,3 +138,35 @@ def test_a_resumed_run_continues_with_the_same_versions_and_no_group_twice(
     assert first + second == straight and len(set(straight)) == len(straight)
     for name, value in trainer.model.named_parameters():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_an_update_raises_the_log_probs_of_positive_advantage_executions(
+    tiny_model_dir: Path,
+) -> None:
+    # The sign of the whole path (packing, objective, reduce, optimizer): after one
+    # step, a rewarded execution's targets are more likely and a punished one's less.
+    trainer = single(tiny_model_dir, TrainerConfig(lr=1e-3, micro_step_tokens=4096))
+    model = trainer.model
+    good, bad = groups(model, count=1, size=2, seed=5, noise=0.0)[0].executions[:2]
+    buffer = TrajectoryBuffer()
+    buffer.add(
+        GroupSample(
+            0,
+            0,
+            (
+                ExecutionSample(good.execution_id, 1.0, good.trajectories),
+                ExecutionSample(bad.execution_id, -1.0, bad.trajectories),
+            ),
+        )
+    )
+    packing = PackingBuffer(buffer, 4096)
+    (micro,) = packing.assign(0, [0], closes_batch=True)
+    with torch.no_grad():
+        before = trainer.current_logprobs(micro)
+    trainer.train_micro_step(micro)
+    trainer.finish_batch(packing.summary(0), 1)
+    with torch.no_grad():
+        after = trainer.current_logprobs(micro)
+    index = micro.execution_index[:, 1:][micro.target_mask[:, 1:]]
+    change = after - before
+    assert change[index == 0].mean() > 0 > change[index == 1].mean()
