@@ -92,8 +92,10 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     assert checkpoint is not None
     assert read_checkpoint(checkpoint).state["trained_groups"] == trained
-    traces = (run_dir / "traces.jsonl").read_text().splitlines()
-    assert len(traces) >= 3 * 2 * 4 and all(json.loads(t)["calls"] for t in traces)
+    traces = [json.loads(t) for t in (run_dir / "traces.jsonl").read_text().splitlines()]
+    assert len(traces) >= 3 * 2 * 4
+    # Executions cancelled when the run ended may not have called the model yet.
+    assert all(t["calls"] for t in traces if t["outcome"] == "completed")
 
 
 def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> None:

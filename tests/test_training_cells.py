@@ -5,7 +5,6 @@ a satellite joining mid-batch with the core's current weights."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from pathlib import Path
 
@@ -17,17 +16,12 @@ from transformers import AutoModelForCausalLM
 from qwengyre.cluster.cell import Cell, CellSpec
 from qwengyre.cluster.local import ActorError, ProcessActor
 from qwengyre.config import TrainerConfig
+from qwengyre.runtime.train import free_port
 from qwengyre.training.buffers import BatchSummary, MicroStep, PackingBuffer, TrajectoryBuffer
 from qwengyre.training.distributed import PrefixGroups
 from qwengyre.training.trainer import Trainer
 
 CONFIG = TrainerConfig(lr=1e-3, micro_step_tokens=160, grad_clip=1e9)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def batches(model_dir: Path) -> list[tuple[list[MicroStep], BatchSummary]]:

@@ -163,10 +163,8 @@ class Controller:
         self.rng = random.Random(config.seed)
         self._task_order = self.rng.sample(range(len(self.tasks)), len(self.tasks))
         self._group_task: dict[int, Task] = {}
-        self._dispatch_version: dict[int, int] = {}
         self._executions: dict[int, _Execution] = {}
         self._buffered: set[int] = {g for g in self.trajectories.ready_ids()}
-        self._rewards: dict[int, list[float]] = {}  # step -> rewards of its groups
         self._synced: set[int] = {0}  # cells whose parameters equal the core's
         self._step: _Step | None = None
         self._pull_queued = False
@@ -247,7 +245,6 @@ class Controller:
                 if not action.topup:
                     order = self._task_order[action.group_id % len(self._task_order)]
                     self._group_task[action.group_id] = self.tasks[order]
-                    self._dispatch_version[action.group_id] = action.version
             case Launch():
                 await self._launch(action)
             case Cancel():
@@ -320,7 +317,6 @@ class Controller:
         self.outputs.ledger.append(sample)  # durable before it can be trained
         self.trajectories.add(sample)
         self._buffered.add(group_id)
-        self._rewards[group_id] = list(group.valid.values())
 
     # ------------------------------------------------------------------ cells
 
@@ -407,7 +403,8 @@ class Controller:
         )
         self._synced = set(range(k))
         self.trained += list(summary.group_ids)
-        rewards = [r for g in summary.group_ids for r in self._rewards.pop(g, [])]
+        groups = self.scheduler.groups
+        rewards = [r for g in summary.group_ids for r in groups[g].valid.values()]
         core = results[0]
         record = StepRecord(
             time_s=self.now(),

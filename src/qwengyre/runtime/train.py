@@ -52,7 +52,7 @@ from qwengyre.sim.trace import TraceWriter
 from qwengyre.training.buffers import TrajectoryBuffer
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 
-__all__ = ["Resumed", "TrainOptions", "train"]
+__all__ = ["Resumed", "TrainOptions", "free_port", "train"]
 
 CONFIG_FILE = "config.yaml"
 
@@ -80,7 +80,8 @@ class Resumed:
     next_execution: int
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the cells' torch.distributed rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -196,7 +197,7 @@ async def _start_proxy(
 async def _start_cells(
     config: Config, resumed: Resumed, run_dir: Path, proxy: ProxyServer
 ) -> list[CellHandle]:
-    port, board = _free_port(), f"qg-{uuid.uuid4().hex[:16]}"
+    port, board = free_port(), f"qg-{uuid.uuid4().hex[:16]}"
     specs = [
         CellSpec(
             rank=rank,
