@@ -51,6 +51,7 @@ def overrides(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
         "run.overall_s=60",
         "run.max_context=1024",
         "groups.size=4",
+        "groups.batch=2",
         "trainer.lr=1e-3",
         "trainer.micro_step_tokens=512",
         "scheduler.tau_s=0.5",

@@ -234,6 +234,26 @@ def test_the_supply_timer_resets_when_the_check_lapses():
     assert of(MoveCell, s.handle(Tick(35.0))) == [MoveCell(1, Role.TRAINING)]
 
 
+def test_the_buffer_pulls_only_what_the_training_cells_can_use():
+    s = two_cell_elastic(cells=3, cell_capacity=8, mu=2, phi=0, tau_s=0.5)
+    s.handle(Start(0.0))  # 4 groups of 2, all on cell 2
+    for eid in range(4):
+        finish(s, 1.0, eid)  # groups 0 and 1 ready
+    assert of(MoveCell, s.handle(Tick(1.5))) == [MoveCell(0, Role.TRAINING)]
+    assert not s.wants_groups(0)  # nobody trains yet
+    s.handle(CellMoved(2.0, 0))
+    assert s.wants_groups(0)
+    out = s.handle(PullGroups(2.0, 0, 1))
+    assert of(AssignGroups, out) == [AssignGroups(0, (0,), closes_batch=False)]
+    assert not s.wants_groups(1)  # group 0's micro-step waits for the one training cell
+    # Group 1 stays ready and unassigned: the supply that lets cell 1 join after tau.
+    assert of(MoveCell, s.handle(Tick(2.5))) == [MoveCell(1, Role.TRAINING)]
+    s.handle(CellMoved(3.0, 1))
+    assert s.wants_groups(1) and not s.wants_groups(2)  # two cells train now
+    s.handle(PullGroups(3.0, 0, 1))
+    assert s.batch_needs == 0 and not s.wants_groups(0)  # the batch is complete
+
+
 def test_satellites_join_in_prefix_order_and_return_at_the_end_of_the_burst():
     s = Scheduler(
         SchedulerParams(

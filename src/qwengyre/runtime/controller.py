@@ -374,20 +374,13 @@ class Controller:
         if cell not in self._synced:
             await self.cells[cell].call("join_training")  # the core's current weights
         while (ms := await self.queue.claim(cell)) is not None:
+            self._maybe_pull()  # packing the next group overlaps this micro-step
             step.results.append(await self._timed(cell, "train_micro_step", ms))
-            self._maybe_pull()
 
     def _maybe_pull(self) -> None:
-        """The packing buffer runs low: ask for one more ready group (streaming)."""
+        """Fewer micro-steps wait than cells train: ask for one more ready group."""
         s = self.scheduler
-        if (
-            not self._pull_queued
-            and s.batch_needs > 0
-            and s.groups_wanted == 0
-            and s.ready_unassigned > 0
-            and s.training_cells
-            and self.packing.wanted_groups(self.queue.queued_tokens) > 0
-        ):
+        if not self._pull_queued and s.wants_groups(self.queue.queued):
             self._pull_queued = True
             self._emit(lambda t: PullGroups(t, s.version, 1))
 

@@ -293,6 +293,20 @@ class Scheduler:
     def publishing(self) -> bool:
         return self._publishing
 
+    def wants_groups(self, queued_micro_steps: int) -> bool:
+        """Whether the packing buffer should pull one more group (:class:`PullGroups`).
+
+        Only when fewer unclaimed micro-steps wait than cells train, so that ready
+        groups stay unassigned -- and count as supply for the next cell's join -- until
+        the training cells can actually use them.
+        """
+        return (
+            self.batch_needs > 0
+            and self._wanted == 0
+            and self.ready_unassigned > 0
+            and queued_micro_steps < len(self.training_cells)
+        )
+
     def consumed(self) -> list[Consumed]:
         """Groups assigned to a training step, in group id order."""
         return [Consumed(g.id, g.v_d, g.v_t) for g in self.groups.values() if g.v_t is not None]

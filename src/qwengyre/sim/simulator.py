@@ -205,20 +205,10 @@ class Simulation:
     def _settle(self) -> None:
         """After anything happened: cells claim work, the buffer pulls, we observe."""
         self._claim_micro_steps()
-        if self._wants_groups():
+        if self.scheduler.wants_groups(len(self._micro)):
             self._deliver(PullGroups(self.now, self.scheduler.version, 1))
         else:
             self._observe()
-
-    def _wants_groups(self) -> bool:
-        """The packing buffer pulls one group when fewer micro-steps wait than cells train."""
-        s = self.scheduler
-        return (
-            s.batch_needs > 0
-            and s.groups_wanted == 0
-            and s.ready_unassigned > 0
-            and 0 < len(s.training_cells) > len(self._micro)
-        )
 
     def _execute(self, action: Action) -> None:
         match action:

@@ -26,7 +26,10 @@ DESIGN.md §3 (training) and PAPER "streaming training". Three pieces, in data o
     - otherwise the pending units fill a micro-step greedily, largest first, each
       unit going in if it still fits (first-fit decreasing for one bin); the
       micro-step is emitted if it reaches ``fill_fraction * T`` (0.95 by default),
-      and this repeats until it does not; the rest stays pending for later groups;
+      or if it reaches ``LEFTOVER_FILL * T`` (0.75) while pending units are left
+      out because none of them fits (executions large against ``T`` would
+      otherwise wait for the whole batch, starving the training cells); this
+      repeats until neither holds; the rest stays pending for later groups;
     - with ``closes_batch`` every pending unit is flushed by the same greedy fill,
       whatever the fill, and the step closes (``summary(step)`` becomes available).
 
@@ -38,13 +41,6 @@ DESIGN.md §3 (training) and PAPER "streaming training". Three pieces, in data o
     Target tokens: the token at position ``p`` is predicted from position ``p - 1``,
     so a trajectory's first token can never be a target (rows start with injected
     prompt tokens); a first token marked as a target is dropped from the targets.
-
-    ``wanted_groups(queued_tokens)``: 1 when the tokens it holds (pending units plus
-    the ``queued_tokens`` of emitted micro-steps that no cell has claimed yet) are
-    below ``low_water_tokens`` (default ``2 * T``), or when nothing is queued (the
-    pending units then cannot fill a micro-step -- ``assign`` emits all it can -- so
-    only another group makes progress); else 0. The scheduler caps it by what the
-    batch still needs.
 
 ``MicroStepQueue``
     asyncio. One step at a time: ``open(step)``, ``put`` its micro-steps, ``close``
@@ -77,6 +73,7 @@ __all__ = [
 ]
 
 DEFAULT_FILL_FRACTION = 0.95
+LEFTOVER_FILL = 0.75
 
 
 def _trajectory_to_json(t: AdmittedTrajectory) -> dict[str, Any]:
@@ -363,7 +360,6 @@ class PackingBuffer:
         self,
         trajectory_buffer: TrajectoryBuffer,
         tokens_per_micro_step: int,
-        low_water_tokens: int | None = None,
         *,
         fill_fraction: float = DEFAULT_FILL_FRACTION,
     ) -> None:
@@ -371,12 +367,8 @@ class PackingBuffer:
             raise ValueError(f"tokens_per_micro_step must be > 0, got {tokens_per_micro_step}")
         if not 0.0 < fill_fraction <= 1.0:
             raise ValueError(f"fill_fraction must be in (0, 1], got {fill_fraction}")
-        low_water = 2 * tokens_per_micro_step if low_water_tokens is None else low_water_tokens
-        if low_water < 0:
-            raise ValueError(f"low_water_tokens must be >= 0, got {low_water}")
         self.trajectory_buffer = trajectory_buffer
         self.tokens_per_micro_step = tokens_per_micro_step
-        self.low_water_tokens = low_water
         self.fill_fraction = fill_fraction
         self._summaries: dict[int, BatchSummary] = {}
         self._reset_step(None)
@@ -395,16 +387,6 @@ class PackingBuffer:
     @property
     def open_step(self) -> int | None:
         return self._step
-
-    @property
-    def pending_tokens(self) -> int:
-        return sum(u.size for u in self._pending)
-
-    def wanted_groups(self, queued_tokens: int = 0) -> int:
-        """1 if held tokens are below the low-water mark or nothing is queued, else 0."""
-        if queued_tokens == 0 or self.pending_tokens + queued_tokens < self.low_water_tokens:
-            return 1
-        return 0
 
     def summary(self, step: int) -> BatchSummary:
         if step not in self._summaries:
@@ -440,9 +422,11 @@ class PackingBuffer:
                     self._pending.append(unit)
         while self._pending:
             units = self._fill()
-            if not closes_batch and (
-                sum(u.size for u in units) < self.fill_fraction * self.tokens_per_micro_step
-            ):
+            fill = sum(u.size for u in units) / self.tokens_per_micro_step
+            full = fill >= self.fill_fraction or (
+                fill >= LEFTOVER_FILL and len(units) < len(self._pending)
+            )
+            if not (full or closes_batch):
                 break
             emitted.append(self._emit(units))
         if closes_batch:
@@ -548,9 +532,9 @@ class MicroStepQueue:
         return self.summary is not None and not self._items
 
     @property
-    def queued_tokens(self) -> int:
-        """Tokens of micro-steps put and not yet claimed."""
-        return sum(ms.num_tokens for ms in self._items)
+    def queued(self) -> int:
+        """Micro-steps put and not yet claimed."""
+        return len(self._items)
 
     async def put(self, micro_step: MicroStep) -> None:
         if self.step is None or micro_step.step != self.step:
