@@ -109,37 +109,87 @@ def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> No
     assert {(r.cell, r.role) for r in metrics.roles if r.time_s > 0} <= {(0, "training")}
 
 
-def test_a_killed_run_resumes_without_losing_or_repeating_a_group(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "qwengyre", "train", "--quiet", "--run-dir", str(run_dir)]
-    command += overrides(tmp_path, tiny_model_dir, "run.steps=6")
-    process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
+def start_train(tmp_path: Path, model_dir: Path, steps: int) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "qwengyre", "train", "--quiet"]
+    command += ["--run-dir", str(tmp_path / "run"), *overrides(tmp_path, model_dir)]
+    command.append(f"run.steps={steps}")
+    return subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
+
+
+def wait_for_checkpoint(process: subprocess.Popen[bytes], run_dir: Path, version: int) -> None:
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:  # kill it once it has trained and checkpointed
+    while time.monotonic() < deadline:
         checkpoint = latest_checkpoint(run_dir / "checkpoints")
-        if checkpoint is not None and read_checkpoint(checkpoint).state["version"] >= 2:
-            break
+        if checkpoint is not None and read_checkpoint(checkpoint).state["version"] >= version:
+            return
         assert process.poll() is None, process.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
         time.sleep(0.2)
-    else:
-        pytest.fail("no checkpoint at version 2 within 240 s")
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    pytest.fail(f"no checkpoint at version {version} within 240 s")
+
+
+def resume_and_check(run_dir: Path, steps: int) -> None:
+    """Resume to ``steps``: nothing trained twice, nothing finished lost."""
     before = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
     finished_before = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
 
     asyncio.run(train(TrainOptions(run_dir, resume=True, display=False)))
 
     after = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
-    assert after["version"] == 6
+    assert after["version"] == steps
     trained = after["trained_groups"]
     assert trained[: len(before["trained_groups"])] == before["trained_groups"]
     assert len(set(trained)) == len(trained)  # none twice
-    # Every group that had finished before the kill and was not trained is trained now
+    # Every group that had finished before the stop and was not trained is trained now
     # (oldest version first, so they lead the resumed steps).
     waiting = finished_before - set(before["trained_groups"])
     assert waiting <= set(trained)
     counts = Counter(g.group_id for g in read_metrics(run_dir).groups)
     assert set(counts) == set(trained) and set(counts.values()) == {1}
+
+
+def children(pid: int) -> dict[int, str]:
+    """Child processes of ``pid``: their command lines."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            found[int(stat.parent.name)] = cmdline
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_run_resumes_without_losing_or_repeating_a_group(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    process = start_train(tmp_path, tiny_model_dir, steps=6)
+    wait_for_checkpoint(process, tmp_path / "run", version=2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    resume_and_check(tmp_path / "run", steps=6)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
+def test_a_dead_cell_stops_the_run_naming_it_and_the_run_resumes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    process = start_train(tmp_path, tiny_model_dir, steps=4)
+    wait_for_checkpoint(process, tmp_path / "run", version=1)
+    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
+    assert len(cells) == 3  # spawned in rank order
+    os.kill(cells[-1], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert f"cell-2 (pid {cells[-1]}) died" in stderr.decode()
+    assert not any(running(pid) for pid in cells[:-1])  # the other cells stopped too
+    resume_and_check(tmp_path / "run", steps=4)

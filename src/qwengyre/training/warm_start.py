@@ -82,6 +82,7 @@ from typing import Any
 import torch
 
 from qwengyre.engines.base import GenerateResult
+from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.proxy import openai_api
 from qwengyre.proxy.render import ChatRenderer, parse_reply
 from qwengyre.proxy.tito import ExecutionRecorder
@@ -581,7 +582,8 @@ def warm_start(
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         model.eval()
-        model.save_pretrained(out_dir)
+        with quiet_progress_bars():
+            model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         result = WarmStartResult(
             steps=step,
