@@ -24,8 +24,10 @@ from qwengyre.sim.plots import (
     plot_role_timeline,
     plot_speedups,
     role_timeline_figure,
+    spans_timeline_figure,
     speedup_figure,
     speedups,
+    time_unit,
     write_plots,
 )
 from qwengyre.sim.simulator import LoadSample, RoleSpan, SimResult, simulate
@@ -187,6 +189,14 @@ def test_timeline_figure_layout(results: dict[str, SimResult]) -> None:
     legend_texts = {t.get_text() for t in fig.legends[0].get_texts()}
     assert {"rollout", "training", "step done"} <= legend_texts
     assert len(legend_texts) == 5
+
+
+def test_the_time_axis_unit_follows_the_run_length() -> None:
+    assert [time_unit(s).name for s in (90, 392, 7200)] == ["seconds", "minutes", "hours"]
+    spans = [RoleSpan(0, Role.ROLLOUT, 0.0, 300.0), RoleSpan(0, Role.TRAINING, 300.0, 392.0)]
+    ax = spans_timeline_figure(spans, end_s=392.0).axes[0]
+    assert ax.get_xlabel() == "time (minutes)"
+    assert ax.get_xlim() == pytest.approx((0.0, 392.0 / 60))
 
 
 # ---------------------------------------------------------------- load

@@ -44,6 +44,7 @@ from qwengyre.sim.plots import (
     _save,
     samples_load_figure,
     spans_timeline_figure,
+    time_unit,
 )
 from qwengyre.sim.simulator import LoadSample, RoleSpan
 
@@ -221,19 +222,20 @@ def switch_figure(switches: Sequence[SwitchRecord]) -> Figure:
     """Each switch's measured seconds at the time it finished, one colour per direction."""
     fig = _new_figure()
     ax = fig.add_subplot()
+    unit = time_unit(max(s.time_s for s in switches))
     for direction in SWITCH_DIRECTIONS:
         chosen = [s for s in switches if s.to == direction]
         if not chosen:
             continue
         ax.scatter(
-            [s.time_s / 3600.0 for s in chosen],
+            [unit.of(s.time_s) for s in chosen],
             [s.seconds for s in chosen],
             color=SWITCH_COLOURS[direction],
             s=24,
             label=f"to {direction}: mean {_mean([s.seconds for s in chosen]):.2f} s",
             zorder=3,
         )
-    ax.set_xlabel("time (hours)")
+    ax.set_xlabel(unit.label)
     ax.set_ylabel("switch duration (s)")
     ax.set_ylim(bottom=0.0)
     ax.grid(axis="y", alpha=0.3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -24,7 +25,6 @@ from matplotlib.patches import Patch
 from qwengyre.scheduler.events import Role
 from qwengyre.sim.simulator import LoadSample, RoleSpan, SimResult
 
-SECONDS_PER_HOUR = 3600.0
 FIGSIZE_IN: tuple[float, float] = (10.0, 4.0)
 DPI = 120
 
@@ -57,8 +57,31 @@ _FALLBACK_BAR_COLOURS = ("#b279a2", "#9d755d", "#bab0ac", "#eeca3b", "#ff9da6")
 REFERENCE_POLICY = "elastic"
 
 
-def _hours(seconds: float) -> float:
-    return seconds / SECONDS_PER_HOUR
+@dataclass(frozen=True)
+class TimeUnit:
+    """The unit of a time axis: ``seconds`` per unit and its ``name``."""
+
+    seconds: float
+    name: str
+
+    def of(self, seconds: float) -> float:
+        return seconds / self.seconds
+
+    @property
+    def label(self) -> str:
+        return f"time ({self.name})"
+
+
+HOURS = TimeUnit(3600.0, "hours")
+
+
+def time_unit(span_s: float) -> TimeUnit:
+    """Hours for a run of 2 hours or more, minutes from 2 minutes, else seconds."""
+    if span_s >= 2 * HOURS.seconds:
+        return HOURS
+    if span_s >= 2 * 60:
+        return TimeUnit(60.0, "minutes")
+    return TimeUnit(1.0, "seconds")
 
 
 def _new_figure() -> Figure:
@@ -97,7 +120,7 @@ def _end_s(result: SimResult) -> float:
 
 
 def role_timeline_figure(result: SimResult) -> Figure:
-    """One lane per cell (cell 0, the core, on top), bars coloured by role, hours on x."""
+    """One lane per cell (cell 0, the core, on top), bars coloured by role, time on x."""
     return spans_timeline_figure(
         result.role_spans,
         end_s=_end_s(result),
@@ -105,7 +128,7 @@ def role_timeline_figure(result: SimResult) -> Figure:
         step_end_s=result.step_end_s,
         title=(
             f"Cell roles — {_describe(result)}:"
-            f" {result.steps} steps in {_hours(result.end_to_end_s):.2f} h"
+            f" {result.steps} steps in {HOURS.of(result.end_to_end_s):.2f} h"
         ),
     )
 
@@ -118,7 +141,8 @@ def spans_timeline_figure(
     step_end_s: Sequence[float] = (),
     title: str = "Cell roles",
 ) -> Figure:
-    """The role timeline drawn from plain spans: one lane per cell, hours on x.
+    """The role timeline drawn from plain spans: one lane per cell, time on x
+    (:func:`time_unit` of ``end_s``).
 
     ``cells`` defaults to one more than the highest cell in ``spans`` (at least 1);
     ``step_end_s`` draws a thin vertical line at each step's end.
@@ -127,15 +151,15 @@ def spans_timeline_figure(
     ax = fig.add_subplot()
     if cells is None:
         cells = max(max((s.cell for s in spans), default=-1) + 1, 1)
-    end_h = _hours(end_s)
-    min_width_h = end_h * MIN_TRANSITION_FRACTION
+    unit = time_unit(end_s)
+    min_width = unit.of(end_s) * MIN_TRANSITION_FRACTION
     lane_height = 0.8
     by_cell_role: dict[tuple[int, Role], list[tuple[float, float]]] = {}
     for span in spans:
-        start_h, width_h = _hours(span.start_s), _hours(span.end_s - span.start_s)
+        start, width = unit.of(span.start_s), unit.of(span.end_s - span.start_s)
         if span.role in (Role.TO_TRAINING, Role.TO_ROLLOUT):
-            width_h = max(width_h, min_width_h)
-        by_cell_role.setdefault((span.cell, span.role), []).append((start_h, width_h))
+            width = max(width, min_width)
+        by_cell_role.setdefault((span.cell, span.role), []).append((start, width))
     # Steady roles first, so that (widened) transitions are painted on top of them.
     for role in _ROLE_ORDER:
         for cell in range(cells):
@@ -149,7 +173,7 @@ def spans_timeline_figure(
                     linewidth=0,
                 )
     for step_end in step_end_s:
-        ax.axvline(_hours(step_end), color=STEP_LINE_COLOUR, linewidth=0.6, alpha=0.6, zorder=3)
+        ax.axvline(unit.of(step_end), color=STEP_LINE_COLOUR, linewidth=0.6, alpha=0.6, zorder=3)
 
     ax.set_ylim(cells - 0.5, -0.5)  # cell 0 at the top
     ax.set_yticks(range(cells))
@@ -157,8 +181,8 @@ def spans_timeline_figure(
     if cells > 16:  # keep labels legible on big clusters
         for i, label in enumerate(ax.get_yticklabels()):
             label.set_visible(i == 0 or i % max(1, cells // 8) == 0)
-    ax.set_xlim(0.0, end_h)
-    ax.set_xlabel("time (hours)")
+    ax.set_xlim(0.0, unit.of(end_s))
+    ax.set_xlabel(unit.label)
     ax.tick_params(axis="y", length=0)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
@@ -182,16 +206,15 @@ def plot_role_timeline(result: SimResult, path: Path) -> Path:
 
 
 def _step_series(
-    samples: Sequence[LoadSample], end_s: float
+    samples: Sequence[LoadSample], end_s: float, unit: TimeUnit
 ) -> tuple[list[float], list[int], list[int], list[int]]:
-    """Sample times (hours, closed by the run's end) and the running/queued/capacity counts."""
-    times = [_hours(s.time_s) for s in samples]
+    """Sample times (in ``unit``, closed by the run's end) and the running/queued/capacity."""
+    times = [unit.of(s.time_s) for s in samples]
     running = [s.running for s in samples]
     queued = [s.queued for s in samples]
     capacity = [s.capacity for s in samples]
     if samples:  # hold the last sample until the end of the run
-        end_h = max(_hours(end_s), times[-1])
-        times.append(end_h)
+        times.append(max(unit.of(end_s), times[-1]))
         running.append(running[-1])
         queued.append(queued[-1])
         capacity.append(capacity[-1])
@@ -199,7 +222,7 @@ def _step_series(
 
 
 def load_figure(result: SimResult) -> Figure:
-    """Running and queued executions (steps) and rollout capacity (dashed) over hours."""
+    """Running and queued executions (steps) and rollout capacity (dashed) over time."""
     return samples_load_figure(
         result.load,
         end_s=_end_s(result),
@@ -213,7 +236,8 @@ def samples_load_figure(
     """The load figure from plain samples, each held until the next (the last to ``end_s``)."""
     fig = _new_figure()
     ax = fig.add_subplot()
-    times, running, queued, capacity = _step_series(samples, end_s)
+    unit = time_unit(end_s)
+    times, running, queued, capacity = _step_series(samples, end_s, unit)
     ax.fill_between(times, running, step="post", color=RUNNING_COLOUR, alpha=0.15, linewidth=0)
     ax.step(times, running, where="post", color=RUNNING_COLOUR, linewidth=1.4, label="running")
     ax.step(times, queued, where="post", color=QUEUED_COLOUR, linewidth=1.4, label="queued")
@@ -226,10 +250,10 @@ def samples_load_figure(
         linestyle="--",
         label="rollout capacity",
     )
-    ax.set_xlim(0.0, max(_hours(end_s), times[-1] if times else 0.0) or 1.0 / SECONDS_PER_HOUR)
+    ax.set_xlim(0.0, max(unit.of(end_s), times[-1] if times else 0.0) or 1.0)
     peak = max([*running, *queued, *capacity, 0])
     ax.set_ylim(0.0, peak * 1.08 if peak > 0 else 1.0)
-    ax.set_xlabel("time (hours)")
+    ax.set_xlabel(unit.label)
     ax.set_ylabel("executions")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
@@ -278,7 +302,7 @@ def speedup_figure(results: Mapping[str, SimResult]) -> Figure:
     fig = _new_figure()
     ax = fig.add_subplot()
     names = list(results)
-    hours = [_hours(results[n].end_to_end_s) for n in names]
+    hours = [HOURS.of(results[n].end_to_end_s) for n in names]
     xs = list(range(len(names)))
     bars = ax.bar(xs, hours, width=0.6, color=_bar_colours(names, results), zorder=2)
     ax.set_xticks(xs)
@@ -288,7 +312,7 @@ def speedup_figure(results: Mapping[str, SimResult]) -> Figure:
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
 
-    bounds = [_hours(results[n].lower_bound_s) for n in names]
+    bounds = [HOURS.of(results[n].lower_bound_s) for n in names]
     finite = [b for b in bounds if math.isfinite(b) and b > 0]
     if finite and max(finite) - min(finite) <= 1e-9 * max(finite):
         ax.axhline(
