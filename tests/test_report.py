@@ -274,6 +274,7 @@ def test_summary_numbers(tmp_path: Path):
     assert summary.mean_switch_s == {"training": 6.0, "rollout": 3.0}
     assert summary.switches == {"training": 2, "rollout": 1}
     assert summary.training_fraction == pytest.approx([1.0, 0.295, 0.493])
+    assert summary.steps_by_cells == {2: STEPS}
 
 
 # ---------------------------------------------------------------- the report
@@ -308,6 +309,7 @@ def test_write_report_writes_a_page_and_valid_pngs(tmp_path: Path):
         "cell 0 (core): time in training</th><td class='num'>100.0%",
         "cell 1: time in training</th><td class='num'>29.5%",
         "cell 2: time in training</th><td class='num'>49.3%",
+        "cells training a step</th><td class='num'>2: 10 steps",
         "1000.0 s",
     ]:
         assert fragment in table, fragment

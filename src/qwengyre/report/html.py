@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +122,8 @@ class Summary:
     """Each cell's fraction of the wall time in the training role."""
     idle_fraction: list[float] = field(default_factory=list)
     """Each cell's fraction of its time idle (see :class:`UsageRecord`)."""
+    steps_by_cells: dict[int, int] = field(default_factory=dict)
+    """How many steps were trained by how many cells (satellites joining show here)."""
 
 
 def cell_count(metrics: RunMetrics) -> int:
@@ -151,6 +154,7 @@ def summarize(metrics: RunMetrics) -> Summary:
         switches={d: sum(1 for s in metrics.switches if s.to == d) for d in SWITCH_DIRECTIONS},
         training_fraction=training_fractions(spans, cells, end_s) if metrics.roles else [],
         idle_fraction=idle_fractions(metrics),
+        steps_by_cells=dict(sorted(Counter(s.cells for s in metrics.steps).items())),
     )
 
 
@@ -276,6 +280,13 @@ def _rows(summary: Summary) -> list[tuple[str, str]]:
         mean = summary.mean_switch_s.get(direction, math.nan)
         rows.append(
             (f"mean switch time to {direction}", f"{_num(mean, 2, ' s')} ({count} switches)")
+        )
+    if summary.steps_by_cells:
+        rows.append(
+            (
+                "cells training a step",
+                ", ".join(f"{k}: {n} steps" for k, n in summary.steps_by_cells.items()),
+            )
         )
     for cell, share in enumerate(summary.training_fraction):
         name = "cell 0 (core)" if cell == 0 else f"cell {cell}"
