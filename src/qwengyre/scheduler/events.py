@@ -71,7 +71,8 @@ class PublicationDone:
 
 @dataclass(frozen=True)
 class PullGroups:
-    """The packing buffer runs low: it wants ``count`` more ready groups for ``step``.
+    """The packing buffer wants ``count`` more ready groups for ``step``: fewer
+    micro-steps wait than cells train (:meth:`Scheduler.wants_groups`).
 
     The demand replaces any earlier one and is met, oldest version first, from ready
     groups now or as they become ready (streaming). Ready groups that nobody has
