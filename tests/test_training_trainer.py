@@ -170,3 +170,33 @@ def test_an_update_raises_the_log_probs_of_positive_advantage_executions(
     index = micro.execution_index[:, 1:][micro.target_mask[:, 1:]]
     change = after - before
     assert change[index == 0].mean() > 0 > change[index == 1].mean()
+
+
+def test_the_learning_rate_warms_up_linearly_and_a_resumed_trainer_continues_it(
+    tiny_model_dir: Path,
+) -> None:
+    config = TrainerConfig(lr=1e-3, lr_warmup_steps=3, micro_step_tokens=256)
+    assert [config.lr_at(u) for u in range(5)] == [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    samples = groups(model, count=2, size=4, seed=3)
+
+    def largest_first_change(trainer: Trainer) -> float:
+        # Adam's first update moves a parameter by lr * g / (|g| + eps): by the rate.
+        before = [p.detach().clone() for p in trainer.params]
+        trajectories = TrajectoryBuffer()
+        for g in samples:
+            trajectories.add(g)
+        run_steps(
+            trainer,
+            trajectories,
+            PackingBuffer(trajectories, 256),
+            range(trainer.version, trainer.version + 1),
+        )
+        return max(float((p.detach() - b).abs().max()) for p, b in zip(trainer.params, before, strict=True))
+
+    warming = largest_first_change(single(tiny_model_dir, config))
+    constant = largest_first_change(single(tiny_model_dir, TrainerConfig(lr=1e-3)))
+    assert abs(warming / constant - 0.25) < 1e-3
+    resumed = single(tiny_model_dir, config)
+    resumed.version = 2  # as restored from a checkpoint after two updates
+    assert abs(largest_first_change(resumed) / constant - 0.75) < 1e-3

@@ -134,6 +134,9 @@ class TrainerConfig(_Section):
     optimizer: Literal["adam"] = "adam"
     lr: float = Field(1e-6, gt=0.0, description="learning rate")
     lr_schedule: Literal["constant"] = "constant"
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="optimizer updates over which the learning rate rises linearly to lr"
+    )
     grad_clip: float = Field(1.0, gt=0.0, description="global gradient-norm clip on the core")
     temperature: float = Field(
         1.0,
@@ -145,6 +148,17 @@ class TrainerConfig(_Section):
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="rows of logits materialised at once for the log-probs"
     )
+
+    def lr_at(self, update: int) -> float:
+        """The learning rate of optimizer update ``update`` (0 for the first).
+
+        ``lr * (update + 1) / (lr_warmup_steps + 1)`` during the warm-up, ``lr`` from
+        update ``lr_warmup_steps`` on. A pure function of the update number, so a resumed
+        run continues the schedule from its checkpointed version with no extra state.
+        """
+        if update < 0:
+            raise ValueError(f"update={update}: must be >= 0")
+        return self.lr * min(1.0, (update + 1) / (self.lr_warmup_steps + 1))
 
 
 class ModelConfig(_Section):

@@ -10,7 +10,8 @@ stream is closed and drained, every participating cell calls
 1. the gradients are summed over cells ``0..k-1`` into the core (one reduce);
 2. the core divides by the batch's normaliser (its number of executions ``N``, or its
    target tokens for ``token_sum``: see :mod:`qwengyre.training.objective`), clips the
-   global norm and makes the single optimizer update (version + 1);
+   global norm and makes the single optimizer update (version + 1), at the learning
+   rate :meth:`~qwengyre.config.TrainerConfig.lr_at` gives for that update;
 3. the core broadcasts the new parameters to the satellites and writes them to its
    :class:`~qwengyre.cluster.weights.SharedWeights`, where a satellite joining a later
    batch (:meth:`Trainer.pull_weights`) and the rollout engines read them.
@@ -176,6 +177,8 @@ class Trainer:
             flat /= max(normaliser, 1)
             unflatten_into(flat, self._grads())
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.lr_at(self.version)
             self.optimizer.step()
             self.version += 1
             stats = torch.tensor([float(norm), float(self.version)])
