@@ -24,6 +24,7 @@ from qwengyre.report import (
     RunRecord,
     StepRecord,
     SwitchRecord,
+    UsageRecord,
     parse_record,
     read_metrics,
 )
@@ -267,6 +268,7 @@ def test_training_fractions():
 def test_summary_numbers(tmp_path: Path):
     summary = summarize(read_metrics(_write_run(tmp_path)))
     assert summary.steps == STEPS and summary.wall_s == 1000.0
+    assert summary.seconds_per_step == 100.0
     assert summary.reward_first_fifth == pytest.approx(statistics.fmean([0.0, 0.1]))
     assert summary.reward_last_fifth == pytest.approx(statistics.fmean([0.8, 0.9]))
     assert summary.mean_staleness == pytest.approx(1.5)
@@ -355,3 +357,53 @@ def test_report_command_errors_are_one_line(tmp_path: Path, capsys: pytest.Captu
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl:1: missing field(s)" in err and err.count("\n") == 1
+
+
+def _async_records() -> list[Record]:
+    """An async run of 10 steps, 150 s each: cell 0 trains, cells 1 and 2 roll out."""
+    return [
+        RunRecord(0.0, "async", 1, 1.0, 3, 2.0, 8, 4),
+        *(RoleRecord(0.0, cell, Role.ROLLOUT.value) for cell in range(3)),
+        RoleRecord(0.0, 0, Role.TRAINING.value),
+        *(_step(s, 150.0 * (s + 1)) for s in range(STEPS)),
+        UsageRecord(1500.0, 0, busy_s=1350.0, idle_s=150.0),
+        UsageRecord(1500.0, 1, busy_s=750.0, idle_s=750.0),
+        UsageRecord(1500.0, 2, busy_s=600.0, idle_s=900.0),
+    ]
+
+
+def test_several_runs_are_reported_and_compared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    elastic, slower = tmp_path / "elastic-run", tmp_path / "async-run"
+    _write_run(elastic)
+    _write_run(slower, _async_records())
+    assert main(["report", str(elastic), str(slower)]) == 0
+    out = capsys.readouterr().out
+    assert (elastic / "report" / "index.html").is_file()
+    assert (slower / "report" / "index.html").is_file()
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+    cells = [c.strip() for c in rows["async-run"].split("│")[1:-1]]
+    # run, policy, steps, s/step, vs elastic, idle per cell, mean idle, staleness,
+    # steps by cells, reward: 150 s per step against elastic's 100 s.
+    assert cells[:5] == ["async-run", "async (μ=1, φ=1)", "10", "150.0", "1.50x"]
+    assert cells[5:9] == ["10% / 50% / 60%", "40%", "– (2.00)", "2:10"]  # no group records
+    assert cells[9] == "0.050 → 0.850"
+    assert [c.strip() for c in rows["elastic-run"].split("│")[2:6]] == [
+        "elastic (μ=3, φ=0.5)",
+        "10",
+        "100.0",
+        "",
+    ]
+
+
+def test_comparing_runs_refuses_one_out_dir_and_writes_nothing_on_a_bad_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = tmp_path / "good"
+    _write_run(good)
+    assert main(["report", str(good), str(good), "--out", str(tmp_path / "r")]) == 2
+    assert "--out DIR takes one RUN_DIR; got 2" in capsys.readouterr().err
+    assert main(["report", str(good), str(tmp_path / "missing")]) == 2
+    assert "no run directory" in capsys.readouterr().err
+    assert not (good / "report").exists()

@@ -191,9 +191,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from qwengyre.report.compare import comparison_rows, print_comparison
     from qwengyre.report.html import write_report
 
-    print(write_report(Path(args.run_dir), Path(args.out) if args.out else None))
+    run_dirs = [Path(d) for d in args.run_dirs]
+    if args.out and len(run_dirs) > 1:
+        raise ValueError(f"--out DIR takes one RUN_DIR; got {len(run_dirs)} (drop --out)")
+    rows = comparison_rows(run_dirs)  # every run is read before any report is written
+    for run_dir in run_dirs:
+        print(write_report(run_dir, Path(args.out) if args.out else None))
+    if len(rows) > 1:
+        print_comparison(rows)
     return 0
 
 
@@ -300,8 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     trainp.add_argument("--quiet", action="store_true", help="no live display")
     trainp.set_defaults(func=cmd_train)
 
-    report = sub.add_parser("report", help="write a training run's HTML report from its metrics")
-    report.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    report = sub.add_parser(
+        "report",
+        help="write training runs' HTML reports from their metrics (several: also compare them)",
+    )
+    report.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directory holding metrics.jsonl"
+    )
     report.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)
     return parser

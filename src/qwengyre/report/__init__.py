@@ -20,6 +20,7 @@ from qwengyre.report.metrics import (
     RunRecord,
     StepRecord,
     SwitchRecord,
+    UsageRecord,
     parse_record,
     read_metrics,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "StepRecord",
     "Summary",
     "SwitchRecord",
+    "UsageRecord",
     "parse_record",
     "read_metrics",
     "role_spans",

@@ -111,6 +111,9 @@ class Summary:
 
     steps: int
     wall_s: float
+    seconds_per_step: float
+    """The last step's end over the number of steps (the run's clock starts after any
+    warm start, so this is the RL time per step)."""
     reward_first_fifth: float
     reward_last_fifth: float
     mean_staleness: float
@@ -144,6 +147,9 @@ def summarize(metrics: RunMetrics) -> Summary:
     return Summary(
         steps=len(metrics.steps),
         wall_s=end_s,
+        seconds_per_step=metrics.steps[-1].time_s / len(metrics.steps)
+        if metrics.steps
+        else math.nan,
         reward_first_fifth=_mean(rewards[:fifth]),
         reward_last_fifth=_mean(rewards[-fifth:] if fifth else []),
         mean_staleness=_mean([g.staleness for g in metrics.groups]),
@@ -270,6 +276,7 @@ def _rows(summary: Summary) -> list[tuple[str, str]]:
     rows = [
         ("steps", str(summary.steps)),
         ("wall time", _duration(summary.wall_s)),
+        ("time per step", _duration(summary.seconds_per_step)),
         ("mean reward, first fifth of steps", _num(summary.reward_first_fifth)),
         ("mean reward, last fifth of steps", _num(summary.reward_last_fifth)),
         ("mean staleness (measured)", _num(summary.mean_staleness)),
@@ -343,18 +350,24 @@ def _page(title: str, subtitle: str, summary: Summary, sections: Sequence[_Secti
     return "\n".join(parts)
 
 
+def describe_policy(metrics: RunMetrics) -> str:
+    """``elastic (μ=2, φ=0.5)``, or ``?`` when the run's shape was not recorded."""
+    run = metrics.run
+    return "?" if run is None else f"{run.policy} (μ={run.mu}, φ={run.phi:g})"
+
+
 def _describe(metrics: RunMetrics) -> str:
     run = metrics.run
     if run is None:
         return "run shape not recorded"
     return (
-        f"policy {run.policy} (μ={run.mu}, φ={run.phi:g}), K={run.cells} cells,"
+        f"policy {describe_policy(metrics)}, K={run.cells} cells,"
         f" batch {run.batch} groups of {run.group_size}"
     )
 
 
-def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
-    """Write the report of ``run_dir`` (default into ``run_dir/report``); return index.html.
+def read_run(run_dir: Path) -> RunMetrics:
+    """The metrics of ``run_dir``.
 
     Raises ``FileNotFoundError`` when ``run_dir`` or its ``metrics.jsonl`` is missing and
     :class:`~qwengyre.report.metrics.MetricsError` for an unreadable log.
@@ -365,7 +378,16 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     log = run_dir / METRICS_FILE
     if not log.is_file():
         raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}")
-    metrics = read_metrics(log)
+    return read_metrics(log)
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write the report of ``run_dir`` (default into ``run_dir/report``); return index.html.
+
+    Raises as :func:`read_run` does.
+    """
+    run_dir = Path(run_dir)
+    metrics = read_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(metrics)
