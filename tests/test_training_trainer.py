@@ -192,7 +192,8 @@ def test_the_learning_rate_warms_up_linearly_and_a_resumed_trainer_continues_it(
             PackingBuffer(trajectories, 256),
             range(trainer.version, trainer.version + 1),
         )
-        return max(float((p.detach() - b).abs().max()) for p, b in zip(trainer.params, before, strict=True))
+        after = [p.detach() for p in trainer.params]
+        return max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True))
 
     warming = largest_first_change(single(tiny_model_dir, config))
     constant = largest_first_change(single(tiny_model_dir, TrainerConfig(lr=1e-3)))
