@@ -24,7 +24,7 @@ from qwengyre.report.metrics import read_metrics
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 from qwengyre.runtime.ledger import Ledger
 from qwengyre.runtime.train import TrainOptions, train
-from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
+from qwengyre.training.checkpoint import latest_checkpoint, list_checkpoints, read_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def run(tmp_path: Path, model_dir: Path, *extra: str) -> Path:
 def test_elastic_run_trains_every_group_once_and_moves_cells(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    run_dir = run(tmp_path, tiny_model_dir, "run.steps=3")
+    run_dir = run(tmp_path, tiny_model_dir, "run.steps=3", "run.keep_checkpoints=3")
     metrics = read_metrics(run_dir)
     assert [s.version for s in metrics.steps] == [1, 2, 3]
     assert sum(s.micro_steps for s in metrics.steps) > 0  # coin rewards: real gradients
@@ -90,9 +90,9 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     ]
     assert metrics.switches[0].cell == 0 and metrics.switches[0].to == "training"
     assert all(0 < s.seconds < 60 for s in metrics.switches)
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
-    assert checkpoint is not None
-    assert read_checkpoint(checkpoint).state["trained_groups"] == trained
+    checkpoints = list_checkpoints(run_dir / "checkpoints")  # one per step, three kept
+    assert [read_checkpoint(c).state["version"] for c in checkpoints] == [1, 2, 3]
+    assert read_checkpoint(checkpoints[-1]).state["trained_groups"] == trained
     traces = [json.loads(t) for t in (run_dir / "traces.jsonl").read_text().splitlines()]
     assert len(traces) >= 3 * 2 * 4
     # Executions cancelled when the run ended may not have called the model yet.

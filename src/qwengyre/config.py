@@ -133,9 +133,11 @@ class TrainerConfig(_Section):
     )
     optimizer: Literal["adam"] = "adam"
     lr: float = Field(1e-6, gt=0.0, description="learning rate")
-    lr_schedule: Literal["constant"] = "constant"
     lr_warmup_steps: int = Field(
-        0, ge=0, description="optimizer updates over which the learning rate rises linearly to lr"
+        0,
+        ge=0,
+        description="optimizer updates over which the learning rate rises linearly to lr "
+        "(constant after)",
     )
     grad_clip: float = Field(1.0, gt=0.0, description="global gradient-norm clip on the core")
     temperature: float = Field(
@@ -207,7 +209,7 @@ class RunConfig(_Section):
     torch_threads: int = Field(1, ge=1, description="torch threads per cell process")
     max_context: int = Field(4096, ge=64, description="tokens per model call, prompt + reply")
     checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints")
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept (older pruned)")
     warm_start_accuracy: float | None = Field(
         0.25,
         gt=0.0,

@@ -197,8 +197,9 @@ class Cell:
 
     # ------------------------------------------------------------------ state
 
-    def save_checkpoint(self, root: str, step: int, state: dict[str, Any]) -> str:
-        """The core writes model, optimizer and the caller's state atomically."""
+    def save_checkpoint(self, root: str, step: int, state: dict[str, Any], keep: int) -> str:
+        """The core writes model, optimizer and the caller's state atomically; the
+        ``keep`` newest checkpoints under ``root`` remain."""
         trainer = self._trainer()
         if not trainer.is_core:
             raise RuntimeError("only the core holds the optimizer")
@@ -210,6 +211,7 @@ class Cell:
             model=self.model,
             optimizer=trainer.optimizer,
             state=state,
+            keep=keep,
             tokenizer=self._tokenizer,
         )
         return str(path)

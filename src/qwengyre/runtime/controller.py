@@ -442,7 +442,8 @@ class Controller:
             "next_group": max(self.scheduler.groups, default=-1) + 1,
             "next_execution": max(self.scheduler.executions, default=-1) + 1,
         }
-        await self.cells[0].call("save_checkpoint", str(self.outputs.checkpoints), version, state)
+        root, keep = str(self.outputs.checkpoints), self.config.run.keep_checkpoints
+        await self.cells[0].call("save_checkpoint", root, version, state, keep)
 
     # ------------------------------------------------------------------ observation
 
