@@ -146,6 +146,12 @@ def resume_and_check(run_dir: Path, steps: int) -> None:
     counts = Counter(g.group_id for g in read_metrics(run_dir).groups)
     assert set(counts) == set(trained) and set(counts.values()) == {1}
 
+    # A complete run is not resumed again: it says so and leaves its records as they are.
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=f"is complete: version {steps} of run.steps={steps}"):
+        asyncio.run(train(TrainOptions(run_dir, resume=True, display=False)))
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
 
 def children(pid: int) -> dict[int, str]:
     """Child processes of ``pid``: their command lines."""

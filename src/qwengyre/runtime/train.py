@@ -244,6 +244,12 @@ async def train(options: TrainOptions) -> Controller:
     # The warm start runs its own event loops (the toy harness in-process): a thread.
     model_dir = await asyncio.to_thread(base_model, config, run_dir, log)
     resumed = resume_state(run_dir, model_dir)
+    if options.resume and resumed.version >= config.run.steps:
+        raise ValueError(
+            f"{run_dir} is complete: version {resumed.version} of run.steps="
+            f"{config.run.steps}; to train on, raise run.steps in {run_dir / CONFIG_FILE}"
+            " and resume again"
+        )
     scheduler = Scheduler(SchedulerParams.from_config(config))
     if options.resume:
         scheduler.resume(
