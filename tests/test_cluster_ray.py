@@ -1,20 +1,24 @@
 """Placement backends (DESIGN.md §3, cluster): cells as local processes or Ray actors
-behind one handle interface; two Ray cells train a step exactly like one trainer."""
+behind one handle interface; two Ray cells train a step exactly like one trainer; a
+dead actor is seen at once, also while a call occupies it."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from tests.test_training_cells import CONFIG, batches, free_port, train_alone
 
 from qwengyre.cluster.cell import CellSpec
-from qwengyre.cluster.local import ActorError, ProcessActor
+from qwengyre.cluster.local import ActorDied, ActorError, ProcessActor
 from qwengyre.cluster.placement import start_cells, stop_cells
 
 
@@ -42,6 +46,21 @@ def test_local_backend_returns_process_actors(tiny_model_dir: Path, tmp_path: Pa
         assert handles[0].call_sync("connect") == handles[0].pid
     finally:
         stop_cells(handles)
+
+
+async def ray_liveness(sleeper: Any) -> None:
+    """A Ray actor's liveness is answered while a long call occupies it, and its death
+    is seen at once."""
+    import ray
+
+    waiting = asyncio.ensure_future(sleeper.call("wait", 60))  # threading.Event.wait
+    await asyncio.wait_for(sleeper.check_alive(), 30)  # not behind the 60 s call
+    assert not waiting.done()
+    ray.kill(sleeper.actor, no_restart=True)
+    with pytest.raises(ActorDied, match="sleeper died"):
+        await sleeper.check_alive()
+    with pytest.raises(ActorDied, match="sleeper died"):
+        await waiting
 
 
 def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -79,6 +98,7 @@ def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_p
         # Multi-node rendezvous helper: the core node's IP and a port free there.
         host, port = core_address(group.placement).removeprefix("tcp://").split(":")
         assert host == ray.util.get_node_ip_address() and 0 < int(port) < 65536
+        asyncio.run(ray_liveness(RayActor(threading.Event, name="sleeper", num_cpus=0)))
     finally:
         stop_cells(handles)
     assert not ray.is_initialized()  # start_cells started Ray, stop_cells shut it down
@@ -86,3 +106,23 @@ def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_p
     for name, expected in alone.items():
         torch.testing.assert_close(core[name], expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(satellite[name], core[name], rtol=0, atol=0)
+
+
+def test_a_local_actor_that_dies_is_seen_at_once_even_during_a_call() -> None:
+    sleeper = ProcessActor(threading.Event, name="sleeper")  # .wait(s) blocks for s
+
+    async def watch() -> None:
+        waiting = asyncio.ensure_future(sleeper.call("wait", 60))
+        await asyncio.sleep(0.5)
+        await sleeper.check_alive()
+        assert not waiting.done()
+        os.kill(sleeper.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        with pytest.raises(ActorDied, match=rf"sleeper \(pid {sleeper.pid}\) died"):
+            await waiting
+        with pytest.raises(ActorDied, match=r"died \(exit code -9\)"):
+            await sleeper.check_alive()
+
+    try:
+        asyncio.run(watch())
+    finally:
+        sleeper.close()

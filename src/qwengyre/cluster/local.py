@@ -5,6 +5,7 @@ built in a fresh (spawned) process, and method calls travel over a pipe one at a
 in order, like calls to a Ray actor. ``await actor.call("method", ...)`` does not block
 the caller's event loop. An exception inside the process comes back as
 :class:`ActorError` with the remote traceback; the process keeps serving.
+:meth:`ProcessActor.check_alive` tells, at any time, whether the process is gone.
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ class ProcessActor:
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """:meth:`call_sync` without blocking the event loop."""
         return await asyncio.to_thread(self.call_sync, method, *args, **kwargs)
+
+    async def check_alive(self) -> None:
+        """Raise :class:`ActorDied` if the process has ended (also during a call)."""
+        if not self._process.is_alive():
+            code = self._process.exitcode
+            raise ActorDied(f"{self.name} (pid {self.pid}) died (exit code {code})")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the process (politely, then by force)."""

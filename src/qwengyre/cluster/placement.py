@@ -30,6 +30,10 @@ class CellHandle(Protocol):
 
     def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
+    async def check_alive(self) -> None:
+        """Raise ``ActorDied`` if the cell is gone; answers even while a call runs."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -4,10 +4,10 @@
 :class:`RayActor` runs the same :class:`~qwengyre.cluster.cell.Cell` code as
 :class:`~qwengyre.cluster.local.ProcessActor` and offers the same interface
 (:class:`~qwengyre.cluster.placement.CellHandle`): ``await call(method, ...)``,
-``call_sync``, ``close``. A Ray actor runs one call at a time, in order. An exception
-inside the actor comes back as :class:`~qwengyre.cluster.local.ActorError` with the
-remote traceback, a dead actor as :class:`~qwengyre.cluster.local.ActorDied`, so
-callers handle both backends alike.
+``call_sync``, ``check_alive``, ``close``. A Ray actor runs one call at a time, in
+order. An exception inside the actor comes back as
+:class:`~qwengyre.cluster.local.ActorError` with the remote traceback, a dead actor as
+:class:`~qwengyre.cluster.local.ActorDied`, so callers handle both backends alike.
 
 :class:`RayCells` starts Ray when needed and reserves one placement-group bundle per
 cell (strategy ``PACK`` by default; ``SPREAD`` puts cells on distinct nodes where
@@ -60,6 +60,10 @@ from qwengyre.cluster.cell import Cell, CellSpec
 
 __all__ = ["RayActor", "RayCells", "core_address"]
 
+HEALTH_GROUP = "health"
+"""The concurrency group of liveness checks: its own thread, beside the one that runs
+the cell's calls in order."""
+
 _MAX_TEMP_DIR = 40  # + "/session_<date>_<pid>/sockets/plasma_store" stays < 108
 
 
@@ -91,7 +95,9 @@ class RayActor:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement, placement_group_bundle_index=bundle_index
             )
-        self.actor = ray.remote(factory).options(**options).remote(*args)
+        # Ray's typed overloads omit concurrency_groups, a documented remote() option.
+        remote = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(factory)  # type: ignore[call-overload]
+        self.actor = remote.options(**options).remote(*args)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` in the actor and return its result without blocking the loop."""
@@ -105,6 +111,17 @@ class RayActor:
         try:
             return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
         except (RayTaskError, RayActorError) as exc:
+            raise _reraise(self.name, exc) from exc
+
+    async def check_alive(self) -> None:
+        """Raise :class:`~qwengyre.cluster.local.ActorDied` if the actor is gone.
+
+        Ray's built-in ``__ray_ready__`` runs in the actor's own health group, so it
+        answers at once even while a long call (a training step) occupies the actor.
+        """
+        try:
+            await self.actor.__ray_ready__.options(concurrency_group=HEALTH_GROUP).remote()
+        except RayActorError as exc:
             raise _reraise(self.name, exc) from exc
 
     def close(self, timeout_s: float = 10.0) -> None:

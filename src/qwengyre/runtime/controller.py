@@ -90,6 +90,9 @@ __all__ = ["Controller", "RunOutputs", "engine_name"]
 
 log = logging.getLogger(__name__)
 
+CELL_WATCH_S = 1.0
+"""How often every cell's liveness is checked."""
+
 
 def engine_name(engine: int) -> str:
     """The proxy's name for the scheduler's engine id."""
@@ -211,6 +214,7 @@ class Controller:
                 await self.proxy.router.drain(engine_name(cell))
                 await self.cells[cell].call("release_engine")
         self._spawn(self._sample_load())
+        self._spawn(self._watch_cells())
         while not self.finished:
             event = await self.events.get()
             if self.failure is not None:
@@ -477,6 +481,14 @@ class Controller:
                 self._last_load = sample
                 self.outputs.metrics.write(LoadRecord(self.now(), *sample))
             await asyncio.sleep(self.config.run.load_sample_s)
+
+    async def _watch_cells(self) -> None:
+        """A cell that dies stops the run at once, not at the next call it gets (a
+        rollout cell gets none from the controller until its next move)."""
+        while True:
+            for cell in self.cells:
+                await cell.check_alive()
+            await asyncio.sleep(CELL_WATCH_S)
 
     async def shutdown(self) -> None:
         """Stop every execution (their harnesses are killed) and every background task."""
