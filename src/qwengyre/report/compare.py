@@ -42,6 +42,9 @@ class RunRow:
 
     name: str
     policy: str
+    """``elastic``, ``async`` or ``colocate`` (``?`` when the run's shape was not recorded)."""
+    label: str
+    """The policy with its (mu, phi), as the table shows it."""
     summary: Summary
 
     @property
@@ -55,9 +58,9 @@ def comparison_rows(run_dirs: Sequence[Path]) -> list[RunRow]:
     rows = []
     for run_dir in run_dirs:
         metrics = read_run(Path(run_dir))
-        rows.append(
-            RunRow(Path(run_dir).resolve().name, describe_policy(metrics), summarize(metrics))
-        )
+        policy = metrics.run.policy if metrics.run is not None else "?"
+        name = Path(run_dir).resolve().name
+        rows.append(RunRow(name, policy, describe_policy(metrics), summarize(metrics)))
     return rows
 
 
@@ -70,7 +73,7 @@ def comparison_table(rows: Sequence[RunRow]) -> Table:
     table = Table(title="qwengyre runs compared")
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("run", "policy") else "right")
-    elastic = next((r for r in rows if r.policy.startswith("elastic ")), None)
+    elastic = next((r for r in rows if r.policy == "elastic"), None)
     for row in rows:
         s = row.summary
         versus = ""
@@ -78,7 +81,7 @@ def comparison_table(rows: Sequence[RunRow]) -> Table:
             versus = _fmt(s.seconds_per_step / elastic.summary.seconds_per_step, ".2f") + "x"
         table.add_row(
             row.name,
-            row.policy,
+            row.label,
             str(s.steps),
             _fmt(s.seconds_per_step, ".1f"),
             versus,
