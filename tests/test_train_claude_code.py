@@ -99,9 +99,12 @@ def test_one_step_of_rl_through_claude_code(
     asyncio.run(train(TrainOptions(run_dir, config, display=False)))
     seconds = time.monotonic() - began
 
-    # Every execution ran through Claude Code and made model calls.
+    # Every execution ran through Claude Code; those that completed made model calls
+    # (ones cancelled when the run ended may not have called the model yet).
     traces = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
-    assert len(traces) >= 2 * 4 and all(t["calls"] for t in traces)
+    assert len(traces) >= 2 * 4
+    assert all(t["calls"] for t in traces if t["outcome"] == "completed")
+    assert sum(t["outcome"] == "completed" for t in traces) >= 2 * 2  # B x min_valid
     logs = sorted((run_dir / "logs").glob("*/stdout.log"))
     assert logs
     init = json.loads(logs[0].read_text().splitlines()[0])  # stream-json's first event
