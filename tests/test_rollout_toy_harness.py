@@ -158,7 +158,7 @@ def test_toy_agent_as_a_module(proxy: Running, tmp_path: Path):
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "Done."
+    assert done.stdout.strip() == "Done." and "retries=0" in done.stderr
     assert sorted(p.relative_to(ws).as_posix() for p in ws.rglob("*.txt")) == [
         "a.txt",
         "b.txt",
@@ -246,7 +246,7 @@ async def _against(statuses: list[int], tmp_path: Path) -> tuple[ToyResult | Exc
 def test_retries_5xx_and_429_then_gives_up(tmp_path: Path):
     result, seen = asyncio.run(_against([503, 429, 500, 200], tmp_path))
     assert isinstance(result, ToyResult) and result.final_text == "ok" and result.finished
-    assert seen == [503, 429, 500, 200]
+    assert seen == [503, 429, 500, 200] and result.retries == 3
     result, seen = asyncio.run(_against([502], tmp_path))
     assert isinstance(result, ModelCallError) and "after 3 retries" in str(result)
     assert seen == [502] * 4

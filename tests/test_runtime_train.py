@@ -97,6 +97,16 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     assert len(traces) >= 3 * 2 * 4
     # Executions cancelled when the run ended may not have called the model yet.
     assert all(t["calls"] for t in traces if t["outcome"] == "completed")
+    # No harness saw an error while cells moved (DESIGN.md §4): every finished toy
+    # harness says it sent no call twice.
+    summaries = [
+        line
+        for log in (run_dir / "logs").glob("*/stderr.log")
+        for line in log.read_text().splitlines()
+        if line.startswith("toy harness:")
+    ]
+    assert len(summaries) >= 3 * 2 * 4
+    assert all(line.endswith(" retries=0") for line in summaries), summaries
 
 
 def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> None:

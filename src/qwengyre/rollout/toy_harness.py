@@ -27,6 +27,7 @@ calls), 1 otherwise (turn limit, or model calls kept failing).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -128,6 +129,8 @@ class ToyResult:
     final_text: str
     finished: bool = False
     """True when the model ended with an answer without tool calls (exit status 0)."""
+    retries: int = 0
+    """Model calls sent again after a 5xx, a 429 or a connection error (HTTP client)."""
 
 
 def write_file(workspace: Path, path: Any, content: Any) -> str:
@@ -166,6 +169,7 @@ class _Client:
         self.model = model
         self.backoff_s = backoff_s
         self.calls = 0
+        self.retries = 0
 
     async def complete(
         self,
@@ -182,6 +186,7 @@ class _Client:
         problem = ""
         for attempt in range(MAX_RETRIES + 1):
             if attempt:
+                self.retries += 1
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 async with self.session.post(self.url, json=body, headers=all_headers) as resp:
@@ -297,7 +302,8 @@ async def run_toy_agent(
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         client = _Client(session, base_url, api_key, model, retry_backoff_s)
-        return await run_episode(client, instructions, Path(workspace), max_turns=max_turns)
+        result = await run_episode(client, instructions, Path(workspace), max_turns=max_turns)
+        return dataclasses.replace(result, retries=client.retries)
 
 
 async def run_episode(
@@ -366,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     print(result.final_text)
     print(
         f"toy harness: turns={result.turns} calls={result.calls} compacted={result.compacted} "
-        f"subagent_calls={result.subagent_calls} finished={result.finished}",
+        f"subagent_calls={result.subagent_calls} finished={result.finished} "
+        f"retries={result.retries}",
         file=sys.stderr,
     )
     return 0 if result.finished else 1
