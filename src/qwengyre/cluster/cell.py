@@ -3,8 +3,9 @@ cells; DESIGN.md §3).
 
 The same :class:`Cell` runs as a local process (:class:`~qwengyre.cluster.local.ProcessActor`)
 or as a Ray actor. It holds the policy model. Cell 0, the core, owns the optimizer
-and the shared weights board; satellites pull the core's weights when they join
-training. Every method is synchronous: the placement backend runs one call at a time.
+and the weights board (shared memory, or Ray's object store under Ray placement:
+:class:`~qwengyre.cluster.weights.WeightsBoard`); satellites pull the core's weights
+when they join training. Every method is synchronous: the placement backend runs one call at a time.
 
 Start-up: build all ``K`` cells, then call :meth:`Cell.connect` on all of them
 concurrently (creating the torch.distributed groups is collective).
@@ -14,7 +15,7 @@ behind SGLang's HTTP API on 127.0.0.1 (the proxy drives it with
 :class:`~qwengyre.engines.sglang.SGLangEngine`, as it would a real SGLang server).
 A move to training is :meth:`release_engine` (after the proxy drained it); the way
 back is :meth:`resume_engine`, which also loads the newest weights from the board.
-Publication is :meth:`update_engine_weights` (shared memory on one machine). The
+Publication is :meth:`update_engine_weights` (from the board). The
 engine keeps its own copy of the weights: on an accelerator they would share one.
 """
 
@@ -28,13 +29,13 @@ import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from qwengyre.cluster.weights import SharedWeights, layout_of
+from qwengyre.cluster.weights import SharedWeights, WeightsBoard, WeightsLayout, layout_of
 from qwengyre.config import TrainerConfig
 from qwengyre.engines.base import WeightsInMemory
 from qwengyre.engines.embedded import EmbeddedEngine
@@ -59,7 +60,8 @@ class CellSpec:
     init_method: str  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
     model_dir: str
     trainer: TrainerConfig
-    board: str  # name of the core's shared-memory weights segment
+    board: str  # name of the core's weights board
+    board_kind: Literal["shared_memory", "ray"] = "shared_memory"  # see WeightsBoard
     backend: str = "gloo"
     device: str = "cpu"
     torch_threads: int = 1
@@ -98,13 +100,13 @@ class Cell:
         """
         layout = layout_of(self.model.named_parameters())
         core = self.spec.rank == 0
-        board = SharedWeights(self.spec.board, layout, create=True) if core else None
+        board = self._open_board(layout, create=True) if core else None
         comm = PrefixGroups(
             self.spec.rank, self.spec.world, self.spec.init_method, backend=self.spec.backend
         )
         # new_group() is collective: once it returned everywhere the core's board exists.
         if board is None:
-            board = SharedWeights(self.spec.board, layout)
+            board = self._open_board(layout, create=False)
         self.trainer = Trainer(
             self.model, self.spec.trainer, comm, version=self.spec.version, board=board
         )
@@ -113,6 +115,13 @@ class Cell:
                 load_checkpoint(self.spec.checkpoint, self.model, self.trainer.optimizer)
             self.trainer.publish_weights()
         return os.getpid()
+
+    def _open_board(self, layout: WeightsLayout, *, create: bool) -> WeightsBoard:
+        if self.spec.board_kind == "ray":
+            from qwengyre.cluster.ray import RayWeights
+
+            return RayWeights(self.spec.board, create=create)
+        return SharedWeights(self.spec.board, layout, create=create)
 
     def _trainer(self) -> Trainer:
         if self.trainer is None:

@@ -23,8 +23,9 @@ possible).
   from every actor. On one node ``127.0.0.1`` is fine. When the bundles span several
   nodes and the spec's host is a loopback address, :meth:`RayCells.specs_for_nodes`
   replaces it by the core node's IP and a port free there (:func:`core_address`).
-- **Limit.** The weights board (:mod:`qwengyre.cluster.weights`) is shared memory on
-  the core's node: satellites on other nodes cannot read it yet.
+- **Weights.** The cells' weights board is :class:`RayWeights`: the core puts each
+  version into Ray's object store and a named actor holds the newest reference, so
+  satellites and rollout engines on any node read it (Ray moves the bytes).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +56,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from torch import Tensor
 
 from qwengyre.cluster.cell import Cell, CellSpec
 
@@ -150,6 +152,58 @@ def core_address(placement: PlacementGroup, bundle_index: int = 0) -> str:
     return f"tcp://{ip}:{port}"
 
 
+class _Board:
+    """The newest weights' object reference and their version (one named actor)."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.refs: list[ray.ObjectRef[dict[str, Tensor]]] = []
+
+    def set(self, version: int, refs: list[ray.ObjectRef[dict[str, Tensor]]]) -> None:
+        self.version, self.refs = version, refs
+
+    def get(self) -> tuple[int, list[ray.ObjectRef[dict[str, Tensor]]]]:
+        return self.version, self.refs
+
+
+class RayWeights:
+    """The weights board of Ray-placed cells (:class:`~qwengyre.cluster.weights.WeightsBoard`).
+
+    :meth:`write` puts the tensors into Ray's object store and leaves the reference
+    with a named actor (``name``); :meth:`read` fetches the newest one, from whichever
+    node. The reference is wrapped in a list so that the actor keeps it, not its value.
+    Every cell opens the same actor (``get_if_exists``), whichever comes first; the
+    creator (``create``, the core) kills it on :meth:`close`.
+    """
+
+    def __init__(self, name: str, *, create: bool = False) -> None:
+        self.name = name
+        self._owner = create
+        board = ray.remote(_Board).options(name=name, num_cpus=0, get_if_exists=True)
+        self._actor: Any = board.remote()  # Ray's typing of handles is partial
+
+    @property
+    def version(self) -> int:
+        """The version last written (-1 before the first write)."""
+        return int(ray.get(self._actor.get.remote())[0])
+
+    def write(self, named: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Put ``named`` tensors (copied to the CPU) in the object store as ``version``."""
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in named}
+        ray.get(self._actor.set.remote(version, [ray.put(tensors)]))
+
+    def read(self, *, timeout_s: float = 10.0) -> tuple[int, dict[str, Tensor]]:
+        """The newest weights and their version (``(-1, {})`` before the first write)."""
+        version, refs = ray.get(self._actor.get.remote(), timeout=timeout_s)
+        if not refs:
+            return -1, {}
+        return int(version), dict(ray.get(refs[0], timeout=timeout_s))
+
+    def close(self) -> None:
+        if self._owner:
+            ray.kill(self._actor, no_restart=True)
+
+
 class RayCells:
     """Ray (started or joined), one placement group, and the cells' actors in it."""
 
@@ -180,7 +234,7 @@ class RayCells:
                 f"Ray could not reserve {len(specs)} x {bundle} within {timeout_s} s "
                 f"(cluster resources: {ray.cluster_resources()})"
             ) from exc
-        specs = self.specs_for_nodes(specs)
+        specs = [replace(spec, board_kind="ray") for spec in self.specs_for_nodes(specs)]
         self.handles = [
             RayActor(
                 Cell,

@@ -19,11 +19,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["SharedWeights", "TensorSlot", "WeightsLayout", "layout_of"]
+__all__ = ["SharedWeights", "TensorSlot", "WeightsBoard", "WeightsLayout", "layout_of"]
 
 _HEADER = struct.Struct("<qq")  # sequence counter, policy version
 _ALIGN = 64
@@ -62,6 +63,25 @@ def layout_of(named: Iterable[tuple[str, Tensor]]) -> WeightsLayout:
         slots.append(slot)
         offset += slot.nbytes
     return WeightsLayout(tuple(slots), offset)
+
+
+class WeightsBoard(Protocol):
+    """Where the core leaves its newest weights for the other cells: one writer (the
+    core), many readers. :class:`SharedWeights` on one machine; under Ray placement,
+    :class:`qwengyre.cluster.ray.RayWeights` (Ray's object store, across nodes)."""
+
+    @property
+    def version(self) -> int:
+        """The version last written completely (-1 before the first write)."""
+        ...
+
+    def write(self, named: Iterable[tuple[str, Tensor]], version: int) -> None: ...
+
+    def read(self, *, timeout_s: float = 10.0) -> tuple[int, dict[str, Tensor]]:
+        """A consistent copy of the weights and their version."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class SharedWeights:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from qwengyre.cluster.weights import SharedWeights
+from qwengyre.cluster.weights import WeightsBoard
 from qwengyre.config import TrainerConfig
 from qwengyre.training.buffers import BatchSummary, MicroStep
 from qwengyre.training.distributed import PrefixGroups, flatten, unflatten_into
@@ -81,7 +81,7 @@ class Trainer:
         comm: PrefixGroups,
         *,
         version: int = 0,
-        board: SharedWeights | None = None,
+        board: WeightsBoard | None = None,
     ) -> None:
         self.model = model
         self.config = config
