@@ -20,6 +20,7 @@ import pytest
 
 from qwengyre.config import Config, load_config
 from qwengyre.presets import preset_path
+from qwengyre.proxy.store import Store
 from qwengyre.report.metrics import read_metrics
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 from qwengyre.runtime.ledger import Ledger
@@ -117,6 +118,23 @@ def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> No
     first = {r.cell: r.role for r in metrics.roles if r.time_s == 0.0}
     assert first == {0: "rollout", 1: "rollout", 2: "rollout"}
     assert {(r.cell, r.role) for r in metrics.roles if r.time_s > 0} <= {(0, "training")}
+
+
+def test_ray_placement_runs_the_same_job(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
+    run_dir = run(tmp_path, tiny_model_dir, "run.steps=3", "run.placement=ray")
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1, 2, 3]
+    # Rollout engines sampled with the weights published at version 2 (mu=2), which
+    # they read from the Ray board.
+    store = Store(run_dir / "proxy.sqlite")
+    try:
+        versions = {v for ex in store.load() for node, _ in ex.calls for v in node.versions}
+    finally:
+        store.close()
+    assert 2 in versions, versions
+    trained = [g.group_id for g in metrics.groups]
+    assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
 
 
 def start_train(tmp_path: Path, model_dir: Path, steps: int) -> subprocess.Popen[bytes]:
