@@ -198,8 +198,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.out and len(run_dirs) > 1:
         raise ValueError(f"--out DIR takes one RUN_DIR; got {len(run_dirs)} (drop --out)")
     rows = comparison_rows(run_dirs)  # every run is read before any report is written
-    for run_dir in run_dirs:
-        print(write_report(run_dir, Path(args.out) if args.out else None))
+    for row in rows:
+        print(write_report(row.run_dir, Path(args.out) if args.out else None, metrics=row.metrics))
     if len(rows) > 1:
         print_comparison(rows)
     return 0

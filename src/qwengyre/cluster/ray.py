@@ -188,8 +188,9 @@ class RayWeights:
         return int(ray.get(self._actor.get.remote())[0])
 
     def write(self, named: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Put ``named`` tensors (copied to the CPU) in the object store as ``version``."""
-        tensors = {name: t.detach().to("cpu", copy=True) for name, t in named}
+        """Put ``named`` tensors in the object store as ``version`` (``ray.put``
+        serialises a snapshot at once, so no copy of CPU tensors is needed first)."""
+        tensors = {name: t.detach().cpu() for name, t in named}
         ray.get(self._actor.set.remote(version, [ray.put(tensors)]))
 
     def read(self, *, timeout_s: float = 10.0) -> tuple[int, dict[str, Tensor]]:

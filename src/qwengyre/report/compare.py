@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from qwengyre.report.html import Summary, describe_policy, read_run, summarize
+from qwengyre.report.metrics import RunMetrics
+from qwengyre.sim.report import table_console
 
 COLUMNS = (
     "run",
@@ -40,6 +42,8 @@ COLUMNS = (
 class RunRow:
     """One run of the comparison: its directory's ``name``, policy and summary."""
 
+    run_dir: Path
+    metrics: RunMetrics
     name: str
     policy: str
     """``elastic``, ``async`` or ``colocate`` (``?`` when the run's shape was not recorded)."""
@@ -57,10 +61,13 @@ def comparison_rows(run_dirs: Sequence[Path]) -> list[RunRow]:
     """The rows of ``run_dirs`` in the order given; raises as :func:`read_run` does."""
     rows = []
     for run_dir in run_dirs:
-        metrics = read_run(Path(run_dir))
+        run_dir = Path(run_dir)
+        metrics = read_run(run_dir)
         policy = metrics.run.policy if metrics.run is not None else "?"
-        name = Path(run_dir).resolve().name
-        rows.append(RunRow(name, policy, describe_policy(metrics), summarize(metrics)))
+        name = run_dir.resolve().name
+        rows.append(
+            RunRow(run_dir, metrics, name, policy, describe_policy(metrics), summarize(metrics))
+        )
     return rows
 
 
@@ -96,8 +103,4 @@ def comparison_table(rows: Sequence[RunRow]) -> Table:
 
 def print_comparison(rows: Sequence[RunRow], console: Console | None = None) -> None:
     """Print :func:`comparison_table` (160 columns wide when not on a terminal)."""
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=160)
-    console.print(comparison_table(rows))
+    (console or table_console(width=160)).print(comparison_table(rows))

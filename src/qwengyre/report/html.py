@@ -381,13 +381,17 @@ def read_run(run_dir: Path) -> RunMetrics:
     return read_metrics(log)
 
 
-def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+def write_report(
+    run_dir: Path, out_dir: Path | None = None, *, metrics: RunMetrics | None = None
+) -> Path:
     """Write the report of ``run_dir`` (default into ``run_dir/report``); return index.html.
 
-    Raises as :func:`read_run` does.
+    ``metrics`` are the run's when the caller has read them already; otherwise they are
+    read here, raising as :func:`read_run` does.
     """
     run_dir = Path(run_dir)
-    metrics = read_run(run_dir)
+    if metrics is None:
+        metrics = read_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(metrics)

@@ -45,8 +45,11 @@ def print_table(
             str(r.groups_dropped),
             speedup,
         )
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=120)
-    console.print(table)
+    (console or table_console(width=120)).print(table)
+
+
+def table_console(width: int) -> Console:
+    """The terminal's console, or one ``width`` columns wide when output is not a
+    terminal (a log or a pipe), so that wide tables are not squeezed."""
+    console = Console()
+    return console if console.is_terminal else Console(width=width)
