@@ -4,11 +4,12 @@ At each concurrency, ``c`` requests of mixed prompt and output lengths are gener
 (sampling, T=1) by (a) the embedded engine with all ``c`` submitted at once
 (continuous batching) and (b) HF ``generate`` on one left-padded batch of the same
 prompts, which runs until its longest request is done. Both count only the tokens
-each request asked for; the ratio is measured in this run.
+each request asked for; the ratio is measured in this run. On CUDA the engine replays
+captured decode graphs; ``--also-eager`` adds a column for the same engine without them.
 
     python benchmarks/bench_engine.py                       # CPU, the tiny demo model
     python benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
-        --prompt 512 --new 256 --concurrency 1 8 32 128
+        --prompt 512 --new 256 --concurrency 1 8 32 128 --also-eager
 """
 
 from __future__ import annotations
@@ -110,31 +111,47 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--also-eager", action="store_true", help="the engine without CUDA graphs")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = qwen3_0p6b_shaped(Path(tmp), dtype) if args.big else cached_tiny_model("demo")
         capacity = max(args.concurrency)
-        engine = EmbeddedEngine(
-            model_dir, capacity=capacity, device=args.device, dtype=dtype, max_context=8192
-        )
-        model = engine.model  # HF generate runs on the very same weights
+        engines = {
+            name: EmbeddedEngine(
+                model_dir,
+                capacity=capacity,
+                device=args.device,
+                dtype=dtype,
+                max_context=8192,
+                cuda_graphs=graphs,
+            )
+            for name, graphs in [("engine", True), ("eager", False)][: 1 + args.also_eager]
+        }
+        model = engines["engine"].model  # HF generate runs on the very same weights
         vocab = model.config.vocab_size
-        run_engine(engine, workload(2, 16, 4, vocab))  # warm-up
+        for engine in engines.values():
+            run_engine(engine, workload(2, 16, 4, vocab))  # warm-up
         run_hf(model, workload(2, 16, 4, vocab), device)
         print(
             f"model {model_dir.name} on {args.device} ({args.dtype}); prompts ~{args.prompt},"
             f" outputs ~{args.new} (mixed lengths)"
         )
-        print("concurrency   engine tok/s   HF generate tok/s   ratio")
+        names = "".join(f"{name + ' tok/s':>14}" for name in engines)
+        print(f"concurrency{names}   HF generate tok/s   ratio")
         for c in args.concurrency:
             requests = workload(c, args.prompt, args.new, vocab)
-            e_tokens, e_wall = run_engine(engine, requests)
+            rates = []
+            for engine in engines.values():
+                tokens, wall = run_engine(engine, requests)
+                rates.append(tokens / wall)
             h_tokens, h_wall = run_hf(model, requests, device)
-            e_rate, h_rate = e_tokens / e_wall, h_tokens / h_wall
-            print(f"{c:11d} {e_rate:14.0f} {h_rate:19.0f} {e_rate / h_rate:7.2f}x", flush=True)
-        engine.close()
+            h_rate = h_tokens / h_wall
+            columns = "".join(f"{rate:14.0f}" for rate in rates)
+            print(f"{c:11d}{columns} {h_rate:19.0f} {rates[0] / h_rate:7.2f}x", flush=True)
+        for engine in engines.values():
+            engine.close()
 
 
 if __name__ == "__main__":

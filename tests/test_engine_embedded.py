@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsInMemory, WeightsOnDisk
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
@@ -42,11 +46,11 @@ def recomputed(
     engine: EmbeddedEngine, req: GenerateRequest, output: tuple[int, ...]
 ) -> torch.Tensor:
     """What the trainer computes: one full forward over prompt + output, no cache."""
-    ids = torch.tensor([list(req.input_ids) + list(output)])
+    ids = torch.tensor([list(req.input_ids) + list(output)], device=engine.device)
     with torch.inference_mode():
         logits = engine.model(input_ids=ids).logits[0]
     n = len(req.input_ids)
-    return behaviour_logprobs(logits[n - 1 : -1], torch.tensor(output), req.sampling.temperature)
+    return behaviour_logprobs(logits[n - 1 : -1], ids[0, n:], req.sampling.temperature).cpu()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
@@ -62,6 +66,102 @@ def test_behaviour_logprobs_match_the_trainers_recompute(engine: EmbeddedEngine,
         assert len(result.output_ids) == req.sampling.max_tokens or result.finish_reason == "stop"
         ref = recomputed(engine, req, result.output_ids)
         assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any op that would wait for the device or read host data: neither may run
+    inside a captured CUDA graph."""
+
+    SYNCING = frozenset(
+        {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select"}
+        | {"lift_fresh", "lift_fresh_copy", "_unique2", "unique_consecutive"}
+    )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket.__name__ in self.SYNCING:
+            raise AssertionError(f"{func} would sync with the host inside a CUDA graph")
+        return func(*args, **(kwargs or {}))
+
+
+class CheckedSteps:
+    """Stands in for the CUDA graphs on the CPU: the engine buckets its decode steps as it
+    does for graphs, and each runs eagerly under :class:`NoHostSync`."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.buckets: list[tuple[int, int]] = []
+        self.cleared = 0
+
+    def __call__(self, rows: int, columns: int) -> torch.Tensor:
+        with NoHostSync():
+            logits = self.forward(rows, columns)
+        self.buckets.append((rows, columns))
+        return logits
+
+    def clear(self) -> None:
+        self.cleared += 1
+
+
+@pytest.mark.parametrize("steps", ["eager", "bucketed"])
+def test_rows_joining_leaving_and_outgrowing_the_cache_keep_exact_logprobs(
+    tiny_model_dir: Path, steps: str
+):
+    engine = EmbeddedEngine(tiny_model_dir, capacity=4, max_context=1024)
+    checked = CheckedSteps(engine._decode_forward)
+    if steps == "bucketed":
+        engine._graphs = checked  # type: ignore[assignment]
+    short = [request(i, 5 + 4 * i, 30 + 9 * i, ignore_eos=True) for i in range(3)]
+    # Joins mid-run with a prompt past the first allocation (256 columns): the running rows
+    # shift right and the buffers grow; it leaves early, and the padding it leaves behind
+    # is dropped.
+    long = request(3, 300, 6, ignore_eos=True)
+    late = [request(4 + i, 7 + i, 25, ignore_eos=True) for i in range(3)]
+
+    async def run():  # type: ignore[no-untyped-def]
+        first = [asyncio.ensure_future(engine.generate(r)) for r in short]
+        await running(engine)
+        second = [asyncio.ensure_future(engine.generate(r)) for r in [long, *late]]
+        return await asyncio.gather(*first, *second)
+
+    try:
+        results = asyncio.run(run())
+        for req, result in zip([*short, long, *late], results, strict=True):
+            assert len(result.output_ids) == req.sampling.max_tokens
+            ref = recomputed(engine, req, result.output_ids)
+            assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
+        assert engine._slots().columns == 512 and engine.load == 0
+    finally:
+        engine.close()
+    if steps == "bucketed":
+        assert checked.cleared >= 1  # the growth moved the buffers: graphs would be stale
+        rows = {r for r, _ in checked.buckets}
+        columns = [c for _, c in checked.buckets]
+        assert rows <= {1, 2, 4} and {2, 4} <= rows
+        assert set(columns) <= {1, 2, 4, 8, 16, 32, 64, 128, 256, 512}
+        assert 512 in columns and min(columns[columns.index(512) :]) < 512
+
+
+def test_a_sliding_window_model_keeps_exact_logprobs(tiny_model_dir: Path, tmp_path: Path):
+    model_dir = tmp_path / "sliding"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config |= {"layer_types": ["sliding_attention"] + ["full_attention"] * (layers - 1)}
+    config |= {"sliding_window": 8, "use_sliding_window": True}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    engine = EmbeddedEngine(model_dir, capacity=4, max_context=256)
+    reqs = [request(i, 5 + 9 * i, 20, ignore_eos=True) for i in range(5)]
+
+    async def run():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+
+    try:
+        assert engine.model.model.has_sliding_layers
+        for req, result in zip(reqs, asyncio.run(run()), strict=True):
+            ref = recomputed(engine, req, result.output_ids)
+            assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
+    finally:
+        engine.close()
 
 
 def test_batched_greedy_decoding_equals_decoding_alone(engine: EmbeddedEngine):
@@ -186,5 +286,28 @@ def test_the_proxy_serves_the_embedded_engine_and_records_its_logprobs(
             ref = recomputed(engine, req, tuple(node["output_ids"]))
             assert torch.allclose(torch.tensor(node["logprobs"]), ref, atol=1e-4)
             assert node["engine"] == "embedded" and node["versions"] == [0] * len(ref)
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: CUDA graphs need one")
+def test_cuda_graph_steps_keep_exact_logprobs_and_survive_release(
+    tiny_model_dir: Path,
+):  # pragma: no cover - runs where a GPU is
+    engine = EmbeddedEngine(tiny_model_dir, capacity=8, device="cuda", max_context=1024)
+    reqs = [request(i, 5 + 37 * i, 20 + 11 * i, ignore_eos=True) for i in range(10)]
+
+    async def run():  # type: ignore[no-untyped-def]
+        results = await asyncio.gather(*(engine.generate(r) for r in reqs))
+        await engine.release_memory()  # the graphs captured freed buffers: recaptured
+        await engine.resume_memory()
+        return [*results, await engine.generate(reqs[0])]
+
+    try:
+        results = asyncio.run(run())
+        assert engine._graphs is not None and len(engine._graphs) > 0
+        for req, result in zip([*reqs, reqs[0]], results, strict=True):
+            ref = recomputed(engine, req, result.output_ids)
+            assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
     finally:
         engine.close()

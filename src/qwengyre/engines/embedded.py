@@ -1,10 +1,12 @@
 """The embedded engine: any HF causal LM, continuous batching over a KV cache, in PyTorch.
 
-Requests join and leave the running batch between decode steps. A new request is
-prefilled on its own, then its KV cache is merged into the batch's (rows are
-left-padded to a common length and masked); finished or aborted rows are dropped and
-the common padding trimmed. Compute runs in a worker thread so the event loop (the
-proxy) stays responsive; only that thread touches the model.
+Requests join and leave the running batch between decode steps. Joining requests are
+prefilled together straight into free rows of a preallocated KV cache
+(:mod:`qwengyre.engines.kv_slots`); a finished or aborted row is freed by moving the last
+running row into it. On CUDA each decode step replays a captured graph
+(:mod:`qwengyre.engines.decode_graphs`; ``cuda_graphs=False`` runs it eagerly). Compute
+runs in a worker thread so the event loop (the proxy) stays responsive; only that thread
+touches the model.
 
 Behaviour log-probs (what the trainer must reproduce): for a sampled token ``y`` with
 logits ``z`` at its position, ``log softmax(z / T)[y]`` in fp32 — the *tempered* full
@@ -39,6 +41,15 @@ from qwengyre.engines.base import (
     WeightsInMemory,
     WeightsOnDisk,
     WeightSource,
+)
+from qwengyre.engines.decode_graphs import DecodeGraphs
+from qwengyre.engines.kv_slots import (
+    SlotCache,
+    SlotKV,
+    decode_mask,
+    power_of_two_at_least,
+    prefill_mask,
+    sliding,
 )
 from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.types import SamplingParams
@@ -100,6 +111,7 @@ class EmbeddedEngine:
         dtype: torch.dtype = torch.float32,
         max_context: int | None = None,
         seed: int = 0,
+        cuda_graphs: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -124,8 +136,14 @@ class EmbeddedEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._pending: list[_Sequence] = []
         self._active: list[_Sequence] = []
-        self._keys: list[torch.Tensor] = []  # per layer [B, H, L, D], rows left-padded
-        self._values: list[torch.Tensor] = []
+        self._layers = int(config.num_hidden_layers)
+        self._sliding_window = _sliding_window(config)
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        self._kv: SlotKV | None = None  # allocated at the first admission, freed on release
+        # Decode inputs, fixed tensors a captured graph reads: ids, lengths, write column.
+        self._step_inputs = torch.zeros(2 * capacity + 1, dtype=torch.long, device=self.device)
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self._graphs = DecodeGraphs(self._decode_forward) if use_graphs else None
         self._update: _WeightUpdate | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -185,7 +203,9 @@ class EmbeddedEngine:
             if self._pending or self._active:
                 raise RuntimeError(f"{self.name}: abort or drain in-flight requests first")
             self._released = True
-            self._keys, self._values = [], []
+            self._kv = None
+            if self._graphs is not None:
+                self._graphs.clear()
         await asyncio.to_thread(self._move_model, torch.device("cpu"))
 
     async def resume_memory(self) -> None:
@@ -238,7 +258,9 @@ class EmbeddedEngine:
                 except Exception as exc:  # a bug or OOM: fail the batch, keep serving
                     for sequence in self._active:
                         sequence.settle(exc)
-                    self._active, self._keys, self._values = [], [], []
+                    self._active = []
+                    if self._graphs is not None:
+                        self._graphs.clear()
                 if self._active or self._pending:
                     self._wake.set()
 
@@ -269,7 +291,7 @@ class EmbeddedEngine:
             update.done.set()
 
     def _admit(self) -> None:
-        """Prefill the joining requests in one left-padded batch and merge their caches."""
+        """Prefill the joining requests in one left-padded batch, into the next free rows."""
         with self._lock:
             room = self.capacity - len(self._active)
             joining, self._pending = self._pending[:room], self._pending[room:]
@@ -283,23 +305,22 @@ class EmbeddedEngine:
             return
         width = max(len(s.request.input_ids) for s in joining)
         ids = torch.zeros(len(joining), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
+        lengths = torch.tensor([len(s.request.input_ids) for s in joining])
         for row, sequence in enumerate(joining):
             prompt = sequence.request.input_ids
             ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
-            mask[row, width - len(prompt) :] = 1
             sequence.length = len(prompt)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            use_cache=True,
-        )
-        self._merge(*_layers(out))
+        positions = (torch.arange(width) - (width - lengths).unsqueeze(1)).clamp(min=0)
+        kv = self._slots()
+        self._fit(least_width=width)
         first = len(self._active)
+        cache = SlotCache.prefill(kv, self._layers, slice(first, first + len(joining)), width)
+        lengths = lengths.to(self.device)
+        mask = prefill_mask(lengths, width)
+        query_at = torch.arange(width, device=self.device).unsqueeze(1)
+        logits = self._forward(ids, positions, mask, cache, query_at)
         self._active.extend(joining)
-        tokens, logprobs = self._sample(out.logits[:, -1], [s.request.sampling for s in joining])
+        tokens, logprobs = self._sample(logits, [s.request.sampling for s in joining])
         done = []
         for row, sequence in enumerate(joining):
             result = self._take(sequence, tokens[row], logprobs[row])
@@ -310,23 +331,7 @@ class EmbeddedEngine:
             for _, sequence, result in done:
                 sequence.settle(result)
 
-    def _merge(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        if not self._keys:
-            self._keys, self._values = keys, values
-            return
-        width = max(self._keys[0].shape[2], keys[0].shape[2])
-        self._keys = [
-            torch.cat([_left_pad(a, width), _left_pad(b, width)])
-            for a, b in zip(self._keys, keys, strict=True)
-        ]
-        self._values = [
-            torch.cat([_left_pad(a, width), _left_pad(b, width)])
-            for a, b in zip(self._values, values, strict=True)
-        ]
-
     def _decode_step(self) -> None:
-        from transformers import DynamicCache
-
         aborted = [i for i, s in enumerate(self._active) if s.aborted]
         if aborted:
             gone = [self._active[i] for i in aborted]
@@ -335,25 +340,29 @@ class EmbeddedEngine:
                 sequence.settle(EngineAborted(sequence.request.request_id))
             if not self._active:
                 return
-        width = self._keys[0].shape[2]
-        mask = torch.zeros(len(self._active), width + 1, dtype=torch.long, device=self.device)
-        for row, sequence in enumerate(self._active):
-            mask[row, width - sequence.length :] = 1
-        last = torch.tensor([[s.next_token] for s in self._active], device=self.device)
-        positions = torch.tensor([[s.length] for s in self._active], device=self.device)
-        cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values, strict=True)))
-        out = self.model(
-            input_ids=last,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_kw: cache},
+        kv = self._slots()
+        self._fit()
+        n = len(self._active)
+        if self._graphs is None:
+            rows, columns = n, kv.width + 1
+        else:
+            rows = power_of_two_at_least(n, self.capacity)
+            columns = power_of_two_at_least(kv.width + 1, kv.columns)
+        padding = [0] * (self.capacity - n)
+        self._step_inputs.copy_(
+            torch.tensor(
+                [s.next_token for s in self._active]
+                + padding
+                + [s.length for s in self._active]
+                + padding
+                + [kv.width]
+            )
         )
-        self._keys, self._values = _layers(out)
+        step = self._decode_forward if self._graphs is None else self._graphs
+        logits = step(rows, columns)[:n]
+        kv.width += 1
         finished: list[tuple[int, GenerateResult]] = []
-        tokens, logprobs = self._sample(
-            out.logits[:, -1], [s.request.sampling for s in self._active]
-        )
+        tokens, logprobs = self._sample(logits, [s.request.sampling for s in self._active])
         for row, sequence in enumerate(self._active):
             sequence.length += 1
             result = self._take(sequence, tokens[row], logprobs[row])
@@ -364,6 +373,57 @@ class EmbeddedEngine:
             self._remove([row for row, _ in finished])
             for sequence, result in done:
                 sequence.settle(result)
+
+    def _decode_forward(self, rows: int, columns: int) -> torch.Tensor:
+        """One decode step of the first ``rows`` rows over ``columns`` KV columns.
+
+        Reads its inputs only from ``self._step_inputs`` (next ids, cached lengths, the
+        write column) and makes no host sync, so it can be captured as a CUDA graph.
+        """
+        kv = self._slots()
+        ids = self._step_inputs[:rows].unsqueeze(1)
+        lengths = self._step_inputs[self.capacity : self.capacity + rows]
+        width = self._step_inputs[-1:]
+        cache = SlotCache.decode(kv, self._layers, rows, columns, width)
+        mask = decode_mask(lengths, width, columns)
+        return self._forward(ids, lengths.unsqueeze(1), mask, cache, width)
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: SlotCache,
+        query_at: torch.Tensor,
+    ) -> torch.Tensor:
+        """The model's last-position logits ``[rows, vocab]`` under a prepared mask."""
+        masks: torch.Tensor | dict[str, torch.Tensor] = mask
+        if self._sliding_window is not None:
+            masks = {
+                "full_attention": mask,
+                "sliding_attention": sliding(mask, self._sliding_window, query_at),
+            }
+        out = self.model(
+            input_ids=ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=masks,
+            use_cache=True,
+            **{self._cache_kw: cache},
+            **self._last_logits_only,
+        )
+        return out.logits[:, -1]
+
+    def _slots(self) -> SlotKV:
+        if self._kv is None:
+            self._kv = SlotKV(self.capacity, self.max_context, self.device)
+        return self._kv
+
+    def _fit(self, least_width: int = 0) -> None:
+        """Place the KV write column for the next forward (graphs go stale if it moves)."""
+        longest = max((s.length for s in self._active), default=0)
+        moved = self._slots().fit(len(self._active), longest, least_width)
+        if moved and self._graphs is not None:
+            self._graphs.clear()
 
     def _take(self, sequence: _Sequence, token: int, logprob: float) -> GenerateResult | None:
         """Record a sampled token; the result once the sequence is finished."""
@@ -422,15 +482,16 @@ class EmbeddedEngine:
         return tokens.tolist(), logprobs.tolist()
 
     def _remove(self, rows: list[int]) -> None:
-        keep = [i for i in range(len(self._active)) if i not in set(rows)]
-        self._active = [self._active[i] for i in keep]
-        if not keep:
-            self._keys, self._values = [], []
-            return
-        index = torch.tensor(keep, device=self.device)
-        trim = self._keys[0].shape[2] - max(s.length for s in self._active)
-        self._keys = [k.index_select(0, index)[:, :, trim:] for k in self._keys]
-        self._values = [v.index_select(0, index)[:, :, trim:] for v in self._values]
+        """Drop finished or aborted rows; the last running rows move into the holes."""
+        gone = set(rows)
+        kept = len(self._active) - len(gone)
+        holes = [i for i in range(kept) if i in gone]
+        movers = [i for i in range(kept, len(self._active)) if i not in gone]
+        for source, target in zip(movers, holes, strict=True):
+            sequence = self._active[source]
+            self._slots().move_row(source, target, sequence.length)
+            self._active[target] = sequence
+        del self._active[kept:]
 
     def _move_model(self, device: torch.device) -> None:
         self.model.to(device)
@@ -439,18 +500,16 @@ class EmbeddedEngine:
             torch.cuda.empty_cache()
 
 
-def _layers(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer key and value tensors of a forward's KV cache."""
-    cache = getattr(out, "cache", None) or out.past_key_values
-    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - t.shape[2]
-    if missing == 0:
-        return t
-    pad = t.new_zeros(t.shape[0], t.shape[1], missing, t.shape[3])
-    return torch.cat([pad, t], dim=2)
+def _sliding_window(config: Any) -> int | None:
+    """The window of the model's sliding-attention layers; None when every layer attends fully."""
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    unsupported = kinds - {"full_attention", "sliding_attention"}
+    if unsupported:
+        raise ValueError(
+            f"the embedded engine runs full_attention and sliding_attention layers;"
+            f" this model also has {sorted(unsupported)}"
+        )
+    return int(config.sliding_window) if "sliding_attention" in kinds else None
 
 
 def _load_safetensors(path: Path) -> dict[str, Any]:

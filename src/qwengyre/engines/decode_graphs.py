@@ -1,0 +1,60 @@
+"""The embedded engine's decode step captured as CUDA graphs.
+
+An eager decode step launches one kernel per operation through Python — about a
+thousand for a 28-layer model — so a small model on a fast GPU spends most of a step
+launching. A CUDA graph replays the whole captured step with one launch. The step's
+shapes depend only on (rows, columns) (see :mod:`qwengyre.engines.kv_slots`), so one
+graph per bucket of each (powers of two) serves every step; its inputs are read from
+fixed device tensors the engine fills before each replay. Graphs are captured at the
+first step that needs them and share one memory pool (they never run concurrently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+DecodeForward = Callable[[int, int], torch.Tensor]
+"""``forward(rows, columns) -> logits [rows, vocab]``, reading only fixed input tensors."""
+
+
+class DecodeGraphs:
+    """Runs a decode forward through one captured CUDA graph per (rows, columns)."""
+
+    def __init__(self, forward: DecodeForward) -> None:
+        self._forward = forward
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, rows: int, columns: int) -> torch.Tensor:
+        """The step's logits: the graph is replayed, or captured first (which also runs it)."""
+        key = (rows, columns)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(rows, columns)
+            return self._graphs[key][1]
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits
+
+    def clear(self) -> None:
+        """Forget every graph (the tensors they captured moved or were freed)."""
+        self._graphs.clear()
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def _capture(self, rows: int, columns: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # A warm-up run on a side stream first, as capture requires; it computes this very
+        # step (the inputs are already in place), and the capture itself runs nothing.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = self._forward(rows, columns)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            captured = self._forward(rows, columns)
+        captured.copy_(logits)  # this step's result, for the caller; replays overwrite it
+        return graph, captured
