@@ -266,6 +266,22 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine, req, mess
     assert len(asyncio.run(engine.generate(request(0, 4, 2))).output_ids) == 2
 
 
+def test_a_failed_forward_fails_its_batch_and_the_engine_keeps_serving(
+    engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch
+):
+    forward = engine._forward
+
+    def fail_once(*args: Any) -> torch.Tensor:
+        monkeypatch.setattr(engine, "_forward", forward)
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(engine, "_forward", fail_once)
+    with pytest.raises(RuntimeError, match="simulated"):  # the joining request hears of it
+        asyncio.run(asyncio.wait_for(engine.generate(request(0, 4, 3)), 30))
+    assert engine.load == 0
+    assert len(asyncio.run(engine.generate(request(1, 4, 3))).output_ids) == 3
+
+
 def test_the_proxy_serves_the_embedded_engine_and_records_its_logprobs(
     tmp_path: Path, tiny_model_dir: Path
 ):

@@ -314,12 +314,12 @@ class EmbeddedEngine:
         kv = self._slots()
         self._fit(least_width=width)
         first = len(self._active)
+        self._active.extend(joining)  # from here a failure fails them with the batch
         cache = SlotCache.prefill(kv, self._layers, slice(first, first + len(joining)), width)
         lengths = lengths.to(self.device)
         mask = prefill_mask(lengths, width)
         query_at = torch.arange(width, device=self.device).unsqueeze(1)
         logits = self._forward(ids, positions, mask, cache, query_at)
-        self._active.extend(joining)
         tokens, logprobs = self._sample(logits, [s.request.sampling for s in joining])
         done = []
         for row, sequence in enumerate(joining):
