@@ -54,7 +54,13 @@ class DecodeGraphs:
             logits = self._forward(rows, columns)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            captured = self._forward(rows, columns)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                captured = self._forward(rows, columns)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"capturing the decode step ({rows} rows, {columns} KV columns) as a CUDA"
+                f" graph failed: {exc}; EmbeddedEngine(cuda_graphs=False) runs it eagerly"
+            ) from exc
         captured.copy_(logits)  # this step's result, for the caller; replays overwrite it
         return graph, captured

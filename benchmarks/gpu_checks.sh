@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run (a lent device's `run`, or any GPU machine):
+# the engine's CUDA tests (CUDA-graph decode steps keep exact log-probs), then issue 5's
+# benchmark, the engine against HF generate on a Qwen3-0.6B-shaped model in bf16.
+# Uses the machine's own python3 with torch and transformers; logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out="${OUT:-/tmp/gpu-checks}"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_engine_embedded.py -k cuda 2>&1 | tee "$out/cuda-tests.log"
+timeout 420 python3 benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
+    --prompt 512 --new 256 --concurrency 1 8 32 128 --also-eager 2>&1 | tee "$out/bench-engine.log"
