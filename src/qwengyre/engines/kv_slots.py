@@ -181,6 +181,8 @@ class _SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.cache.kv.columns
 
+    get_max_cache_shape = get_max_length  # its name before transformers 5.x renamed it
+
 
 def decode_mask(lengths: torch.Tensor, width: torch.Tensor, columns: int) -> torch.Tensor:
     """``[rows, 1, 1, columns]``: row ``i`` sees its ``lengths[i]`` cached tokens and the
