@@ -74,18 +74,24 @@ async def death_seen(actor: Any, timeout_s: float = 30.0) -> str:
         await asyncio.sleep(0.05)
 
 
-def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
-    from qwengyre.cluster.ray import RayActor, core_address
+def two_cells_train_a_step(
+    tiny_model_dir: Path, tmp_path: Path, **placement: Any
+) -> tuple[list[Any], list[int]]:
+    """Two Ray cells (core and satellite) train one step, exactly as one trainer does.
 
-    assert not ray.is_initialized()
+    Returns the handles, still running, and the cells' process ids.
+    """
+    import ray
+
+    from qwengyre.cluster.ray import RayActor
+
     data = batches(tiny_model_dir)[:1]
     (micro_steps, summary) = data[0]
     assert len(micro_steps) >= 2
     alone = train_alone(tiny_model_dir, data)
     address, board = f"tcp://127.0.0.1:{free_port()}", _board()
     specs = [CellSpec(r, 2, address, str(tiny_model_dir), CONFIG, board) for r in (1, 0)]
-    handles = start_cells("ray", specs, run_dir=tmp_path)
+    handles = start_cells("ray", specs, run_dir=tmp_path, **placement)
 
     async def train() -> tuple[list[int], list[dict[str, torch.Tensor]]]:
         # An error inside a Ray cell comes back as ActorError, and the cell keeps serving.
@@ -101,24 +107,66 @@ def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_p
 
     try:
         assert [h.name for h in handles] == ["cell-0", "cell-1"]  # rank order
-        group = handles[0].cells if isinstance(handles[0], RayActor) else None
-        assert group is not None and all(isinstance(h, RayActor) for h in handles)
+        assert all(isinstance(h, RayActor) for h in handles)
         with pytest.raises(ActorError, match=r"connect\(\) first"):
             handles[0].call_sync("join_training")
         pids, (core, satellite) = asyncio.run(train())
         # The weights board is Ray's: a named actor holds the newest version's reference.
         assert ray.get(ray.get_actor(board).get.remote())[0] == 1
+        for name, expected in alone.items():
+            torch.testing.assert_close(core[name], expected, rtol=0, atol=1e-5)
+            torch.testing.assert_close(satellite[name], core[name], rtol=0, atol=0)
+    except BaseException:
+        stop_cells(handles)
+        raise
+    return handles, pids
+
+
+def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
+    from qwengyre.cluster.ray import RayActor, core_address
+
+    assert not ray.is_initialized()
+    handles, pids = two_cells_train_a_step(tiny_model_dir, tmp_path)
+    try:
         # Multi-node rendezvous helper: the core node's IP and a port free there.
-        host, port = core_address(group.placement).removeprefix("tcp://").split(":")
+        placement = handles[0].cells.placement
+        host, port = core_address(placement).removeprefix("tcp://").split(":")
         assert host == ray.util.get_node_ip_address() and 0 < int(port) < 65536
         asyncio.run(ray_liveness(RayActor(threading.Event, name="sleeper", num_cpus=0)))
     finally:
         stop_cells(handles)
     assert not ray.is_initialized()  # start_cells started Ray, stop_cells shut it down
     assert all(_gone(pid) for pid in pids)
-    for name, expected in alone.items():
-        torch.testing.assert_close(core[name], expected, rtol=0, atol=1e-5)
-        torch.testing.assert_close(satellite[name], core[name], rtol=0, atol=0)
+
+
+def test_ray_cells_on_two_nodes_train_a_step_like_one_trainer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two Ray nodes (each its own raylet and object store, on this one machine): the
+    cells land on different nodes, meet at the core node's address, and the satellite
+    reads the core's weights from the other node's object store."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
+    from ray.cluster_utils import Cluster
+    from ray.util.placement_group import placement_group_table
+
+    node = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
+    cluster = Cluster(
+        initialize_head=True, connect=True, head_node_args={**node, "include_dashboard": False}
+    )
+    try:
+        cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        handles, _ = two_cells_train_a_step(tiny_model_dir, tmp_path, strategy="SPREAD")
+        try:
+            table = placement_group_table(handles[0].cells.placement)
+            assert len(set(table["bundles_to_node_id"].values())) == 2
+        finally:
+            stop_cells(handles)
+        assert ray.is_initialized()  # not started by start_cells: left running
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def test_a_local_actor_that_dies_is_seen_at_once_even_during_a_call() -> None:
