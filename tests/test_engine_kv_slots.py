@@ -15,13 +15,18 @@ from qwengyre.engines.kv_slots import (
 )
 
 
-def filled(kv: SlotKV, lengths: list[int]) -> None:
-    """Write row i's token t (0-based) as the value 1000*i + t, ending at the write column."""
+def store(lengths: list[int], width: int, max_columns: int = 4096) -> SlotKV:
+    """A store whose rows hold ``lengths`` tokens ending at ``width``; row i's token t
+    (0-based) is the key 1000*i + t and the value -(1000*i + t)."""
+    kv = SlotKV(max_rows=8, max_columns=max_columns, device=torch.device("cpu"))
+    kv.fit(in_use=0, longest=0, least_width=width - 1, joining=len(lengths))
     kv.buffers(0, torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3))
+    kv.width = width  # as after a decode step
     for row, length in enumerate(lengths):
         for t in range(length):
-            kv.keys[0][row, :, kv.width - length + t] = 1000 * row + t
-            kv.values[0][row, :, kv.width - length + t] = -(1000 * row + t)
+            kv.keys[0][row, :, width - length + t] = 1000 * row + t
+            kv.values[0][row, :, width - length + t] = -(1000 * row + t)
+    return kv
 
 
 def cached(kv: SlotKV, row: int, length: int) -> list[int]:
@@ -35,38 +40,43 @@ def tokens(row: int, length: int) -> list[int]:
     return [1000 * row + t for t in range(length)]
 
 
-def test_buffers_are_shaped_like_the_first_write_and_grow_by_doubling() -> None:
-    kv = SlotKV(rows=3, max_columns=2000, device=torch.device("cpu"))
+def test_buffers_are_shaped_like_the_first_write_and_sized_to_what_is_in_use() -> None:
+    kv = SlotKV(max_rows=8, max_columns=2000, device=torch.device("cpu"))
+    kv.fit(in_use=0, longest=0, least_width=9, joining=3)
     keys, values = kv.buffers(0, torch.zeros(5, 2, 7, 4), torch.zeros(5, 2, 7, 6))
-    assert keys.shape == (3, 2, MIN_COLUMNS, 4) and values.shape == (3, 2, MIN_COLUMNS, 6)
-    kv.width = 10
-    filled(kv, [4, 10])
-    assert kv.fit(in_use=2, longest=10, least_width=600)  # the buffers moved
-    assert kv.columns == 1024 and kv.width == 600
+    assert keys.shape == (4, 2, MIN_COLUMNS, 4) and values.shape == (4, 2, MIN_COLUMNS, 6)
+    kv = store([4, 10], width=10, max_columns=2000)
+    assert kv.fit(in_use=2, longest=10, least_width=600)  # grown: the buffers moved
+    assert (kv.rows, kv.columns, kv.width) == (2, 1024, 600)
     assert cached(kv, 0, 4) == tokens(0, 4) and cached(kv, 1, 10) == tokens(1, 10)
     assert not kv.fit(in_use=2, longest=10, least_width=700)  # room enough: not moved
     assert kv.width == 700 and cached(kv, 1, 10) == tokens(1, 10)
+    # The long prompt left: the write column comes back and the columns shrink.
+    assert kv.fit(in_use=2, longest=10)
+    assert (kv.columns, kv.width) == (MIN_COLUMNS, 10)
+    assert cached(kv, 0, 4) == tokens(0, 4) and cached(kv, 1, 10) == tokens(1, 10)
+    assert kv.fit(in_use=2, longest=10, joining=6)  # rows grow for joining requests
+    assert kv.rows == 8 and cached(kv, 1, 10) == tokens(1, 10)
+    assert kv.fit(in_use=1, longest=4)  # and shrink to twice what is in use
+    assert kv.rows == 2 and cached(kv, 0, 4) == tokens(0, 4)
+    assert not kv.fit(in_use=1, longest=4)
 
 
 def test_the_write_column_is_pulled_back_when_padding_dominates() -> None:
-    kv = SlotKV(rows=2, max_columns=512, device=torch.device("cpu"))
-    kv.width = 100
-    filled(kv, [30, 45])
+    kv = store([30, 45], width=100)
     kv.fit(in_use=2, longest=45)  # 55 padding columns > 45: pulled back
     assert kv.width == 45
     assert cached(kv, 0, 30) == tokens(0, 30) and cached(kv, 1, 45) == tokens(1, 45)
     kv.fit(in_use=2, longest=45)
     assert kv.width == 45  # nothing to gain
-    kv.width = 80
-    filled(kv, [30, 45])
+    kv = store([30, 45], width=80)
     kv.fit(in_use=2, longest=45)  # 35 padding columns <= 45: left alone
     assert kv.width == 80 and cached(kv, 1, 45) == tokens(1, 45)
 
 
 def test_a_full_buffer_is_compacted_before_it_grows() -> None:
-    kv = SlotKV(rows=2, max_columns=512, device=torch.device("cpu"))
-    kv.width = MIN_COLUMNS  # no column left after the write column
-    filled(kv, [100, 200])
+    kv = store([100, 200], width=MIN_COLUMNS, max_columns=512)  # no column after it
+    assert kv.columns == MIN_COLUMNS
     assert not kv.fit(in_use=2, longest=200)
     assert kv.width == 200 and kv.columns == MIN_COLUMNS
     assert cached(kv, 0, 100) == tokens(0, 100) and cached(kv, 1, 200) == tokens(1, 200)
@@ -76,9 +86,7 @@ def test_a_full_buffer_is_compacted_before_it_grows() -> None:
 
 
 def test_a_row_moves_into_a_hole() -> None:
-    kv = SlotKV(rows=3, max_columns=512, device=torch.device("cpu"))
-    kv.width = 50
-    filled(kv, [10, 20, 30])
+    kv = store([10, 20, 30], width=50)
     kv.move_row(source=2, target=0, length=30)
     assert cached(kv, 0, 30) == tokens(2, 30) and cached(kv, 1, 20) == tokens(1, 20)
 

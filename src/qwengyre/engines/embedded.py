@@ -312,7 +312,7 @@ class EmbeddedEngine:
             sequence.length = len(prompt)
         positions = (torch.arange(width) - (width - lengths).unsqueeze(1)).clamp(min=0)
         kv = self._slots()
-        self._fit(least_width=width)
+        self._fit(least_width=width, joining=len(joining))
         first = len(self._active)
         self._active.extend(joining)  # from here a failure fails them with the batch
         cache = SlotCache.prefill(kv, self._layers, slice(first, first + len(joining)), width)
@@ -418,10 +418,10 @@ class EmbeddedEngine:
             self._kv = SlotKV(self.capacity, self.max_context, self.device)
         return self._kv
 
-    def _fit(self, least_width: int = 0) -> None:
-        """Place the KV write column for the next forward (graphs go stale if it moves)."""
+    def _fit(self, least_width: int = 0, joining: int = 0) -> None:
+        """Size the KV cache for the next forward (graphs go stale if its buffers move)."""
         longest = max((s.length for s in self._active), default=0)
-        moved = self._slots().fit(len(self._active), longest, least_width)
+        moved = self._slots().fit(len(self._active), longest, least_width, joining)
         if moved and self._graphs is not None:
             self._graphs.clear()
 

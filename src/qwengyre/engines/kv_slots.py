@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-MIN_COLUMNS = 256  # the first allocation; it doubles as needed, up to the context limit
+MIN_COLUMNS = 256  # the fewest columns allocated (up to the context limit)
+SHRINK_AT = 4  # a dimension shrinks once a quarter of it would do (hysteresis)
 
 
 def power_of_two_at_least(n: int, limit: int) -> int:
@@ -34,15 +35,19 @@ def power_of_two_at_least(n: int, limit: int) -> int:
 class SlotKV:
     """The per-layer key and value buffers and the shared write column.
 
-    Buffers are allocated at the first write of each layer, shaped like what the layer
-    writes; ``columns`` grows by doubling (:meth:`fit`), which moves the buffers.
+    Buffers hold ``rows x columns`` slots sized to what is in use, so memory follows the
+    running requests: a dimension doubles past what is needed when it must grow (up to
+    ``max_rows`` or ``max_columns``) and shrinks to twice what is needed once a quarter
+    would do. Resizing moves the buffers (:meth:`fit` says so). Each layer's buffers are
+    allocated at its first write, shaped like what it writes.
     """
 
-    def __init__(self, rows: int, max_columns: int, device: torch.device) -> None:
-        self.rows = rows
+    def __init__(self, max_rows: int, max_columns: int, device: torch.device) -> None:
+        self.max_rows = max_rows
         self.max_columns = max_columns
         self.device = device
-        self.columns = min(MIN_COLUMNS, max_columns)
+        self.rows = 0
+        self.columns = 0
         self.width = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -52,23 +57,32 @@ class SlotKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s buffers, allocated like ``key``/``value`` at its first write."""
         if layer == len(self.keys):
-            self.keys.append(self._empty(key, self.columns))
-            self.values.append(self._empty(value, self.columns))
+            self.keys.append(self._empty(key, self.rows, self.columns))
+            self.values.append(self._empty(value, self.rows, self.columns))
         return self.keys[layer], self.values[layer]
 
-    def fit(self, in_use: int, longest: int, least_width: int = 0) -> bool:
-        """Place the write column for the next forward; True if the buffers moved.
+    def fit(self, in_use: int, longest: int, least_width: int = 0, joining: int = 0) -> bool:
+        """Size the buffers and place the write column for the next forward; True if the
+        buffers moved.
 
-        The write column ends up at least ``least_width`` (a prefill's padded prompt must
-        end there) with a free column after it. It is pulled back to the longest running
-        row (``longest`` tokens) when it must move anyway or when padding is more than
-        half of what a decode step attends over. Only the first ``in_use`` rows are kept.
+        Rows ``0..in_use-1`` are kept, and ``joining`` more follow them. The write column
+        ends up at least ``least_width`` (a prefill's padded prompt must end there) with
+        a free column after it. It is pulled back to the longest running row (``longest``
+        tokens) when it must move anyway or when padding is more than half of what a
+        decode step attends over. A width past the context limit is refused before
+        anything changes.
         """
         width = self.width
         packed = max(longest, least_width)
         if width < least_width or width + 1 > self.columns or width - packed > packed:
             width = packed
-        moved = self._reserve(width + 1)
+        if width + 1 > self.max_columns:
+            raise ValueError(f"{width + 1} KV columns exceed the context limit {self.max_columns}")
+        rows = _sized(in_use + joining, self.rows, self.max_rows, 1)
+        columns = _sized(width + 1, self.columns, self.max_columns, MIN_COLUMNS)
+        if columns < self.columns:  # the kept tokens must be inside the cut first
+            self._realign(in_use, width, longest)
+        moved = self._resize(rows, columns, in_use)
         self._realign(in_use, width, longest)
         return moved
 
@@ -78,15 +92,19 @@ class SlotKV:
         for buffer in self.keys + self.values:
             buffer[target, :, span] = buffer[source, :, span]
 
-    def _reserve(self, columns: int) -> bool:
-        if columns <= self.columns:
+    def _resize(self, rows: int, columns: int, in_use: int) -> bool:
+        if (rows, columns) == (self.rows, self.columns):
             return False
-        if columns > self.max_columns:
-            raise ValueError(f"{columns} KV columns exceed the context limit {self.max_columns}")
-        grown = power_of_two_at_least(columns, self.max_columns)
-        self.keys = [self._grown(buffer, grown) for buffer in self.keys]
-        self.values = [self._grown(buffer, grown) for buffer in self.values]
-        self.columns = grown
+        kept_rows, kept_columns = min(in_use, rows), min(columns, self.columns)
+
+        def resized(buffer: torch.Tensor) -> torch.Tensor:
+            new = self._empty(buffer, rows, columns)
+            new[:kept_rows, :, :kept_columns] = buffer[:kept_rows, :, :kept_columns]
+            return new
+
+        self.keys = [resized(buffer) for buffer in self.keys]
+        self.values = [resized(buffer) for buffer in self.values]
+        self.rows, self.columns = rows, columns
         return True
 
     def _realign(self, in_use: int, width: int, keep: int) -> None:
@@ -98,14 +116,18 @@ class SlotKV:
                 buffer[:in_use, :, target] = buffer[:in_use, :, source].clone()
         self.width = width
 
-    def _empty(self, like: torch.Tensor, columns: int) -> torch.Tensor:
-        shape = (self.rows, like.shape[1], columns, like.shape[3])
+    def _empty(self, like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+        shape = (rows, like.shape[1], columns, like.shape[3])
         return torch.zeros(shape, dtype=like.dtype, device=self.device)
 
-    def _grown(self, buffer: torch.Tensor, columns: int) -> torch.Tensor:
-        grown = self._empty(buffer, columns)
-        grown[:, :, : buffer.shape[2]] = buffer
-        return grown
+
+def _sized(needed: int, size: int, limit: int, least: int) -> int:
+    """A dimension's next size: ``size`` while it fits ``needed`` with no more than
+    ``SHRINK_AT`` times to spare; else a power of two in [``least``, ``limit``]."""
+    if needed <= size < SHRINK_AT * needed or (size <= min(least, limit) and needed <= size):
+        return size
+    target = needed if needed > size else 2 * needed
+    return max(min(least, limit), power_of_two_at_least(target, limit))
 
 
 class SlotCache(Cache):
