@@ -1,9 +1,9 @@
 """The embedded engine: any HF causal LM, continuous batching over a KV cache, in PyTorch.
 
 Requests join and leave the running batch between decode steps. Joining requests are
-prefilled together straight into free rows of a preallocated KV cache
-(:mod:`qwengyre.engines.kv_slots`); a finished or aborted row is freed by moving the last
-running row into it. On CUDA each decode step replays a captured graph
+prefilled together straight into free rows of the slot KV cache
+(:mod:`qwengyre.engines.kv_slots`: written in place, sized to what is running); a
+finished or aborted row is freed by moving the last running row into it. On CUDA each decode step replays a captured graph
 (:mod:`qwengyre.engines.decode_graphs`; ``cuda_graphs=False`` runs it eagerly). Compute
 runs in a worker thread so the event loop (the proxy) stays responsive; only that thread
 touches the model.
@@ -256,11 +256,11 @@ class EmbeddedEngine:
                     if self._active:
                         self._decode_step()
                 except Exception as exc:  # a bug or OOM: fail the batch, keep serving
-                    for sequence in self._active:
-                        sequence.settle(exc)
-                    self._active = []
+                    failed, self._active = self._active, []  # free before they hear of it
                     if self._graphs is not None:
                         self._graphs.clear()
+                    for sequence in failed:
+                        sequence.settle(exc)
                 if self._active or self._pending:
                     self._wake.set()
 

@@ -1,4 +1,4 @@
-"""The embedded engine's KV cache: one preallocated row per running request, written in place.
+"""The embedded engine's KV cache: one row per running request, written in place.
 
 Each attention layer's keys and values live in one buffer ``[rows, kv_heads, columns,
 head_dim]``. Running request ``i`` owns row ``i`` (rows ``0..n-1`` are in use) and its
