@@ -4,18 +4,21 @@ At each concurrency, ``c`` requests of mixed prompt and output lengths are gener
 (sampling, T=1) by (a) the embedded engine with all ``c`` submitted at once
 (continuous batching) and (b) HF ``generate`` on one left-padded batch of the same
 prompts, which runs until its longest request is done. Both count only the tokens
-each request asked for; the ratio is measured in this run. On CUDA the engine replays
-captured decode graphs; ``--also-eager`` adds a column for the same engine without them.
+each request asked for. Each is run ``--repeat`` times, interleaved; the table shows
+median rates and the median of the paired engine/HF ratios, all measured in this run.
+On CUDA the engine replays captured decode graphs; ``--also-eager`` adds a column for
+the same engine without them.
 
     python benchmarks/bench_engine.py                       # CPU, the tiny demo model
     python benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
-        --prompt 512 --new 256 --concurrency 1 8 32 128 --also-eager
+        --prompt 512 --new 256 --concurrency 1 8 32 128 --also-eager --repeat 2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -112,6 +115,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--also-eager", action="store_true", help="the engine without CUDA graphs")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per cell; medians shown")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
@@ -139,17 +143,20 @@ def main() -> None:
             f" outputs ~{args.new} (mixed lengths)"
         )
         names = "".join(f"{name + ' tok/s':>14}" for name in engines)
-        print(f"concurrency{names}   HF generate tok/s   ratio")
+        print(f"concurrency{names}   HF generate tok/s   ratio (median of {args.repeat})")
         for c in args.concurrency:
             requests = workload(c, args.prompt, args.new, vocab)
-            rates = []
-            for engine in engines.values():
-                tokens, wall = run_engine(engine, requests)
-                rates.append(tokens / wall)
-            h_tokens, h_wall = run_hf(model, requests, device)
-            h_rate = h_tokens / h_wall
-            columns = "".join(f"{rate:14.0f}" for rate in rates)
-            print(f"{c:11d}{columns} {h_rate:19.0f} {rates[0] / h_rate:7.2f}x", flush=True)
+            rates: list[list[float]] = [[] for _ in range(len(engines) + 1)]  # engines, HF
+            for _ in range(args.repeat):  # interleaved, so drifts of a shared machine cancel
+                for engine, measured in zip(engines.values(), rates, strict=False):
+                    tokens, wall = run_engine(engine, requests)
+                    measured.append(tokens / wall)
+                tokens, wall = run_hf(model, requests, device)
+                rates[-1].append(tokens / wall)
+            ratio = statistics.median(e / h for e, h in zip(rates[0], rates[-1], strict=True))
+            columns = "".join(f"{statistics.median(r):14.0f}" for r in rates[:-1])
+            hf = statistics.median(rates[-1])
+            print(f"{c:11d}{columns} {hf:19.0f} {ratio:7.2f}x", flush=True)
         for engine in engines.values():
             engine.close()
 
