@@ -3,10 +3,10 @@
 Requests join and leave the running batch between decode steps. Joining requests are
 prefilled together straight into free rows of the slot KV cache
 (:mod:`qwengyre.engines.kv_slots`: written in place, sized to what is running); a
-finished or aborted row is freed by moving the last running row into it. On CUDA each decode step replays a captured graph
-(:mod:`qwengyre.engines.decode_graphs`; ``cuda_graphs=False`` runs it eagerly). Compute
-runs in a worker thread so the event loop (the proxy) stays responsive; only that thread
-touches the model.
+finished or aborted row is freed by moving the last running row into it. On CUDA each
+decode step replays a captured graph (:mod:`qwengyre.engines.decode_graphs`;
+``cuda_graphs=False`` runs it eagerly). Compute runs in a worker thread so the event
+loop (the proxy) stays responsive; only that thread touches the model.
 
 Behaviour log-probs (what the trainer must reproduce): for a sampled token ``y`` with
 logits ``z`` at its position, ``log softmax(z / T)[y]`` in fp32 — the *tempered* full
