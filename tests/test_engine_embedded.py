@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from qwengyre.engines import embedded
 from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsInMemory, WeightsOnDisk
-from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
+from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs, prefill_batches
 from qwengyre.engines.kv_slots import MIN_COLUMNS
 from qwengyre.types import SamplingParams
 
@@ -152,17 +153,50 @@ def test_a_sliding_window_model_keeps_exact_logprobs(tiny_model_dir: Path, tmp_p
     (model_dir / "config.json").write_text(json.dumps(config))
     engine = EmbeddedEngine(model_dir, capacity=4, max_context=256)
     reqs = [request(i, 5 + 9 * i, 20, ignore_eos=True) for i in range(5)]
+    lone = request(9, 40, 10, ignore_eos=True)  # HF masks its prefill, the engine its steps
 
     async def run():  # type: ignore[no-untyped-def]
-        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+        return [
+            *await asyncio.gather(*(engine.generate(r) for r in reqs)),
+            await engine.generate(lone),
+        ]
 
     try:
         assert engine.model.model.has_sliding_layers
-        for req, result in zip(reqs, asyncio.run(run()), strict=True):
+        for req, result in zip([*reqs, lone], asyncio.run(run()), strict=True):
             ref = recomputed(engine, req, result.output_ids)
             assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
     finally:
         engine.close()
+
+
+def test_prompts_are_prefilled_apart_when_their_padded_mask_would_be_large(
+    engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch
+):
+    assert prefill_batches([5, 5, 5]) == [slice(0, 3)]
+    assert prefill_batches([100] * 50 + [90]) == [slice(0, 51)]  # 51 x 100 x 100: small
+    assert prefill_batches([3, 4000, 3]) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert prefill_batches([3, 4000, 4000]) == [slice(0, 1), slice(1, 3)]
+    monkeypatch.setattr(embedded, "PREFILL_MASK_ELEMENTS", 1000)  # 2 x 30 x 30 is over
+    masks: list[tuple[int, ...]] = []
+
+    def recorded(lengths: torch.Tensor, prompt: int) -> torch.Tensor:
+        masks.append(tuple(lengths.tolist()))
+        return prefill_mask(lengths, prompt)
+
+    prefill_mask = embedded.prefill_mask
+    monkeypatch.setattr(embedded, "prefill_mask", recorded)
+    reqs = [request(0, 30, 6), request(1, 4, 6), request(2, 7, 6), request(3, 30, 6)]
+
+    async def run():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+
+    for req, result in zip(reqs, asyncio.run(run()), strict=True):
+        ref = recomputed(engine, req, result.output_ids)
+        assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
+    # However the worker admits them, no padded mask holds a 30-token prompt (2 x 30 x 30
+    # is over); 4 and 7 may share one.
+    assert set(masks) <= {(4, 7)}
 
 
 def test_batched_greedy_decoding_equals_decoding_alone(engine: EmbeddedEngine):

@@ -27,6 +27,7 @@ import gc
 import inspect
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -291,7 +292,8 @@ class EmbeddedEngine:
             update.done.set()
 
     def _admit(self) -> None:
-        """Prefill the joining requests in one left-padded batch, into the next free rows."""
+        """Prefill the joining requests into the next free rows (batched by
+        :func:`prefill_batches`) and sample their first tokens."""
         with self._lock:
             room = self.capacity - len(self._active)
             joining, self._pending = self._pending[:room], self._pending[room:]
@@ -303,23 +305,18 @@ class EmbeddedEngine:
         joining = [s for s in joining if not s.aborted]
         if not joining:
             return
-        width = max(len(s.request.input_ids) for s in joining)
-        ids = torch.zeros(len(joining), width, dtype=torch.long)
-        lengths = torch.tensor([len(s.request.input_ids) for s in joining])
-        for row, sequence in enumerate(joining):
-            prompt = sequence.request.input_ids
-            ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
-            sequence.length = len(prompt)
-        positions = (torch.arange(width) - (width - lengths).unsqueeze(1)).clamp(min=0)
-        kv = self._slots()
-        self._fit(least_width=width, joining=len(joining))
+        lengths = [len(s.request.input_ids) for s in joining]
+        self._fit(least_width=max(lengths), joining=len(joining))
+        for sequence, length in zip(joining, lengths, strict=True):
+            sequence.length = length
         first = len(self._active)
         self._active.extend(joining)  # from here a failure fails them with the batch
-        cache = SlotCache.prefill(kv, self._layers, slice(first, first + len(joining)), width)
-        lengths = lengths.to(self.device)
-        mask = prefill_mask(lengths, width)
-        query_at = torch.arange(width, device=self.device).unsqueeze(1)
-        logits = self._forward(ids, positions, mask, cache, query_at)
+        logits = torch.cat(
+            [
+                self._prefill([s.request.input_ids for s in joining[batch]], first + batch.start)
+                for batch in prefill_batches(lengths)
+            ]
+        )
         tokens, logprobs = self._sample(logits, [s.request.sampling for s in joining])
         done = []
         for row, sequence in enumerate(joining):
@@ -330,6 +327,27 @@ class EmbeddedEngine:
             self._remove([row for row, _, _ in done])
             for _, sequence, result in done:
                 sequence.settle(result)
+
+    def _prefill(self, prompts: list[Sequence[int]], first_row: int) -> torch.Tensor:
+        """Prefill ``prompts``, left-padded, into rows from ``first_row``, ending at the
+        write column; their last logits. Prompts of one length need no mask: HF then
+        lets SDPA's causal kernel run without a ``prompt x prompt`` mask."""
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+        lengths = torch.tensor([len(prompt) for prompt in prompts], device=self.device)
+        positions = (
+            torch.arange(width, device=self.device) - (width - lengths).unsqueeze(1)
+        ).clamp(min=0)
+        rows = slice(first_row, first_row + len(prompts))
+        cache = SlotCache.prefill(self._slots(), self._layers, rows, width)
+        if all(len(prompt) == width for prompt in prompts):
+            return self._forward(ids, positions, None, cache)
+        mask = prefill_mask(lengths, width)
+        return self._forward(
+            ids, positions, mask, cache, torch.arange(width, device=self.device).unsqueeze(1)
+        )
 
     def _decode_step(self) -> None:
         aborted = [i for i, s in enumerate(self._active) if s.aborted]
@@ -392,13 +410,15 @@ class EmbeddedEngine:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: SlotCache,
-        query_at: torch.Tensor,
+        query_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The model's last-position logits ``[rows, vocab]`` under a prepared mask."""
-        masks: torch.Tensor | dict[str, torch.Tensor] = mask
-        if self._sliding_window is not None:
+        """The model's last-position logits ``[rows, vocab]`` under a prepared mask (its
+        queries at columns ``query_at``, for sliding windows), or HF's causal one."""
+        masks: torch.Tensor | dict[str, torch.Tensor] | None = mask
+        if mask is not None and self._sliding_window is not None:
+            assert query_at is not None
             masks = {
                 "full_attention": mask,
                 "sliding_attention": sliding(mask, self._sliding_window, query_at),
@@ -498,6 +518,27 @@ class EmbeddedEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+PREFILL_MASK_ELEMENTS = 1 << 24
+"""Prompts of different lengths are prefilled together while their padded mask
+(``rows x width x width``) stays under this; else apart."""
+
+
+def prefill_batches(lengths: Sequence[int]) -> list[slice]:
+    """Consecutive batches of joining prompts (by their ``lengths``) to prefill together:
+    padded ones while the mask stays under ``PREFILL_MASK_ELEMENTS``, or any number of
+    one length (they need no mask)."""
+    batches: list[slice] = []
+    start = 0
+    for end in range(1, len(lengths) + 1):
+        batch = lengths[start:end]
+        padded = min(batch) != max(batch)
+        if end - start > 1 and padded and len(batch) * max(batch) ** 2 > PREFILL_MASK_ELEMENTS:
+            batches.append(slice(start, end - 1))
+            start = end - 1
+    batches.append(slice(start, len(lengths)))
+    return batches
 
 
 def _sliding_window(config: Any) -> int | None:

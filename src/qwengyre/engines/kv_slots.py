@@ -161,6 +161,10 @@ class SlotCache(Cache):
         cache._rows, cache._write, cache._columns = slice(0, rows), write, columns
         return cache
 
+    @property
+    def prefilling(self) -> bool:
+        return self._prompt is not None
+
     def write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +181,7 @@ class SlotCache(Cache):
 
 
 class _SlotLayer(CacheLayerMixin):
-    """One layer of a :class:`SlotCache` (the mask is prepared by the engine, not HF)."""
+    """One layer of a :class:`SlotCache`; its sizes are what HF's mask building asks."""
 
     is_sliding = False
 
@@ -194,11 +198,15 @@ class _SlotLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.write(self.index, key_states, value_states)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.kv.width + query_length, 0
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        # transformers < 5.x passes the query's cache positions instead of its length
+        length = query_length if isinstance(query_length, int) else query_length.shape[0]
+        return self.get_seq_length() + length, 0
 
     def get_seq_length(self) -> int:
-        return self.cache.kv.width
+        """Tokens before the forward's queries: none for a prefill (HF then builds its
+        causal mask over the prompt alone), the write column for a decode step."""
+        return 0 if self.cache.prefilling else self.cache.kv.width
 
     def get_max_length(self) -> int:
         return self.cache.kv.columns
