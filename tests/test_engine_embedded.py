@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwengyre.engines import embedded
 from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsInMemory, WeightsOnDisk
+from qwengyre.engines.decode_graphs import GraphCaptureFailed
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs, prefill_batches
 from qwengyre.engines.kv_slots import MIN_COLUMNS
 from qwengyre.types import SamplingParams
@@ -141,6 +142,28 @@ def test_rows_joining_leaving_and_outgrowing_the_cache_keep_exact_logprobs(
         assert rows <= {1, 2, 4} and {2, 4} <= rows
         assert set(columns) <= {1, 2, 4, 8, 16, 32, 64, 128, 256, 512}
         assert 512 in columns and min(columns[columns.index(512) :]) < 512
+
+
+def test_a_failed_graph_capture_turns_graphs_off_and_decodes_eagerly(
+    engine: EmbeddedEngine, caplog: pytest.LogCaptureFixture
+):
+    class Uncapturable(CheckedSteps):
+        def __call__(self, rows: int, columns: int) -> torch.Tensor:
+            raise GraphCaptureFailed(f"capturing the decode step ({rows} rows) failed: test")
+
+    engine._graphs = Uncapturable(engine._decode_forward)  # type: ignore[assignment]
+    reqs = [request(i, 4 + 5 * i, 10) for i in range(3)]
+
+    async def run():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+
+    with caplog.at_level("WARNING", logger="qwengyre.engines.embedded"):
+        results = asyncio.run(run())
+    for req, result in zip(reqs, results, strict=True):
+        ref = recomputed(engine, req, result.output_ids)
+        assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
+    assert engine._graphs is None
+    assert "failed: test; decoding eagerly from now on" in caplog.text
 
 
 def test_a_sliding_window_model_keeps_exact_logprobs(tiny_model_dir: Path, tmp_path: Path):

@@ -7,6 +7,8 @@ shapes depend only on (rows, columns) (see :mod:`qwengyre.engines.kv_slots`), so
 graph per bucket of each (powers of two) serves every step; its inputs are read from
 fixed device tensors the engine fills before each replay. Graphs are captured at the
 first step that needs them and share one memory pool (they never run concurrently).
+A capture that fails raises :class:`GraphCaptureFailed`; the engine then warns and
+decodes eagerly, which is slower but computes the same.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+
+class GraphCaptureFailed(RuntimeError):
+    """The decode step could not be captured (the engine then decodes eagerly)."""
+
 
 DecodeForward = Callable[[int, int], torch.Tensor]
 """``forward(rows, columns) -> logits [rows, vocab]``, reading only fixed input tensors."""
@@ -58,9 +65,9 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 captured = self._forward(rows, columns)
         except RuntimeError as exc:
-            raise RuntimeError(
+            raise GraphCaptureFailed(
                 f"capturing the decode step ({rows} rows, {columns} KV columns) as a CUDA"
-                f" graph failed: {exc}; EmbeddedEngine(cuda_graphs=False) runs it eagerly"
+                f" graph failed: {exc}"
             ) from exc
         captured.copy_(logits)  # this step's result, for the caller; replays overwrite it
         return graph, captured

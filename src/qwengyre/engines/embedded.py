@@ -5,8 +5,9 @@ prefilled together straight into free rows of the slot KV cache
 (:mod:`qwengyre.engines.kv_slots`: written in place, sized to what is running); a
 finished or aborted row is freed by moving the last running row into it. On CUDA each
 decode step replays a captured graph (:mod:`qwengyre.engines.decode_graphs`;
-``cuda_graphs=False`` runs it eagerly). Compute runs in a worker thread so the event
-loop (the proxy) stays responsive; only that thread touches the model.
+``cuda_graphs=False``, or a failed capture, runs it eagerly). Compute runs in a worker
+thread so the event loop (the proxy) stays responsive; only that thread touches the
+model.
 
 Behaviour log-probs (what the trainer must reproduce): for a sampled token ``y`` with
 logits ``z`` at its position, ``log softmax(z / T)[y]`` in fp32 — the *tempered* full
@@ -26,6 +27,7 @@ import asyncio
 import gc
 import inspect
 import itertools
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,7 +45,7 @@ from qwengyre.engines.base import (
     WeightsOnDisk,
     WeightSource,
 )
-from qwengyre.engines.decode_graphs import DecodeGraphs
+from qwengyre.engines.decode_graphs import DecodeGraphs, GraphCaptureFailed
 from qwengyre.engines.kv_slots import (
     SlotCache,
     SlotKV,
@@ -54,6 +56,8 @@ from qwengyre.engines.kv_slots import (
 )
 from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def behaviour_logprobs(
@@ -361,11 +365,6 @@ class EmbeddedEngine:
         kv = self._slots()
         self._fit()
         n = len(self._active)
-        if self._graphs is None:
-            rows, columns = n, kv.width + 1
-        else:
-            rows = power_of_two_at_least(n, self.capacity)
-            columns = power_of_two_at_least(kv.width + 1, kv.columns)
         padding = [0] * (self.capacity - n)
         self._step_inputs.copy_(
             torch.tensor(
@@ -376,8 +375,7 @@ class EmbeddedEngine:
                 + [kv.width]
             )
         )
-        step = self._decode_forward if self._graphs is None else self._graphs
-        logits = step(rows, columns)[:n]
+        logits = self._decode(n)
         kv.width += 1
         finished: list[tuple[int, GenerateResult]] = []
         tokens, logprobs = self._sample(logits, [s.request.sampling for s in self._active])
@@ -391,6 +389,20 @@ class EmbeddedEngine:
             self._remove([row for row, _ in finished])
             for sequence, result in done:
                 sequence.settle(result)
+
+    def _decode(self, n: int) -> torch.Tensor:
+        """The logits of a decode step of the first ``n`` rows, through a CUDA graph of
+        its bucket where graphs are on; a failed capture turns them off, with a warning."""
+        kv = self._slots()
+        if self._graphs is not None:
+            rows = power_of_two_at_least(n, self.capacity)
+            columns = power_of_two_at_least(kv.width + 1, kv.columns)
+            try:
+                return self._graphs(rows, columns)[:n]
+            except GraphCaptureFailed as exc:
+                log.warning("%s: %s; decoding eagerly from now on", self.name, exc)
+                self._graphs = None
+        return self._decode_forward(n, kv.width + 1)
 
     def _decode_forward(self, rows: int, columns: int) -> torch.Tensor:
         """One decode step of the first ``rows`` rows over ``columns`` KV columns.
