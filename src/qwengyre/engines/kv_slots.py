@@ -199,7 +199,7 @@ class _SlotLayer(CacheLayerMixin):
         return self.cache.write(self.index, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        # transformers < 5.x passes the query's cache positions instead of its length
+        # earlier transformers 5.x releases pass the cache positions of the queries
         length = query_length if isinstance(query_length, int) else query_length.shape[0]
         return self.get_seq_length() + length, 0
 
@@ -211,7 +211,7 @@ class _SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.cache.kv.columns
 
-    get_max_cache_shape = get_max_length  # its name before transformers 5.x renamed it
+    get_max_cache_shape = get_max_length  # the name in transformers 5.0
 
 
 def decode_mask(lengths: torch.Tensor, width: torch.Tensor, columns: int) -> torch.Tensor:
