@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 
@@ -110,7 +111,11 @@ def test_simulate_compare_writes_json_and_plots(tmp_path: Path):
     assert "elastic" in out.stdout and "colocate" in out.stdout
 
 
-def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path):
+@pytest.mark.parametrize(
+    "engine",
+    [["scripted", "--script"], ["embedded", "--dtype", "bfloat16", "--max-context", "512"]],
+)
+def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path, engine):
     import socket
     import time
 
@@ -119,6 +124,8 @@ def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path)
 
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"default": ["Hello from the script."]}))
+    if engine[0] == "scripted":
+        engine = [*engine, str(script)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -133,9 +140,7 @@ def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path)
             "--model",
             str(tiny_model_dir),
             "--engine",
-            "scripted",
-            "--script",
-            str(script),
+            *engine,
             "--store",
             str(tmp_path / "store"),
             "--port",
@@ -165,7 +170,18 @@ def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path)
         reply = client.messages.create(
             model="tiny", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
         )
-        assert reply.content[0].text == "Hello from the script."
+        if engine[0] == "scripted":
+            assert reply.content[0].text == "Hello from the script."
+        else:  # the tiny model samples: it answered, and the call is recorded with log-probs
+            assert 1 <= reply.usage.output_tokens <= 30
+            tree = httpx2.get(
+                f"{url}/admin/executions/{created['id']}/tree",
+                headers={"authorization": f"Bearer {admin}"},
+            ).json()
+            (node,) = tree["nodes"]
+            assert node["engine"] == "embedded" and node["versions"] == [0] * len(node["logprobs"])
+            assert len(node["output_ids"]) == len(node["logprobs"]) == reply.usage.output_tokens
+            assert all(-30 < logprob < 0 for logprob in node["logprobs"])
     finally:
         proc.terminate()
         proc.wait(10)

@@ -17,6 +17,7 @@ from qwengyre import __version__
 from qwengyre.config import Config, ConfigError, config_to_yaml, load_config, retarget
 
 USER_ERRORS = (ConfigError, ValueError, OSError)
+DTYPES = ["float32", "bfloat16", "float16"]  # the embedded engine's weights and KV cache
 """Exceptions that describe bad input rather than a bug in qwengyre."""
 
 
@@ -95,6 +96,7 @@ def cmd_proxy_serve(args: argparse.Namespace) -> int:
             engine=args.engine,
             script=Path(args.script) if args.script else None,
             device=args.device,
+            dtype=args.dtype,
             host=args.host,
             port=args.port,
             admin_token=args.admin_token,
@@ -243,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", choices=["scripted", "embedded"], default="scripted")
     serve.add_argument("--script", help="JSON replies by request class (scripted engine)")
     serve.add_argument("--device", default="cpu", help="embedded engine device, e.g. cuda")
+    serve.add_argument("--dtype", default="float32", choices=DTYPES, help="embedded engine")
     serve.add_argument("--store", required=True, help="directory for the durable store")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
@@ -280,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     eserve.add_argument("--host", default="127.0.0.1")
     eserve.add_argument("--port", type=int, default=30000)
     eserve.add_argument("--device", default="cpu")
-    eserve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    eserve.add_argument("--dtype", default="float32", choices=DTYPES)
     eserve.add_argument("--capacity", type=int, default=32, help="concurrent requests")
     eserve.add_argument("--api-key", help="bearer token (default: generated, printed)")
     eserve.set_defaults(func=cmd_engine_serve)

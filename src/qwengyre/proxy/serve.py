@@ -24,6 +24,7 @@ class ServeOptions:
     engine: str = "scripted"  # or "embedded"
     script: Path | None = None  # the scripted engine's replies
     device: str = "cpu"  # the embedded engine's device
+    dtype: str = "float32"  # and its torch dtype
     host: str = "127.0.0.1"
     port: int = 8080
     admin_token: str | None = None
@@ -36,9 +37,16 @@ def build_engine(options: ServeOptions, tokenizer: Any) -> InferenceEngine:
             raise ValueError("--engine scripted needs --script FILE (class -> replies)")
         return ScriptedEngine.from_file(tokenizer, options.script)
     if options.engine == "embedded":
+        import torch
+
         from qwengyre.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(options.model, device=options.device)
+        return EmbeddedEngine(
+            options.model,
+            device=options.device,
+            dtype=getattr(torch, options.dtype),
+            max_context=options.max_context,
+        )
     raise ValueError(f"unknown engine {options.engine!r}; allowed: scripted, embedded")
 
 
