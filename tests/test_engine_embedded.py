@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,31 @@ def test_release_and_resume(engine: EmbeddedEngine):
         return await engine.generate(request(0, 4, 3))
 
     assert len(asyncio.run(run()).output_ids) == 3
+
+
+def test_release_is_refused_while_a_request_is_being_admitted(
+    engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch
+):
+    admitting, go_on = threading.Event(), threading.Event()
+    fit = engine._fit
+
+    def slow_fit(*args: Any, **kwargs: Any) -> None:
+        admitting.set()
+        go_on.wait(30)
+        fit(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_fit", slow_fit)
+
+    async def run():  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(engine.generate(request(0, 4, 3)))
+        await asyncio.to_thread(admitting.wait, 30)  # the worker holds it, not yet in the batch
+        with pytest.raises(RuntimeError, match="drain in-flight requests first"):
+            await engine.release_memory()
+        go_on.set()
+        return await task
+
+    assert len(asyncio.run(run()).output_ids) == 3
+    assert asyncio.run(engine.health())
 
 
 def test_stop_token_ids_end_a_request(engine: EmbeddedEngine):

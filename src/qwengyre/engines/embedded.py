@@ -299,14 +299,12 @@ class EmbeddedEngine:
         """Prefill the joining requests into the next free rows (batched by
         :func:`prefill_batches`) and sample their first tokens."""
         with self._lock:
-            room = self.capacity - len(self._active)
-            joining, self._pending = self._pending[:room], self._pending[room:]
             for sequence in [s for s in self._pending if s.aborted]:
                 self._pending.remove(sequence)
                 sequence.settle(EngineAborted(sequence.request.request_id))
-        for sequence in [s for s in joining if s.aborted]:
-            sequence.settle(EngineAborted(sequence.request.request_id))
-        joining = [s for s in joining if not s.aborted]
+            # Only this thread removes from the queue: the joining stay counted as pending
+            # (so the engine is never seen idle) until they are in the batch.
+            joining = self._pending[: self.capacity - len(self._active)]
         if not joining:
             return
         lengths = [len(s.request.input_ids) for s in joining]
@@ -314,7 +312,9 @@ class EmbeddedEngine:
         for sequence, length in zip(joining, lengths, strict=True):
             sequence.length = length
         first = len(self._active)
-        self._active.extend(joining)  # from here a failure fails them with the batch
+        with self._lock:  # from here a failure fails them with the batch
+            del self._pending[: len(joining)]
+            self._active.extend(joining)
         logits = torch.cat(
             [
                 self._prefill([s.request.input_ids for s in joining[batch]], first + batch.start)
