@@ -137,11 +137,15 @@ def test_ray_placement_runs_the_same_job(tiny_model_dir: Path, tmp_path: Path) -
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
 
 
-def start_train(tmp_path: Path, model_dir: Path, steps: int) -> subprocess.Popen[bytes]:
+def start_train(
+    tmp_path: Path, model_dir: Path, steps: int, *extra: str
+) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "qwengyre", "train", "--quiet"]
     command += ["--run-dir", str(tmp_path / "run"), *overrides(tmp_path, model_dir)]
-    command.append(f"run.steps={steps}")
-    return subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
+    command += [f"run.steps={steps}", *extra]
+    return subprocess.Popen(
+        command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 def wait_for_checkpoint(process: subprocess.Popen[bytes], run_dir: Path, version: int) -> None:
@@ -227,3 +231,26 @@ def test_a_dead_cell_stops_the_run_naming_it_and_the_run_resumes(
     assert f"cell-2 (pid {cells[-1]}) died" in stderr.decode()
     assert not any(running(pid) for pid in cells[:-1])  # the other cells stopped too
     resume_and_check(tmp_path / "run", steps=4)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
+def test_a_run_that_loses_a_cell_resumes_itself_with_restarts_left(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    process = start_train(tmp_path, tiny_model_dir, 4, "run.restarts=1")
+    wait_for_checkpoint(process, run_dir, version=1)
+    finished_before = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
+    os.kill(cells[-1], signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    restart = f"cell-2 (pid {cells[-1]}) died (exit code -9); restart 1 of 1: resuming the run"
+    assert restart in stdout.decode()
+    state = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
+    assert state["version"] == 4
+    trained = state["trained_groups"]
+    assert len(set(trained)) == len(trained) and finished_before <= set(trained)
+    counts = Counter(g.group_id for g in read_metrics(run_dir).groups)
+    assert set(counts) == set(trained) and set(counts.values()) == {1}
+    assert len(read_metrics(run_dir).runs) == 2  # the run and its restart

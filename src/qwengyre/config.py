@@ -219,6 +219,12 @@ class RunConfig(_Section):
     )
     warm_start_max_s: float = Field(300.0, gt=0.0, description="warm start time limit")
     load_sample_s: float = Field(1.0, gt=0.0, description="seconds between load samples")
+    restarts: int = Field(
+        0,
+        ge=0,
+        description="times a run that lost a cell resumes itself from its newest checkpoint "
+        "(as --resume does) before it gives up",
+    )
 
     @model_validator(mode="after")
     def _budgets(self) -> RunConfig:

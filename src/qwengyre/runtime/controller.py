@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qwengyre.cluster.local import ActorDied
 from qwengyre.cluster.placement import CellHandle
 from qwengyre.config import Config
 from qwengyre.proxy.server import ProxyServer
@@ -218,7 +219,7 @@ class Controller:
         while not self.finished:
             event = await self.events.get()
             if self.failure is not None:
-                raise self.failure
+                raise await self._root_cause(self.failure)
             if isinstance(event, PullGroups):
                 self._pull_queued = False
                 if event.step != self.scheduler.version:
@@ -489,6 +490,16 @@ class Controller:
             for cell in self.cells:
                 await cell.check_alive()
             await asyncio.sleep(CELL_WATCH_S)
+
+    async def _root_cause(self, failure: BaseException) -> BaseException:
+        """A dead cell, if any: it explains the failure of the calls to it and of its
+        peers' collectives, whichever was seen first."""
+        for cell in self.cells:
+            try:
+                await cell.check_alive()
+            except ActorDied as died:
+                return died
+        return failure
 
     async def shutdown(self) -> None:
         """Stop every execution (their harnesses are killed) and every background task."""

@@ -15,7 +15,8 @@ Everything lives under the run directory::
 Resume (``--resume RUN_DIR``): the newest checkpoint gives the weights, the optimizer,
 the version and the groups it trained; the ledger's other groups are ready again; the
 harnesses the killed run left behind are stopped. Executions that were running are
-lost and their slots refill: no finished group is lost and none is trained twice.
+lost and their slots refill: no finished group is lost and none is trained twice. A
+run that loses a cell resumes itself so, up to ``run.restarts`` times.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import secrets
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aiohttp import web
 
 from qwengyre.cluster.cell import CellSpec
+from qwengyre.cluster.local import ActorDied
 from qwengyre.cluster.placement import CellHandle, start_cells, stop_cells
 from qwengyre.config import Config, config_to_yaml, load_config
 from qwengyre.engines.sglang import SGLangEngine
@@ -236,7 +238,26 @@ async def _start_cells(
 
 
 async def train(options: TrainOptions) -> Controller:
-    """Run (or resume) a training run to ``run.steps`` updates; returns its controller."""
+    """Run (or resume) a training run to ``run.steps`` updates; returns its controller.
+
+    A cell that dies stops the run (``ActorDied``, naming it). With ``run.restarts``
+    left, the run then resumes itself from its newest checkpoint, as ``--resume`` does:
+    the groups that finished are kept, the executions that were running are lost.
+    """
+    restarts = 0
+    while True:
+        try:
+            return await _train_once(options)
+        except ActorDied as died:
+            allowed = load_config(options.run_dir / CONFIG_FILE).run.restarts
+            if restarts >= allowed:
+                raise
+            restarts += 1
+            options.log(f"{died}; restart {restarts} of {allowed}: resuming the run")
+            options = replace(options, resume=True, config=None)
+
+
+async def _train_once(options: TrainOptions) -> Controller:
     config = prepare_run_dir(options)
     run_dir, log = options.run_dir, options.log
     if options.resume:
