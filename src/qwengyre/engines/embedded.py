@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
-import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -153,7 +152,6 @@ class EmbeddedEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._released = False
-        self._ids = itertools.count()
         self._worker = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._stopping = False
         self._worker.start()
