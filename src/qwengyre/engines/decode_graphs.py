@@ -62,7 +62,9 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: the engine's worker captures while the process's other threads
+            # (a cell's server, a weights read) may use CUDA; those calls are not captured.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 captured = self._forward(rows, columns)
         except RuntimeError as exc:
             raise GraphCaptureFailed(
