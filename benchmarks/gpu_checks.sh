@@ -13,8 +13,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_engine_embedded.py -k cuda 2>&1 | tee "$out/cuda-tests.log"
 timeout 480 python3 benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
     --prompt 512 --new 256 --concurrency 1 8 32 128 --also-eager --repeat 2 2>&1 | tee "$out/bench-engine.log"
-# Issue 7's trainer benchmark needs pydantic, which the H200 image lacks: carry its wheels
-# (pydantic, pydantic-core, annotated-types, typing-inspection; /work/.library/device/README.md).
+# Issue 7's trainer benchmark needs pydantic; a bare GPU image may lack it: install its wheels
+# there (pydantic, pydantic-core, annotated-types, typing-inspection for its Python).
 if python3 -c "import pydantic" 2>/dev/null; then
     timeout 300 python3 benchmarks/bench_trainer.py --qwen3-0.6b --device cuda --dtype bfloat16 \
         --tokens 131072 --micro-step-tokens 16384 --long-row 32768 2>&1 | tee "$out/bench-trainer.log"
