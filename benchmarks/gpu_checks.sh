@@ -2,7 +2,9 @@
 # The checks that need a CUDA GPU, in one run (a lent device's `run`, or any GPU machine):
 # the engine's CUDA tests (CUDA-graph decode steps keep exact log-probs), then issue 5's
 # benchmark, the engine against HF generate on a Qwen3-0.6B-shaped model in bf16.
-# Uses the machine's own python3 with torch and transformers; logs go to $OUT.
+# Uses the machine's own python3 with torch and transformers; logs go to $OUT. The parts
+# are time-boxed (120 + 300 + 150 s) to fit one 10-minute call; the tables print as
+# they go, so a part cut short still reports what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -10,13 +12,13 @@ out="${OUT:-/tmp/gpu-checks}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_engine_embedded.py -k cuda 2>&1 | tee "$out/cuda-tests.log"
-timeout 480 python3 benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_embedded.py -k cuda 2>&1 | tee "$out/cuda-tests.log"
+timeout 300 python3 benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
     --prompt 512 --new 256 --concurrency 1 8 32 128 --also-eager --repeat 2 2>&1 | tee "$out/bench-engine.log"
 # Issue 7's trainer benchmark needs pydantic; a bare GPU image may lack it: install its wheels
 # there (pydantic, pydantic-core, annotated-types, typing-inspection for its Python).
 if python3 -c "import pydantic" 2>/dev/null; then
-    timeout 300 python3 benchmarks/bench_trainer.py --qwen3-0.6b --device cuda --dtype bfloat16 \
+    timeout 150 python3 benchmarks/bench_trainer.py --qwen3-0.6b --device cuda --dtype bfloat16 \
         --tokens 131072 --micro-step-tokens 16384 --long-row 32768 2>&1 | tee "$out/bench-trainer.log"
 else
     echo "bench_trainer skipped: pydantic is not installed here" | tee "$out/bench-trainer.log"
