@@ -17,8 +17,9 @@ from qwengyre import __version__
 from qwengyre.config import Config, ConfigError, config_to_yaml, load_config, retarget
 
 USER_ERRORS = (ConfigError, ValueError, OSError)
-DTYPES = ["float32", "bfloat16", "float16"]  # the embedded engine's weights and KV cache
 """Exceptions that describe bad input rather than a bug in qwengyre."""
+
+DTYPES = ["float32", "bfloat16", "float16"]  # the embedded engine's weights and KV cache
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

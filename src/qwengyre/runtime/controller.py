@@ -499,6 +499,8 @@ class Controller:
                 await cell.check_alive()
             except ActorDied as died:
                 return died
+            except Exception:  # cannot tell: the failure stands
+                continue
         return failure
 
     async def shutdown(self) -> None:
