@@ -161,23 +161,29 @@ def test_short_warm_start_lowers_loss_and_saves_a_loadable_model(
 
     logs: list[str] = []
     out = tmp_path / "warm"
+    short = {"batch_size": 4, "answer_batch": 16, "eval_every": 4, "eval_size": 4}
+    # Unreachable accuracy: it stops at its step limit (seeded: the same losses on any
+    # machine, however loaded).
     result = ws.warm_start(
-        tiny_model_dir,
-        out,
-        target_accuracy=1.01,  # unreachable: it must stop on time
-        max_seconds=12.0,
-        batch_size=4,
-        answer_batch=16,
-        eval_every=4,
-        eval_size=4,
-        log=logs.append,
+        tiny_model_dir, out, target_accuracy=1.01, max_steps=12, log=logs.append, **short
     )
-    assert not result.reached and result.path == out
-    assert result.steps >= 2 and result.seconds >= 12.0
+    assert not result.reached and result.path == out and result.steps == 12
     assert result.history and result.history[-1][0] == result.steps
     assert result.accuracy == result.history[-1][2] and 0.0 <= result.accuracy <= 1.0
-    assert result.losses[-1] < result.losses[0] * 0.8
-    assert any("max_seconds" in line for line in logs)
+    assert len(result.losses) == 12 and result.losses[-1] < result.losses[0] * 0.8
+    assert any("stopped at max_steps=12" in line for line in logs)
+    # And on time.
+    timed_logs: list[str] = []
+    timed = ws.warm_start(
+        tiny_model_dir,
+        tmp_path / "timed",
+        target_accuracy=1.01,
+        max_seconds=1.0,
+        log=timed_logs.append,
+        **short,
+    )
+    assert not timed.reached and timed.seconds >= 1.0
+    assert any("stopped at max_seconds=1 " in line for line in timed_logs)
     record = json.loads((out / "warm_start.json").read_text())
     assert record["reached"] is False and record["steps"] == result.steps
     AutoModelForCausalLM.from_pretrained(out)

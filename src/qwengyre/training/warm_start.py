@@ -472,7 +472,7 @@ class WarmStartResult:
     history: tuple[tuple[int, float, float], ...]
     """(step, seconds since the start, measured accuracy) of every evaluation."""
     reached: bool
-    """Whether the measured accuracy reached the target (False: stopped at max_seconds)."""
+    """Whether the measured accuracy reached the target (False: stopped at a limit)."""
     path: Path
     losses: tuple[float, ...] = ()
     """Mean reply-token loss of every step."""
@@ -484,6 +484,7 @@ def warm_start(
     *,
     target_accuracy: float = 0.25,
     max_seconds: float = 240.0,
+    max_steps: int | None = None,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     batch_size: int = 8,
@@ -496,7 +497,8 @@ def warm_start(
     ranges: Ranges = RANGES,
 ) -> WarmStartResult:
     """SFT ``model_dir`` on ideal episodes until the measured sampled episode reward
-    reaches ``target_accuracy`` (or ``max_seconds`` pass); save to ``out_dir``.
+    reaches ``target_accuracy`` (or ``max_seconds`` pass, or ``max_steps`` updates are
+    made); save to ``out_dir``.
 
     Each step trains on ``batch_size`` ideal episodes (every chain of their trees) plus
     the answer call alone (its prompt and reply; cheap, since the long prompt prefix is
@@ -545,12 +547,17 @@ def warm_start(
                 if accuracy >= target_accuracy:
                     reached = True
                     break
+            limit = None
             if time.monotonic() - start >= max_seconds:
+                limit = f"max_seconds={max_seconds:g}"
+            elif max_steps is not None and step >= max_steps:
+                limit = f"max_steps={max_steps}"
+            if limit is not None:
                 if not history or history[-1][0] != step:
                     accuracy = evaluate()
                 reached = accuracy >= target_accuracy
                 if not reached:
-                    say(f"stopped at max_seconds={max_seconds:g} with accuracy {accuracy:.3f}")
+                    say(f"stopped at {limit} with accuracy {accuracy:.3f}")
                 break
             drawn = rng.sample(train_problems, max(batch_size, answer_batch))
             batch = []
