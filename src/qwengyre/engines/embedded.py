@@ -339,17 +339,13 @@ class EmbeddedEngine:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
         lengths = torch.tensor([len(prompt) for prompt in prompts], device=self.device)
-        positions = (
-            torch.arange(width, device=self.device) - (width - lengths).unsqueeze(1)
-        ).clamp(min=0)
+        columns = torch.arange(width, device=self.device).unsqueeze(1)  # one per query
+        positions = (columns.T - (width - lengths).unsqueeze(1)).clamp(min=0)
         rows = slice(first_row, first_row + len(prompts))
         cache = SlotCache.prefill(self._slots(), self._layers, rows, width)
         if all(len(prompt) == width for prompt in prompts):
             return self._forward(ids, positions, None, cache)
-        mask = prefill_mask(lengths, width)
-        return self._forward(
-            ids, positions, mask, cache, torch.arange(width, device=self.device).unsqueeze(1)
-        )
+        return self._forward(ids, positions, prefill_mask(lengths, width), cache, columns)
 
     def _decode_step(self) -> None:
         aborted = [i for i, s in enumerate(self._active) if s.aborted]

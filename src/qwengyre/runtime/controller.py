@@ -487,20 +487,24 @@ class Controller:
         """A cell that dies stops the run at once, not at the next call it gets (a
         rollout cell gets none from the controller until its next move)."""
         while True:
-            for cell in self.cells:
-                await cell.check_alive()
+            await self._check_cells()
             await asyncio.sleep(CELL_WATCH_S)
+
+    async def _check_cells(self) -> None:
+        """Raise ``ActorDied`` for the first cell that is gone."""
+        for cell in self.cells:
+            await cell.check_alive()
 
     async def _root_cause(self, failure: BaseException) -> BaseException:
         """A dead cell, if any: it explains the failure of the calls to it and of its
-        peers' collectives, whichever was seen first."""
-        for cell in self.cells:
-            try:
-                await cell.check_alive()
-            except ActorDied as died:
-                return died
-            except Exception:  # cannot tell: the failure stands
-                continue
+        peers' collectives, whichever was seen first. A check that itself fails leaves
+        ``failure`` as it is."""
+        try:
+            await self._check_cells()
+        except ActorDied as died:
+            return died
+        except Exception:
+            pass
         return failure
 
     async def shutdown(self) -> None:

@@ -13,8 +13,8 @@ stream is closed and drained, every participating cell calls
    global norm and makes the single optimizer update (version + 1), at the learning
    rate :meth:`~qwengyre.config.TrainerConfig.lr_at` gives for that update;
 3. the core broadcasts the new parameters to the satellites and writes them to its
-   :class:`~qwengyre.cluster.weights.SharedWeights`, where a satellite joining a later
-   batch (:meth:`Trainer.pull_weights`) and the rollout engines read them.
+   weights board (:class:`~qwengyre.cluster.weights.WeightsBoard`), where a satellite
+   joining a later batch (:meth:`Trainer.pull_weights`) and the rollout engines read them.
 
 Since the update is a sum over micro-steps, who trained which micro-step changes the
 result only by float rounding: one cell and three cells give the same update.
