@@ -11,7 +11,7 @@ pydantic dataclass does, wrong types answer 400 in ``ErrorResponse`` form)::
 
     {"input_ids": [int, ...], "sampling_params": {"max_new_tokens", "temperature",
      "top_p", "top_k", "stop", "stop_token_ids", ...}, "return_logprob": bool,
-     "logprob_start_len": int, "rid": str, "stream": false}
+     "logprob_start_len": int, "rid": str, "stream": bool}
     -> 200 {"text": str, "output_ids": [int, ...],
             "meta_info": {"id", "finish_reason", "prompt_tokens", "weight_version",
                           "num_retractions", "input_token_logprobs",
@@ -23,6 +23,15 @@ pydantic dataclass does, wrong types answer 400 in ``ErrorResponse`` form)::
                       "err_type": null}
     -> 400 {"error": {"message": ...}} for the ValueErrors of request normalisation and
        ``SamplingParams.verify`` (messages as SGLang words them)
+
+With ``"stream": true`` (``generate_request``'s ``stream_results``): 200
+``text/event-stream``, one ``data: {chunk}\n\n`` per sampled token (``stream_interval``
+1), the last with ``finish_reason`` set (earlier ones null), then ``data: [DONE]\n\n``.
+Chunks are cumulative (``text``, ``output_ids``, ``output_token_logprobs`` hold all the
+output so far), or hold only the new token with ``incremental_streaming_output``
+(``--incremental-streaming-output``); ``completion_tokens`` counts all. The ValueErrors
+above arrive as 200 with a chunk ``{"error": {"message": ...}}`` and ``[DONE]``, as they
+are raised once the stream has begun. A client that hangs up cancels the request.
 
 ``POST /abort_request`` ``{"rid", "abort_all"}`` -> 200, empty body; running requests
 whose rid *starts with* ``rid`` finish with the abort reason above (as the scheduler's
@@ -55,6 +64,7 @@ import os
 import random
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +144,16 @@ def _value_error(message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=400)
 
 
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    return response
+
+
+async def _send(response: web.StreamResponse, data: str) -> None:
+    await response.write(f"data: {data}\n\n".encode())
+
+
 @dataclass
 class _Running:
     rid: str
@@ -154,6 +174,7 @@ class FakeSGLang:
     healthy: bool = True
     released: bool = False
     loads: int = 0  # successful weight loads; changes the fake model's answers
+    incremental_streaming_output: bool = False
     requests: list[tuple[str, str, Any]] = field(default_factory=list)  # (method, path, body)
 
     def __post_init__(self) -> None:
@@ -243,7 +264,8 @@ class FakeSGLang:
 
     # -- /generate -------------------------------------------------------------------
 
-    def _check_generate(self, body: Any) -> web.Response | None:
+    def _check_types(self, body: Any) -> web.Response | None:
+        """What pydantic refuses before the handler runs (400 even when streaming)."""
         if not isinstance(body, dict):
             return _validation_error(
                 "Input should be a dictionary or an instance of GenerateReqInput"
@@ -254,54 +276,63 @@ class FakeSGLang:
                 not isinstance(value, types) or (types == (int, list) and isinstance(value, bool))
             ):
                 return _validation_error(f"{key}: Input should be a valid {types[0].__name__}")
+        ids = body.get("input_ids")
+        if ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return _validation_error("input_ids: Input should be a list of integers")
+        return None
+
+    def _check_values(self, body: dict[str, Any]) -> str | None:
+        """The message of the ValueError that request normalisation or verify raises."""
         if body.get("text") is None and body.get("input_ids") is None:
-            return _value_error("Either text, input_ids or input_embeds should be provided.")
+            return "Either text, input_ids or input_embeds should be provided."
         if body.get("text") is not None:
-            return _value_error("the fake SGLang has no tokenizer: send input_ids")
+            return "the fake SGLang has no tokenizer: send input_ids"
         ids = body["input_ids"]
         if len(ids) == 0:
-            return _value_error("input_ids cannot be empty.")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return _validation_error("input_ids: Input should be a list of integers")
-        if body.get("stream"):
-            return _value_error("the fake SGLang does not stream")
+            return "input_ids cannot be empty."
         if not isinstance(body.get("rid", ""), str):
-            return _value_error("the fake SGLang serves single requests only")
+            return "the fake SGLang serves single requests only"
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
-            return _value_error("the fake SGLang serves single requests only")
+            return "the fake SGLang serves single requests only"
         for key in params:
             if key not in SAMPLING_KEYS:
-                return _value_error(
-                    f"SamplingParams.__init__() got an unexpected keyword argument '{key}'"
-                )
+                return f"SamplingParams.__init__() got an unexpected keyword argument '{key}'"
         temperature = params.get("temperature", 1.0)
         top_p = params.get("top_p", 1.0)
         top_k = params.get("top_k", -1)
         max_new = params.get("max_new_tokens", 128)
         if temperature < 0.0:
-            return _value_error(f"temperature must be non-negative, got {temperature}.")
+            return f"temperature must be non-negative, got {temperature}."
         if not 0.0 < top_p <= 1.0:
-            return _value_error(f"top_p must be in (0, 1], got {top_p}.")
+            return f"top_p must be in (0, 1], got {top_p}."
         if top_k < -1 or top_k == 0:
-            return _value_error(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
+            return f"top_k must be -1 (disable), or at least 1, got {top_k}."
         if max_new is not None and max_new < 0:
-            return _value_error(f"max_new_tokens must be at least 0, got {max_new}.")
+            return f"max_new_tokens must be at least 0, got {max_new}."
         if len(ids) >= self.context_len:
-            return _value_error(
+            return (
                 f"The input ({len(ids)} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens)."
             )
         rid = body.get("rid")
         if rid is not None and rid in self._running:
-            return _value_error(f"Duplicate request ID: {rid}")
+            return f"Duplicate request ID: {rid}"
         return None
 
-    async def _generate(self, request: web.Request) -> web.Response:
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = self._bodies[id(request)]
-        error = self._check_generate(body)
+        error = self._check_types(body)
         if error is not None:
             return error
+        message = self._check_values(body)
+        if message is not None:
+            if not body.get("stream"):
+                return _value_error(message)
+            response = await _event_stream(request)
+            await _send(response, json.dumps({"error": {"message": message}}))
+            await _send(response, "[DONE]")
+            return response
         if self.released:
             return web.json_response(
                 {"object": "error", "message": "memory released; resume first", "code": 503},
@@ -315,21 +346,43 @@ class FakeSGLang:
         self._idle.clear()
         started = time.monotonic()
         try:
-            return await self._decode(body, state, started)
+            if body.get("stream"):
+                return await self._stream(request, body, state, started)
+            async for out, text, finish in self._decode(body, state):
+                if finish is not None:
+                    return web.json_response(self._chunk(body, state, out, text, finish, started))
+            raise AssertionError("the fake's decode ended unfinished")
         finally:
             self._running.pop(rid, None)
             if not self._running:
                 self._idle.set()
 
-    async def _decode(self, body: dict[str, Any], state: _Running, started: float) -> web.Response:
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], state: _Running, started: float
+    ) -> web.StreamResponse:
+        response = await _event_stream(request)
+        sent, shown = 0, 0  # tokens and characters of text already streamed
+        async for out, text, finish in self._decode(body, state):
+            if self.incremental_streaming_output:
+                chunk = self._chunk(body, state, out, text[shown:], finish, started, sent)
+                sent, shown = len(out), max(shown, len(text))
+            else:
+                chunk = self._chunk(body, state, out, text, finish, started)
+            await _send(response, json.dumps(chunk))
+        await _send(response, "[DONE]")
+        return response
+
+    async def _decode(
+        self, body: dict[str, Any], state: _Running
+    ) -> AsyncIterator[tuple[list[int], str, dict[str, Any] | None]]:
+        """(output so far, its text, finish reason or None) after every step."""
         ids: list[int] = body["input_ids"]
         params = body.get("sampling_params") or {}
         max_new = params.get("max_new_tokens", 128)
         stops = params.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
         stop_ids = set(params.get("stop_token_ids") or []) | {self.eos_token_id}
-        loads = self.loads
-        script = reply(ids, loads, self.eos_token_id)
+        script = reply(ids, self.loads, self.eos_token_id)
         out: list[int] = []
         text = ""
         finish: dict[str, Any] | None = None
@@ -345,20 +398,34 @@ class FakeSGLang:
                     "status_code": None,
                     "err_type": None,
                 }
-                break
-            if len(out) >= max_new:
+            elif len(out) >= max_new:
                 finish = {"type": "length", "length": max_new}
-                break
-            token = script[len(out)] if len(out) < len(script) else self.eos_token_id
-            out.append(token)
-            if token in stop_ids and not params.get("ignore_eos"):
-                finish = {"type": "stop", "matched": token}
-                break
-            text += token_text(token)
-            matched = next((s for s in stops if s and s in text), None)
-            if matched is not None:
-                text = text[: text.index(matched)]  # SGLang trims the stop string from text
-                finish = {"type": "stop", "matched": matched}
+            else:
+                token = script[len(out)] if len(out) < len(script) else self.eos_token_id
+                out.append(token)
+                if token in stop_ids and not params.get("ignore_eos"):
+                    finish = {"type": "stop", "matched": token}
+                else:
+                    text += token_text(token)
+                    matched = next((s for s in stops if s and s in text), None)
+                    if matched is not None:
+                        text = text[: text.index(matched)]  # SGLang trims the stop string
+                        finish = {"type": "stop", "matched": matched}
+            yield out, text, finish
+
+    def _chunk(
+        self,
+        body: dict[str, Any],
+        state: _Running,
+        out: list[int],
+        text: str,
+        finish: dict[str, Any] | None,
+        started: float,
+        since: int = 0,
+    ) -> dict[str, Any]:
+        """An answer (or stream chunk) for the output ``out``, from token ``since`` on."""
+        ids: list[int] = body["input_ids"]
+        loads = self.loads
         meta: dict[str, Any] = {
             "id": state.rid,
             "finish_reason": finish,
@@ -379,7 +446,7 @@ class FakeSGLang:
                 ]
             )
             meta["output_token_logprobs"] = [
-                [logprob(t, i, loads), t, None] for i, t in enumerate(out)
+                [logprob(t, i, loads), t, None] for i, t in enumerate(out) if i >= since
             ]
         meta.update(
             {
@@ -389,7 +456,7 @@ class FakeSGLang:
                 "e2e_latency": time.monotonic() - started,
             }
         )
-        return web.json_response({"text": text, "output_ids": out, "meta_info": meta})
+        return {"text": text, "output_ids": out[since:], "meta_info": meta}
 
     # -- control endpoints -----------------------------------------------------------
 

@@ -17,6 +17,8 @@ import pytest
 from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
+from qwengyre.proxy import anthropic_api
+from qwengyre.trajectories.classes import COMPACTION_PREFIX, SUBAGENT_HEADER
 
 pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
 
@@ -41,13 +43,15 @@ SUBAGENT_SCRIPT = {
 }
 
 
-def proxy_with(script: dict, tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
+def proxy_with(
+    script: dict, tmp_path: Path, tiny_model_dir: Path, max_context: int = 1_000_000
+) -> Iterator[Running]:
     from transformers import AutoTokenizer
 
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), script)
     # Claude Code's own prompt is far longer than the tiny model's window; the scripted
     # engine does not care, so the proxy gets a window like a real model's.
-    yield from start(tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000)
+    yield from start(tmp_path, tiny_model_dir, engines=[engine], max_context=max_context)
 
 
 @pytest.fixture
@@ -130,3 +134,217 @@ def test_a_claude_code_subagent_gets_its_own_branch_and_class(
         assert nodes[1]["agent_id"] not in ("", "main")  # Claude Code's agent id header
         # The main agent's follow-up only adds the Task tool's result.
         assert "Sub-agent report" in proxy.tokenizer.decode(nodes[2]["input_ids"])
+
+
+# ------------------------------------------------------------------ compaction shapes
+#
+# Claude Code keeps its last reply (and anything after it) verbatim and summarises the
+# history before it, appending the compaction instruction to the last user message of
+# that history. After a tool loop that message holds a tool_result (the proxy splits it
+# into a tool message and a user message of its own); after a text-only turn it holds
+# the user's text, so the instruction arrives as a *second text block* of a user message
+# whose content, joined, starts with the user's words.
+
+TEXT_SCRIPT = {
+    "main.task": ["Hi there!", "Bye!", "Again!"],
+    "main.summary": ["Summary: said hi and bye."],
+    "default": ["ok"],
+}
+FILLER = "lorem "  # 3 tokens of the tiny model's tokenizer per copy
+
+
+@pytest.fixture
+def requests_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, str | None]]:
+    """Every ``/v1/messages`` body the proxy parsed (rejected ones too), as JSON, with
+    its sub-agent header."""
+    seen: list[tuple[dict, str | None]] = []
+    parse = anthropic_api.parse_messages_request
+
+    def spy(body: bytes, headers):  # type: ignore[no-untyped-def]
+        seen.append((json.loads(body), headers.get(SUBAGENT_HEADER)))
+        return parse(body, headers)
+
+    monkeypatch.setattr(anthropic_api, "parse_messages_request", spy)
+    return seen
+
+
+def last_user_blocks(body: dict) -> list[dict]:
+    last = next(m for m in reversed(body["messages"]) if m["role"] == "user")
+    content = last["content"]
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+def compaction_requests(seen: list[tuple[dict, str | None]]) -> list[tuple[dict, str | None]]:
+    return [
+        (body, agent)
+        for body, agent in seen
+        if any(
+            b["type"] == "text" and b["text"].startswith(COMPACTION_PREFIX)
+            for b in last_user_blocks(body)
+        )
+    ]
+
+
+def events(done: subprocess.CompletedProcess[str]) -> list[dict]:
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    return [json.loads(line) for line in done.stdout.strip().splitlines()]
+
+
+def compacted(done: subprocess.CompletedProcess[str], trigger: str) -> bool:
+    found = events(done)
+    boundaries = [e for e in found if e.get("subtype") == "compact_boundary"]
+    ok = any(e.get("compact_result") == "success" for e in found)
+    return ok and [b["compact_metadata"]["trigger"] for b in boundaries] == [trigger]
+
+
+def last_user_message(proxy: Running, execution_id: str, node_id: int) -> str:
+    """The last user message of what the proxy recorded for a node (request + reply)."""
+    conversation = proxy.server.executions[execution_id].recorder.conversation(node_id)
+    return next(m.content for m in reversed(conversation) if m.role == "user")
+
+
+def assert_text_turn_compaction(body: dict, user_text: str) -> None:
+    """The raw request: the last message is the user's text turn, then the instruction."""
+    assert body["messages"][-1]["role"] == "user"
+    blocks = last_user_blocks(body)
+    assert [b["type"] for b in blocks] == ["text", "text"]
+    assert blocks[0]["text"].strip() == user_text
+    assert blocks[1]["text"].startswith(COMPACTION_PREFIX)
+
+
+def test_claude_code_compact_after_a_text_only_turn_records_a_main_summary(
+    claude_bin: Path, tmp_path: Path, tiny_model_dir: Path, requests_seen: list
+) -> None:
+    for proxy in proxy_with(TEXT_SCRIPT, tmp_path, tiny_model_dir):
+        ex = proxy.new_execution()
+        home, workspace = tmp_path / "home", tmp_path / "ws"
+        home.mkdir()
+        workspace.mkdir()
+        # Two text-only exchanges: /compact keeps the last reply, so with one exchange
+        # Claude Code says "Not enough messages to compact."
+        hi = run_claude(claude_bin, ex, home, workspace, "say hi")
+        assert events(hi)[-1]["result"] == "Hi there!"
+        bye = run_claude(claude_bin, ex, home, workspace, "say bye", "--continue")
+        assert events(bye)[-1]["result"] == "Bye!"
+        compact = run_claude(claude_bin, ex, home, workspace, "/compact", "--continue")
+        assert compacted(compact, "manual"), compact.stdout[-3000:]
+
+        nodes = proxy.tree(ex["id"])
+        assert [n["class"] for n in nodes] == ["main.task", "main.task", "main.summary"]
+        summary = nodes[2]
+        assert proxy.tokenizer.decode(summary["output_ids"]).startswith("Summary:")
+        # What the proxy recorded for that node: the user's text and the instruction in
+        # one user message (the old rule looked only at how that message starts).
+        last = last_user_message(proxy, ex["id"], summary["id"])
+        assert last.startswith("say bye") and f"\n{COMPACTION_PREFIX}" in last
+        # What Claude Code sent: exactly one compaction request, of the text-turn shape.
+        [(body, agent)] = compaction_requests(requests_seen)
+        assert agent is None
+        assert_text_turn_compaction(body, "say bye")
+
+
+def test_claude_code_auto_compaction_after_a_text_only_turn_records_a_main_summary(
+    claude_bin: Path, tmp_path: Path, tiny_model_dir: Path, requests_seen: list
+) -> None:
+    # Token counts with the tiny model's tokenizer (Claude Code 2.1.197, tools
+    # Bash,Read,Edit,Write): its own prompt P ~ 6_000; the compaction instruction
+    # C ~ 2_800. The first message carries 8_100 filler tokens, the third 6_000, so:
+    #   calls 1-2          P + 8_100          ~ 14_100  fit
+    #   call 3             P + 8_100 + 6_000  ~ 20_150  400 "prompt is too long"
+    #   compaction         P + 8_100 + C      ~ 16_900  fits
+    #   retry              P + summary + 6_000 ~ 12_400  fits
+    # max_context sits halfway between the compaction and call 3 (margins ~1_600).
+    max_context = 18_450
+    for proxy in proxy_with(TEXT_SCRIPT, tmp_path, tiny_model_dir, max_context=max_context):
+        ex = proxy.new_execution()
+        home, workspace = tmp_path / "home", tmp_path / "ws"
+        home.mkdir()
+        workspace.mkdir()
+        hi = run_claude(claude_bin, ex, home, workspace, "say hi " + FILLER * 2_700)
+        assert events(hi)[-1]["result"] == "Hi there!"
+        bye = run_claude(claude_bin, ex, home, workspace, "say bye", "--continue")
+        assert events(bye)[-1]["result"] == "Bye!"
+        again = run_claude(
+            claude_bin, ex, home, workspace, "say again " + FILLER * 2_000, "--continue"
+        )
+        assert compacted(again, "auto"), again.stdout[-3000:]
+        assert events(again)[-1]["result"] == "Again!"  # the retry after compaction
+
+        nodes = proxy.tree(ex["id"])
+        sizes = [n["usage"]["input_tokens"] for n in nodes]
+        assert [n["class"] for n in nodes] == [
+            "main.task",
+            "main.task",
+            "main.summary",
+            "main.task",
+        ], sizes
+        assert all(size < max_context for size in sizes)
+        summary = nodes[2]
+        last = last_user_message(proxy, ex["id"], summary["id"])
+        assert last.startswith("say bye") and f"\n{COMPACTION_PREFIX}" in last
+        retry = last_user_message(proxy, ex["id"], nodes[3]["id"])
+        assert retry.startswith("say again")
+        # Claude Code sent call 3 (refused, not recorded), the compaction, the retry.
+        bodies = [body for body, _ in requests_seen]
+        assert len(bodies) == 5
+        assert last_user_blocks(bodies[2])[-1]["text"].startswith("say again")
+        [(body, agent)] = compaction_requests(requests_seen)
+        assert agent is None and body is bodies[3]
+        assert_text_turn_compaction(body, "say bye")
+
+
+def test_a_claude_code_subagent_auto_compaction_records_a_sub_summary(
+    claude_bin: Path, tmp_path: Path, tiny_model_dir: Path, requests_seen: list
+) -> None:
+    # A sub-agent's only user text is its prompt, so it compacts after a tool result:
+    # the instruction is a text block after the tool_result of the last user message.
+    # Sub-agent prompt P ~ 4_850 tokens, C ~ 2_800; its first command prints 1_500
+    # lines (~6_750 tokens), its second 1_250 (~5_650):
+    #   sub call 2   P + 6_750          ~ 11_600  fits
+    #   sub call 3   P + 12_400         ~ 17_300  400
+    #   compaction   P + 6_750 + C      ~ 14_400  fits
+    #   retry        P + summary + 5_650 ~ 11_000  fits
+    # (the main agent's calls are ~7_300). max_context sits halfway (margins ~1_450).
+    def bash(command: str) -> str:
+        call = {"name": "Bash", "arguments": {"command": command, "description": "d"}}
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+    script = {
+        **SUBAGENT_SCRIPT,
+        "sub.task": [
+            bash("yes lorem | head -n 1500"),
+            bash("yes lorem | head -n 1250"),
+            "Sub-agent report: nothing to fix.",
+        ],
+        "sub.summary": ["Summary: printed lorem twice."],
+    }
+    max_context = 15_850
+    for proxy in proxy_with(script, tmp_path, tiny_model_dir, max_context=max_context):
+        ex = proxy.new_execution()
+        home, workspace = tmp_path / "home", tmp_path / "ws"
+        home.mkdir()
+        workspace.mkdir()
+        done = run_claude(
+            claude_bin, ex, home, workspace, "Inspect with a sub-agent", tools="Bash,Read,Task"
+        )
+        assert events(done)[-1]["result"] == "Done: reported."
+        nodes = proxy.tree(ex["id"])
+        sizes = [n["usage"]["input_tokens"] for n in nodes]
+        classes = [n["class"] for n in nodes]
+        assert classes == [
+            "main.task",
+            "sub.task",
+            "sub.task",
+            "sub.summary",
+            "sub.task",
+            "main.task",
+        ], sizes
+        agent_id = nodes[1]["agent_id"]
+        assert agent_id not in ("", "main")
+        assert [n["agent_id"] for n in nodes[1:5]] == [agent_id] * 4
+        # The sub-agent's retry after compaction is what the main agent got back.
+        assert "Sub-agent report" in proxy.tokenizer.decode(nodes[5]["input_ids"])
+        [(body, agent)] = compaction_requests(requests_seen)
+        assert agent == agent_id
+        assert [b["type"] for b in last_user_blocks(body)] == ["tool_result", "text"]
+        assert last_user_message(proxy, ex["id"], nodes[3]["id"]).startswith(COMPACTION_PREFIX)

@@ -411,3 +411,134 @@ def test_cuda_graph_steps_keep_exact_logprobs_and_survive_release(
             assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
     finally:
         engine.close()
+
+
+def test_stream_yields_tokens_as_they_are_sampled(engine: EmbeddedEngine):
+    req = request(0, 8, 40, ignore_eos=True)
+
+    async def run():  # type: ignore[no-untyped-def]
+        seen = []
+        async for delta in engine.stream(req):
+            seen.append((delta, engine.load))
+        engine._generator.manual_seed(0)  # the same draws again, collected
+        return seen, await engine.generate(req)
+
+    engine._generator.manual_seed(0)
+    seen, whole = asyncio.run(run())
+    (first, load_then), (last, _) = seen[0], seen[-1]
+    assert first.output_ids and first.finish_reason is None and load_then == 1
+    assert len(seen) > 1 and last.finish_reason == "length"
+    assert all(d.finish_reason is None for d, _ in seen[:-1])
+    assert tuple(t for d, _ in seen for t in d.output_ids) == whole.output_ids
+    assert tuple(lp for d, _ in seen for lp in d.logprobs) == whole.logprobs
+    assert len(whole.output_ids) == 40 and engine.load == 0
+
+
+def slow_and_counted(engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Decode steps take at least 5 ms; the returned list counts the tokens sampled."""
+    sampled: list[int] = []
+    decode, advance = engine._decode, engine._advance
+
+    def slow_decode(n: int) -> torch.Tensor:
+        threading.Event().wait(0.005)
+        return decode(n)
+
+    def counted(sequence: Any, token: int) -> Any:
+        sampled.append(token)
+        return advance(sequence, token)
+
+    monkeypatch.setattr(engine, "_decode", slow_decode)
+    monkeypatch.setattr(engine, "_advance", counted)
+    return sampled
+
+
+async def idle(engine: EmbeddedEngine, timeout_s: float = 10.0) -> None:
+    async def poll() -> None:
+        while engine.load:
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+@pytest.mark.parametrize("leave", ["aclose", "cancel"])
+def test_a_consumer_that_leaves_aborts_its_request(
+    engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch, leave: str
+):
+    sampled = slow_and_counted(engine, monkeypatch)
+
+    async def run() -> None:
+        stream = engine.stream(request(0, 8, 240, ignore_eos=True))
+        if leave == "aclose":
+            await asyncio.wait_for(anext(stream), 30)
+            await stream.aclose()
+        else:
+            got = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in stream:
+                    got.set()
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.wait_for(got.wait(), 30)
+            task.cancel()
+        await idle(engine)
+
+    asyncio.run(run())
+    assert 0 < len(sampled) < 240  # it stopped generating early
+    # the engine serves on
+    assert len(asyncio.run(engine.generate(request(1, 4, 3))).output_ids) == 3
+
+
+def test_stop_strings_end_a_request_at_the_token_completing_one(
+    engine: EmbeddedEngine, tiny_model_dir: Path
+):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def run(*stop: str) -> Any:
+        engine._generator.manual_seed(0)  # the same draws each time
+        return asyncio.run(engine.generate(request(0, 8, 40, stop=stop, ignore_eos=True)))
+
+    plain = run()
+    text = tokenizer.decode(plain.output_ids[20:22], skip_special_tokens=True)
+    stop = text.replace("\ufffd", "").strip() or text
+    # where the first occurrence of the stop string is complete
+    end = next(
+        i + 1
+        for i in range(len(plain.output_ids))
+        if stop in tokenizer.decode(plain.output_ids[: i + 1], skip_special_tokens=True)
+    )
+    assert "tokenizer" not in engine.__dict__  # loaded only once a request has stops
+    stopped = run(stop)
+    assert stopped.finish_reason == "stop" and end <= 22 < 40
+    assert stopped.output_ids == plain.output_ids[:end]
+    assert stopped.logprobs == plain.logprobs[:end]
+    assert stop in tokenizer.decode(stopped.output_ids, skip_special_tokens=True)
+    assert stop not in tokenizer.decode(stopped.output_ids[:-1], skip_special_tokens=True)
+    assert run("never in this reply") == plain and plain.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(1, 1.0), (5, 1.0), (-1, 0.5), (-1, 1.0)])
+def test_recorded_logprobs_are_of_the_truncated_distribution_sampled_from(
+    engine: EmbeddedEngine, top_k: int, top_p: float
+):
+    req = request(0, 8, 30, 1.0, top_k=top_k, top_p=top_p, ignore_eos=True)
+    result = asyncio.run(engine.generate(req))
+    recorded = torch.tensor(result.logprobs)
+    ids = torch.tensor([list(req.input_ids) + list(result.output_ids)])
+    with torch.inference_mode():
+        logits = engine.model(input_ids=ids).logits[0, len(req.input_ids) - 1 : -1].float()
+    full = behaviour_logprobs(logits, torch.tensor(result.output_ids), 1.0)
+    if top_k == 1:
+        assert torch.allclose(recorded, torch.zeros_like(recorded), atol=1e-6)
+    elif top_k == 5:  # renormalised over the five kept tokens
+        top = logits.topk(5)
+        sampled = torch.tensor(result.output_ids).unsqueeze(1)
+        assert bool((top.indices == sampled).any(-1).all())  # only kept tokens are drawn
+        ref = logits.gather(1, sampled).squeeze(1) - top.values.logsumexp(-1)
+        assert torch.allclose(recorded, ref, atol=1e-4)
+    elif top_p < 1:  # renormalised: never below the full distribution's, often above
+        assert bool((recorded >= full - 1e-4).all()) and bool((recorded > full + 1e-3).any())
+    else:  # nothing truncated: the trainer's function, exactly
+        assert torch.allclose(recorded, full, atol=1e-4)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from aiohttp import web
-from tests.test_engine_embedded import running
+from tests.test_engine_embedded import idle, running, slow_and_counted
 
 from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsOnDisk
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
@@ -95,3 +95,88 @@ def test_unknown_sampling_fields_are_refused(served):
         headers={"authorization": f"Bearer {KEY}"},
     )
     assert answer.status_code == 400 and "beam_width" in answer.json()["error"]["message"]
+
+
+def test_streaming_through_the_server_matches_generate(served):
+    url, engine = served
+    greedy = GenerateRequest("g", tuple(range(30, 36)), SamplingParams(16, 0.0, ignore_eos=True))
+
+    async def scenario() -> None:
+        async with SGLangEngine(url, "cell-0", api_key=KEY) as client:
+            seen = []
+            async for delta in client.stream(greedy):
+                seen.append((delta, engine.load))
+            whole = await client.generate(greedy)
+        (first, load_then), (last, _) = seen[0], seen[-1]
+        assert first.output_ids and first.finish_reason is None and load_then == 1
+        assert len(seen) > 1 and last.finish_reason == "length"
+        assert tuple(t for d, _ in seen for t in d.output_ids) == whole.output_ids
+        assert tuple(v for d, _ in seen for v in d.versions) == whole.versions == (0,) * 16
+        assert len(whole.output_ids) == 16
+
+    asyncio.run(scenario())
+
+
+def test_the_server_honours_stop_strings(served, tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    url, _ = served
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tuple(range(30, 36))
+
+    def greedy(*stop: str) -> GenerateRequest:
+        return GenerateRequest("s", prompt, SamplingParams(16, 0.0, stop=stop, ignore_eos=True))
+
+    async def scenario() -> None:
+        async with SGLangEngine(url, "cell-0", api_key=KEY) as client:
+            plain = await client.generate(greedy())
+            stop = tokenizer.decode(plain.output_ids[:3], skip_special_tokens=True)[-2:]
+            stopped = await client.generate(greedy(stop))
+            assert stopped.finish_reason == "stop" and len(stopped.output_ids) < 16
+            assert stopped.output_ids == plain.output_ids[: len(stopped.output_ids)]
+            assert tokenizer.decode(stopped.output_ids, skip_special_tokens=True).endswith(stop)
+            absent = await client.generate(greedy("never in this reply"))
+            assert (absent.output_ids, absent.finish_reason) == (plain.output_ids, "length")
+
+    asyncio.run(scenario())
+
+
+def test_a_client_leaving_the_stream_aborts_the_engine_request(served, monkeypatch):
+    url, engine = served
+    sampled = slow_and_counted(engine, monkeypatch)
+
+    async def scenario() -> None:
+        async with SGLangEngine(url, "cell-0", api_key=KEY) as client:
+            stream = client.stream(req("long", 400))
+            assert (await anext(stream)).output_ids
+            await stream.aclose()
+            await idle(engine)
+
+    asyncio.run(scenario())
+    assert 0 < len(sampled) < 400
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_hanging_up_aborts_the_engine_request(served, monkeypatch, stream):
+    """No /abort_request: the server notices the closed connection by itself."""
+    import aiohttp
+
+    url, engine = served
+    sampled = slow_and_counted(engine, monkeypatch)
+    body = SGLangEngine.request_body(req("hangup", 400))
+    body["stream"] = stream
+
+    async def scenario() -> None:
+        session = aiohttp.ClientSession(headers={"authorization": f"Bearer {KEY}"})
+        post = asyncio.ensure_future(session.post(url + "/generate", json=body))
+        await running(engine)
+        if stream:
+            response = await post
+            assert (await response.content.readline()).startswith(b"data: ")
+        else:
+            post.cancel()
+        await session.close()
+        await idle(engine)
+
+    asyncio.run(scenario())
+    assert 0 < len(sampled) < 400

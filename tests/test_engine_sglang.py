@@ -20,8 +20,10 @@ from qwengyre.engines import sglang as sglang_mod
 from qwengyre.engines.base import (
     EngineAborted,
     GenerateRequest,
+    TokenDelta,
     WeightsInMemory,
     WeightsOnDisk,
+    collect,
 )
 from qwengyre.engines.sglang import (
     SGLangEngine,
@@ -88,6 +90,95 @@ def test_generate_length_and_stop_string() -> None:
     run_with_fake(t)
 
 
+@pytest.mark.parametrize("incremental", [False, True])
+def test_stream_yields_each_chunk_s_new_tokens(incremental: bool) -> None:
+    """SGLang's chunks repeat all the output by default, or hold only the new tokens."""
+
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        expected = reply(PROMPT)
+        seen = []
+        async for delta in engine.stream(req("s1")):
+            seen.append(delta)
+            assert engine.load == 1 and (delta.finish_reason or fake._running)  # still running
+        assert [d.output_ids for d in seen] == [(t,) for t in expected]  # one per chunk
+        assert [d.finish_reason for d in seen] == [None] * (len(expected) - 1) + ["stop"]
+        logprobs = [lp for d in seen for lp in d.logprobs]
+        assert logprobs == [logprob(t, i) for i, t in enumerate(expected)]
+        assert engine.load == 0
+
+    run_with_fake(t, token_delay_s=0.01, incremental_streaming_output=incremental)
+
+
+@pytest.mark.parametrize("leave", ["aclose", "cancel"])
+def test_a_consumer_that_leaves_the_stream_aborts_on_the_server(leave: str) -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        stream = engine.stream(req("gone", max_tokens=500, ignore_eos=True))
+        if leave == "aclose":
+            assert (await anext(stream)).output_ids
+            await stream.aclose()
+        else:
+            task = asyncio.ensure_future(collect(stream))
+            while not fake._running:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert engine.load == 0
+        started = asyncio.get_running_loop().time()
+        while fake._running or not fake.bodies("/abort_request"):
+            await asyncio.sleep(0.01)
+        assert asyncio.get_running_loop().time() - started < 1  # 500 tokens would take 5 s
+        assert fake.bodies("/abort_request") == [{"rid": "gone"}]
+
+    run_with_fake(t, token_delay_s=0.01)
+
+
+def test_stream_chunks_of_errors_and_aborts_map_as_without_streaming() -> None:
+    engine = SGLangEngine("http://127.0.0.1:1", "sg")
+
+    def meta(finish: Any, triples: list[Any], total: int) -> dict[str, Any]:
+        return {
+            "meta_info": {
+                "finish_reason": finish,
+                "output_token_logprobs": triples,
+                "completion_tokens": total,
+            }
+        }
+
+    with pytest.raises(ValueError, match="top_p must be"):
+        engine._delta("r", {"error": {"message": "top_p must be in (0, 1], got 2."}}, 0)
+    with pytest.raises(ValueError, match="too long"):
+        engine._delta(
+            "r", meta({"type": "abort", "status_code": 400, "message": "too long"}, [], 0), 0
+        )
+    with pytest.raises(EngineAborted, match="Aborted"):
+        engine._delta("r", meta({"type": "abort", "message": "Aborted"}, [], 0), 0)
+    with pytest.raises(ConnectionError, match="3 tokens and 1 log-probs after 0"):
+        engine._delta("r", meta(None, [[-0.1, 5, None]], 3), 0)
+    cumulative = engine._delta("r", meta(None, [[-0.1, 5, None], [-0.2, 6, None]], 2), 1)
+    incremental = engine._delta("r", meta(None, [[-0.2, 6, None]], 2), 1)
+    assert cumulative == incremental == TokenDelta((6,), (-0.2,), (0,))
+
+
+def test_sse_lines_of_any_length_are_read() -> None:
+    class Content:
+        def __init__(self, *blocks: bytes) -> None:
+            self.blocks = blocks
+
+        async def iter_any(self) -> Any:
+            for block in self.blocks:
+                yield block
+
+    long = "x" * 1_000_000  # past aiohttp's line buffer (2 x 64 KiB)
+    body = f'data: {{"a": "{long}"}}\n\n: comment\ndata: [DONE]\n\n'.encode()
+    blocks = [body[i : i + 65536] for i in range(0, len(body), 65536)]
+
+    async def read() -> list[str]:
+        return [data async for data in sglang_mod._sse_data(Content(*blocks))]
+
+    assert asyncio.run(read()) == [f'{{"a": "{long}"}}', "[DONE]"]
+
+
 def test_request_body_uses_sglang_field_names() -> None:
     async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
         await engine.generate(
@@ -98,7 +189,7 @@ def test_request_body_uses_sglang_field_names() -> None:
         assert body["rid"] == "rid-7"
         assert body["return_logprob"] is True
         assert body["logprob_start_len"] == -1
-        assert body["stream"] is False
+        assert body["stream"] is True
         sp = body["sampling_params"]
         assert sp["max_new_tokens"] == 5
         assert "max_tokens" not in sp
@@ -155,7 +246,12 @@ def test_router_reroutes_an_aborted_sglang_call() -> None:
             await router.drain("sg0")
             name, result = await call
             assert name == "sg1"
-            assert result.output_ids == tuple(reply(PROMPT))
+            # what sg0 produced before the drain (maybe nothing), continued at sg1
+            done = reply(PROMPT)
+            assert any(
+                result.output_ids == (*done[:k], *reply([*PROMPT, *done[:k]]))
+                for k in range(len(done))
+            )
             assert fake.bodies("/abort_request")
         finally:
             await spare.close()
@@ -309,6 +405,7 @@ def test_fake_rejects_unknown_sampling_keys_and_bad_types() -> None:
     async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
         body = SGLangEngine.request_body(req("x"))
         body["sampling_params"]["max_tokens"] = 3
+        body["stream"] = False  # a plain answer (streamed, the error is a chunk: below)
         with pytest.raises(ValueError, match="unexpected keyword argument 'max_tokens'"):
             await engine._post_json("/generate", body)
         body = SGLangEngine.request_body(req("y"))

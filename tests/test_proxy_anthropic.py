@@ -876,3 +876,68 @@ def test_stream_and_body_agree_on_raw_events() -> None:
             msg.update(event["delta"])
             msg["usage"]["output_tokens"] = event["usage"]["output_tokens"]
     assert msg == message_body(c)
+
+
+# --------------------------------------------------------------------------------------
+# bounds on what is parsed, lossless answers (each test failed before its fix)
+
+
+def _nested_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_deep_json_is_a_400_naming_the_limit_not_a_recursion_error() -> None:
+    deep = b'{"model":"m","max_tokens":5,"messages":[' + b"[" * 100_000 + b"]" * 100_000 + b"]}"
+    with pytest.raises(ApiError, match="nesting exceeds the limit of 64 levels") as err:
+        parse_messages_request(deep, {})
+    assert err.value.kind == "invalid_request_error"
+    # A tool schema ~500 levels deep (it used to recurse through the chat template).
+    tools = [{"name": "t", "input_schema": _nested_schema(250)}]
+    with pytest.raises(ApiError, match="64 levels"):
+        parse_count_tokens_request(_body(tools=tools), {})
+    # 64 levels are fine: body, tools, tool, input_schema, then 30 levels of properties.
+    ok = parse_messages_request(_body(tools=[{"name": "t", "input_schema": _nested_schema(30)}]), {})
+    assert ok.tools[0].parameters == _nested_schema(30)
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"Infinity", b"-Infinity", b"NaN"])
+def test_non_finite_numbers_anywhere_are_refused(number: bytes) -> None:
+    body = (
+        b'{"model":"m","max_tokens":5,"messages":[{"role":"assistant","content":'
+        b'[{"type":"tool_use","id":"t","name":"f","input":{"x":' + number + b"}}]}]}"
+    )
+    with pytest.raises(ApiError, match="The request body is not valid JSON"):
+        parse_messages_request(body, {})
+
+
+def test_a_selected_header_that_is_not_utf8_is_refused() -> None:
+    # aiohttp hands non-UTF-8 header bytes over as lone surrogates (surrogateescape).
+    with pytest.raises(ApiError, match="'x-claude-code-agent-id' is not valid UTF-8"):
+        parse_messages_request(_body(), {"x-claude-code-agent-id": "a\udcff"})
+    parse_messages_request(_body(), {"user-agent": "a\udcff"})  # not selected: ignored
+
+
+def _events(raw: list[bytes]) -> list[dict[str, Any]]:
+    """Each SSE event's data, decoded as strict UTF-8 JSON."""
+    out = []
+    for chunk in raw:
+        name, data = chunk.decode("utf-8").removesuffix("\n\n").split("\n", 1)
+        out.append(json.loads(data.removeprefix("data: ")))
+    return out
+
+
+def test_a_lone_surrogate_in_a_reply_streams_losslessly() -> None:
+    # A model's tool-call JSON can hold "\ud800" escapes: the events stay valid UTF-8
+    # (they used to be encoded with 'replace', which turned the surrogate into '?').
+    call = ToolCall(id="toolu_x", name="f", arguments={"s": "a\ud800b", "\udc00": "é"})
+    events = _events(list(stream_events(completion("", (call,), "tool_use"), chunk_chars=3)))
+    partial = "".join(
+        e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
+    )
+    assert json.loads(partial) == call.arguments
+    # Without a surrogate the events stay raw UTF-8, as the API sends them.
+    plain = b"".join(stream_events(completion("héllo"), chunk_chars=64))
+    assert "héllo".encode() in plain

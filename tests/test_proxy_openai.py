@@ -917,3 +917,58 @@ def test_models_body() -> None:
             {"id": "b", "object": "model", "created": 5, "owned_by": "qwengyre"},
         ],
     }
+
+
+# ---------------------------------------------------------------------------------------
+# Bounds on what is parsed, lossless answers (each test failed before its fix)
+# ---------------------------------------------------------------------------------------
+
+
+def test_lone_surrogates_are_replaced_as_the_anthropic_adapter_does() -> None:
+    # They used to reach the tokenizer, which raised (a 500 after authentication).
+    arguments = json.dumps({"s": "x\ud800"})  # a "\ud800" escape inside the string
+    raw = (
+        b'{"model":"m","messages":[{"role":"user","content":"a\\ud83d|\\ud83c\\udf89"},'
+        b'{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function",'
+        b'"function":{"name":"f","arguments":' + json.dumps(arguments).encode() + b"}}]}]}"
+    )
+    req = parse_chat_request(raw, {})
+    assert req.messages[0].content == "a\ufffd|🎉"
+    assert req.messages[1].tool_calls[0].arguments == {"s": "x\ufffd"}
+
+
+def test_deep_json_is_a_400_naming_the_limit() -> None:
+    deep = b'{"model":"m","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ApiError, match="nesting exceeds the limit of 64 levels"):
+        parse_chat_request(deep, {})
+    arguments = "[" * 70 + "]" * 70
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    with pytest.raises(ApiError, match="64 levels") as info:
+        parse(body_with(messages=[*USER, {"role": "assistant", "tool_calls": [call]}]))
+    assert info.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999"])
+def test_numbers_that_overflow_are_refused(number: bytes) -> None:
+    # json.loads reads them as inf, which used to be written back as "Infinity".
+    raw = b'{"model":"m","messages":[{"role":"user","content":"x"}],"stop":[' + number + b"]}"
+    with pytest.raises(ApiError, match="out of range"):
+        parse_chat_request(raw, {})
+
+
+def test_a_forwarded_header_that_is_not_utf8_is_refused() -> None:
+    with pytest.raises(ApiError, match="'x-agent-id' is not valid UTF-8"):
+        parse(body_with(), {"x-agent-id": "a\udcff"})
+    parse(body_with(), {"user-agent": "a\udcff"})  # not forwarded: ignored
+
+
+def test_a_lone_surrogate_in_a_reply_streams_losslessly() -> None:
+    call = ToolCall("call_1", "f", {"s": "a\ud800b"})
+    c = Completion("u", MODEL, "hé", (call,), "tool_use", 1, 1)
+    arguments = ""
+    for chunk in stream_chunks(c, CREATED, logprobs=False, include_usage=False, chunk_chars=3):
+        data = chunk.decode("utf-8").removeprefix("data: ").removesuffix("\n\n")
+        if data != "[DONE]":
+            for tc in json.loads(data)["choices"][0]["delta"].get("tool_calls", ()):
+                arguments += tc["function"]["arguments"]
+    assert json.loads(arguments) == call.arguments

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import logging
 import threading
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +19,11 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
+from qwengyre.cli import main as cli_main
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
+from qwengyre.proxy.serve import ADMIN_TOKEN_ENV, resolve_admin_token
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.proxy.store import Store
 
@@ -86,7 +91,7 @@ def start(
     server = ProxyServer(
         ChatRenderer(tokenizer),
         router,
-        Store(store_dir / "proxy.sqlite"),
+        kw.pop("store", None) or Store(store_dir / "proxy.sqlite"),
         model="tiny",
         max_context=kw.pop("max_context", 4096),
         admin_token=ADMIN,
@@ -384,9 +389,10 @@ def test_draining_an_engine_mid_call_reroutes_without_error_or_duplicate(
 class DyingEngine(ScriptedEngine):
     """Fails like a crashed server once its calls are in flight."""
 
-    async def generate(self, request):  # type: ignore[no-untyped-def]
+    async def stream(self, request):  # type: ignore[no-untyped-def]
         await asyncio.sleep(0.2)
         raise ConnectionResetError("engine process died")
+        yield  # an async generator, as the router consumes engines
 
 
 def test_a_dying_engine_is_drained_and_its_calls_retried_elsewhere(
@@ -434,12 +440,196 @@ def test_unknown_routes_and_internal_failures_answer_in_api_shape(proxy: Running
     assert missing.status_code == 404
     assert missing.json()["error"]["type"] == "not_found_error"
 
-    async def explode(state, chat):  # type: ignore[no-untyped-def]
+    async def explode(*args):  # type: ignore[no-untyped-def]
         raise RuntimeError("disk on fire")
 
-    proxy.server._complete = explode  # type: ignore[method-assign]
+    proxy.server._reply = explode  # type: ignore[method-assign]
     with pytest.raises(openai.InternalServerError):
         gpt(proxy, ex).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}]
         )
     assert proxy.tree(ex["id"]) == []
+
+
+# ------------------------------------------------------------ bad input (each failed unfixed)
+
+
+def _raw(proxy: Running, path: str, content: bytes, headers: dict[str, object]) -> httpx2.Response:
+    return httpx2.post(proxy.url + path, content=content, headers=headers, timeout=30)  # type: ignore[arg-type]
+
+
+def _anthropic_error(response: httpx2.Response, status: int, kind: str) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind, body
+    return str(body["error"]["message"])
+
+
+def test_deep_json_and_deep_tool_schemas_are_400s_logged_in_one_line(
+    proxy: Running, caplog: pytest.LogCaptureFixture
+):
+    ex = proxy.new_execution()
+    headers = {"x-api-key": ex["key"]}
+    deep = b'{"model":"m","max_tokens":5,"messages":[' + b"[" * 50_000 + b"]" * 50_000 + b"]}"
+    schema = '{"type":"string"}'
+    for _ in range(250):  # ~500 levels: it used to recurse through the chat template
+        schema = '{"type":"object","properties":{"a":' + schema + "}}"
+    tools = '[{"name":"t","input_schema":' + schema + "}]"
+    body = '{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"x"}],"tools":'
+    with caplog.at_level(logging.INFO):
+        for content in (deep, (body + tools + "}").encode()):
+            message = _anthropic_error(
+                _raw(proxy, "/v1/messages", content, headers), 400, "invalid_request_error"
+            )
+            assert "nesting exceeds the limit of 64 levels" in message
+    assert not [r for r in caplog.records if r.exc_info]
+    assert len(caplog.text) < 2000  # was 294 KB of traceback for a 3.7 KB request
+    assert proxy.tree(ex["id"]) == []
+
+
+def test_a_lone_surrogate_in_openai_content_becomes_u_fffd(proxy: Running):
+    ex = proxy.new_execution()
+    body = b'{"model":"tiny","max_tokens":5,"messages":[{"role":"user","content":"hi\\ud800"}]}'
+    answer = _raw(proxy, "/v1/chat/completions", body, {"authorization": f"Bearer {ex['key']}"})
+    assert answer.status_code == 200, answer.text
+    (node,) = proxy.tree(ex["id"])
+    assert "hi\ufffd" in proxy.tokenizer.decode(node["input_ids"])  # type: ignore[attr-defined]
+
+
+def test_content_encodings_decode_or_answer_400(tmp_path: Path, tiny_model_dir: Path):
+    body = json.dumps(
+        {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    ).encode()
+    for running in start(tmp_path, tiny_model_dir, max_body_bytes=4096):
+        ex = running.new_execution()
+        key = {"x-api-key": ex["key"]}
+        for encoding, content in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+            answer = _raw(running, "/v1/messages", content, {**key, "content-encoding": encoding})
+            assert answer.status_code == 200, answer.text
+        # gzip said, not gzip sent: aiohttp used to raise inside read() (a 500, a traceback)
+        bad = _raw(running, "/v1/messages", body, {**key, "content-encoding": "gzip"})
+        assert "not valid gzip data" in _anthropic_error(bad, 400, "invalid_request_error")
+        cut = _raw(
+            running,
+            "/v1/chat/completions",
+            gzip.compress(body)[:-4],
+            {**key, "content-encoding": "gzip"},
+        )
+        assert cut.status_code == 400 and "truncated" in cut.json()["error"]["message"]
+        for unknown in ("br", "compress", "gzip, gzip"):
+            answer = _raw(running, "/v1/messages", body, {**key, "content-encoding": unknown})
+            assert "is not supported" in _anthropic_error(answer, 400, "invalid_request_error")
+        bomb = gzip.compress(b" " * 100_000)  # small when sent, too large decoded
+        answer = _raw(running, "/v1/messages", bomb, {**key, "content-encoding": "gzip"})
+        _anthropic_error(answer, 413, "request_too_large")
+        assert len(running.tree(ex["id"])) == 2
+
+
+def test_non_utf8_credentials_are_401s_on_both_apis_and_the_admin_api(proxy: Running):
+    ex = proxy.new_execution()
+    body = json.dumps(
+        {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    )
+    for credential in (
+        {"x-api-key": ex["key"].encode() + b"\xff"},
+        {"authorization": b"Bearer \xff\xfe" + ex["key"].encode()},
+    ):
+        answer = _raw(proxy, "/v1/messages", body.encode(), credential)
+        _anthropic_error(answer, 401, "authentication_error")
+        answer = _raw(proxy, "/v1/chat/completions", body.encode(), credential)
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    admin = {"authorization": b"Bearer " + ADMIN.encode() + b"\xff"}
+    answer = httpx2.post(proxy.url + "/admin/executions", headers=admin)  # type: ignore[arg-type]
+    _anthropic_error(answer, 401, "authentication_error")
+    assert proxy.tree(ex["id"]) == []
+
+
+def test_the_bearer_scheme_works_in_any_case(proxy: Running):
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        created = httpx2.post(
+            proxy.url + "/admin/executions", headers={"authorization": f"{scheme} {ADMIN}"}
+        )
+        assert created.status_code == 201, created.text
+        ex = created.json()
+        answer = httpx2.post(
+            proxy.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+            headers={"authorization": f"{scheme}  {ex['key']}"},
+        )
+        assert answer.status_code == 200, answer.text
+
+
+def test_admin_errors_are_json_in_the_anthropic_shape(proxy: Running):
+    ex = proxy.new_execution()
+    anonymous = httpx2.get(proxy.url + f"/admin/executions/{ex['id']}/tree")
+    assert "admin token required" in _anthropic_error(anonymous, 401, "authentication_error")
+    missing = proxy.admin("DELETE", "/admin/executions/ex_nope")
+    assert "no execution 'ex_nope'" in _anthropic_error(missing, 404, "not_found_error")
+    _anthropic_error(proxy.admin("GET", "/admin/executions"), 404, "not_found_error")
+    _anthropic_error(proxy.admin("GET", "/admin/nothing"), 404, "not_found_error")
+
+
+def _strict(data: bytes) -> object:
+    def refuse(name: str) -> object:
+        raise ValueError(name)
+
+    return json.loads(data.decode("utf-8"), parse_constant=refuse)
+
+
+def test_replies_with_nan_infinity_or_lone_surrogates_answer_valid_json(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    nan = '<tool_call>\n{"name": "bash", "arguments": {"x": NaN, "y": -Infinity}}\n</tool_call>'
+    surrogate = '<tool_call>\n{"name": "bash", "arguments": {"s": "a\\ud800b"}}\n</tool_call>'
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = ScriptedEngine(tokenizer, {"default": [nan]})
+    for running in start(tmp_path, tiny_model_dir, engines=[engine]):
+        ex = running.new_execution()
+        key = {"x-api-key": ex["key"]}
+        for stream in (False, True):
+            request = {
+                "model": "tiny",
+                "max_tokens": 200,
+                "stream": stream,
+                "messages": [{"role": "user", "content": "go"}],
+            }
+            engine.script = {"default": [nan]}
+            answer = _raw(running, "/v1/messages", json.dumps(request).encode(), key)
+            assert answer.status_code == 200, answer.text
+            if not stream:  # the block stays text: it was passed through as invalid JSON
+                body = _strict(answer.content)
+                assert body["content"] == [{"type": "text", "text": nan}]  # type: ignore[index]
+            engine.script = {"default": [surrogate]}
+            answer = _raw(running, "/v1/chat/completions", json.dumps(request).encode(), key)
+            assert answer.status_code == 200, answer.text
+            if stream:
+                lines = answer.content.decode("utf-8").split("\n\n")
+                chunks = [_strict(x[6:].encode()) for x in lines if x[6:] not in ("", "[DONE]")]
+                arguments = "".join(
+                    call["function"]["arguments"]
+                    for chunk in chunks
+                    for call in chunk["choices"][0]["delta"].get("tool_calls", ())  # type: ignore[index]
+                )
+            else:
+                message = _strict(answer.content)["choices"][0]["message"]  # type: ignore[index]
+                arguments = message["tool_calls"][0]["function"]["arguments"]
+            assert json.loads(arguments) == {"s": "a\ud800b"}  # lossless
+
+
+def test_the_admin_token_comes_from_argv_a_file_or_the_environment(tmp_path: Path):
+    token = "t" * 16
+    path = tmp_path / "token"
+    path.write_text(f"  {token}-file\n")
+    env = {ADMIN_TOKEN_ENV: f"{token}-env"}
+    assert resolve_admin_token(f"{token}-argv", None, env) == f"{token}-argv"
+    assert resolve_admin_token(None, path, env) == f"{token}-file"
+    assert resolve_admin_token(None, None, env) == f"{token}-env"
+    assert resolve_admin_token(None, None, {ADMIN_TOKEN_ENV: ""}) is None  # generated
+    with pytest.raises(ValueError, match="cannot read the admin token file"):
+        resolve_admin_token(None, tmp_path / "missing", env)
+    with pytest.raises(ValueError, match=r"from \$QWENGYRE_ADMIN_TOKEN has 5 characters"):
+        resolve_admin_token(None, None, {ADMIN_TOKEN_ENV: "short"})
+    with pytest.raises(ValueError, match="not both"):
+        resolve_admin_token(token, path, env)
+    args = ["proxy", "serve", "--model", "m", "--store", str(tmp_path), "--admin-token-file"]
+    assert cli_main([*args, str(tmp_path / "missing")]) == 2  # before any model is loaded

@@ -10,7 +10,7 @@ hangs from the agent's previous call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from qwengyre.engines.base import GenerateResult
 from qwengyre.proxy.render import ChatRenderer
-from qwengyre.proxy.tito import ExecutionRecorder
+from qwengyre.proxy.tito import ExecutionRecorder, PreparedCall, Reuse
 from qwengyre.proxy.types import ChatRequest, Message, SamplingParams, ToolCall, ToolSpec
 
 TOOLS = (ToolSpec("bash", "run", {"type": "object", "properties": {"cmd": {"type": "string"}}}),)
@@ -38,6 +38,7 @@ class Agent:
     headers: dict[str, str]
     messages: list[Message] = field(default_factory=list)
     last_node: int | None = None
+    last_call: PreparedCall | None = None
 
 
 replies = st.tuples(st.sampled_from(WORDS), st.booleans(), st.sampled_from(WORDS), st.booleans())
@@ -89,6 +90,19 @@ def test_recorded_tokens_are_exactly_what_the_engine_saw(renderer: ChatRenderer,
             headers=agent.headers,
         )
         call = recorder.prepare(request)
+        # Reusing what the previous request of this agent parsed to gives the same call.
+        before = agent.last_call
+        if before is not None and request.messages[: len(before.messages)] == before.messages:
+            reused = replace(
+                request, messages=(*before.messages, *request.messages[len(before.messages) :])
+            )
+            again = recorder.prepare(reused, Reuse(len(before.messages), before.parent))
+            assert (again.parent, again.input_ids, again.prompt_ids) == (
+                call.parent,
+                call.input_ids,
+                call.prompt_ids,
+            )
+        agent.last_call = call
         reply = text + (
             f'\n<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "{arg}"}}}}\n</tool_call>'
             if with_tool

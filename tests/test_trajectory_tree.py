@@ -43,11 +43,15 @@ def test_inconsistent_nodes_are_refused():
 @pytest.mark.parametrize(
     ("headers", "has_tools", "last_user", "expected"),
     [
-        ({}, True, "fix the bug", RequestClass("main", "task", "main")),
-        ({SUBAGENT_HEADER: "a7"}, True, "look", RequestClass("sub", "task", "a7")),
-        ({}, True, COMPACTION_PREFIX + ". Summarise.", RequestClass("main", "summary", "main")),
-        ({SUBAGENT_HEADER: "a7"}, True, COMPACTION_PREFIX, RequestClass("sub", "summary", "a7")),
-        ({}, False, "a title please", RequestClass("main", "side", "main")),
+        ({}, True, ("fix the bug",), RequestClass("main", "task", "main")),
+        ({SUBAGENT_HEADER: "a7"}, True, ("look",), RequestClass("sub", "task", "a7")),
+        ({}, True, (COMPACTION_PREFIX + ". Go",), RequestClass("main", "summary", "main")),
+        ({SUBAGENT_HEADER: "a7"}, True, (COMPACTION_PREFIX,), RequestClass("sub", "summary", "a7")),
+        # After a user text turn Claude Code appends the instruction as a second block.
+        ({}, True, ("go on", COMPACTION_PREFIX), RequestClass("main", "summary", "main")),
+        ({SUBAGENT_HEADER: "a7"}, True, ("x", COMPACTION_PREFIX), RequestClass("sub", "summary", "a7")),
+        ({}, True, ("quote: " + COMPACTION_PREFIX,), RequestClass("main", "task", "main")),
+        ({}, False, ("a title please",), RequestClass("main", "side", "main")),
     ],
 )
 def test_default_rules_recognise_claude_code(headers, has_tools, last_user, expected):
@@ -58,6 +62,6 @@ def test_rules_are_pluggable():
     def everything_is_a_summary(facts: RequestFacts) -> RequestClass:
         return RequestClass("main", "summary")
 
-    facts = RequestFacts({}, True, "x")
+    facts = RequestFacts({}, True, ("x",))
     assert classify(facts, [everything_is_a_summary]).name == "main.summary"
     assert classify(facts, []).name == "main.task"

@@ -87,8 +87,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_proxy_serve(args: argparse.Namespace) -> int:
-    from qwengyre.proxy.serve import ServeOptions, serve
+    from qwengyre.proxy.serve import ServeOptions, resolve_admin_token, serve
 
+    token_file = Path(args.admin_token_file) if args.admin_token_file else None
+    admin_token = resolve_admin_token(args.admin_token, token_file)
     print(f"proxy on http://{args.host}:{args.port} (model {args.model})", flush=True)
     serve(
         ServeOptions(
@@ -100,7 +102,7 @@ def cmd_proxy_serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             host=args.host,
             port=args.port,
-            admin_token=args.admin_token,
+            admin_token=admin_token,
             max_context=args.max_context,
         )
     )
@@ -250,7 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", required=True, help="directory for the durable store")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--admin-token", help="admin API token (default: generated, printed)")
+    token = serve.add_mutually_exclusive_group()
+    token.add_argument(
+        "--admin-token",
+        help="admin API token (other users see it in ps: prefer --admin-token-file or "
+        "$QWENGYRE_ADMIN_TOKEN; none of them: generated, printed)",
+    )
+    token.add_argument(
+        "--admin-token-file", metavar="PATH", help="read the admin API token from PATH"
+    )
     serve.add_argument("--max-context", type=int, help="default: the model's limit")
     serve.set_defaults(func=cmd_proxy_serve)
 

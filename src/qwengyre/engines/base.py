@@ -1,12 +1,14 @@
 """The engine interface the proxy and the cells use (DESIGN.md §3).
 
 An engine generates from token ids and returns the ids it sampled with their
-behaviour log-probs and the policy version of the weights that produced them.
+behaviour log-probs and the policy version of the weights that produced them, either
+all at once (:meth:`InferenceEngine.generate`) or as they are sampled
+(:meth:`InferenceEngine.stream`, whose deltas :func:`collect` joins into the same result).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -50,6 +52,42 @@ class GenerateResult:
 
 
 @dataclass(frozen=True)
+class TokenDelta:
+    """Tokens an engine sampled since its previous delta of the same request (one or
+    more), with their behaviour log-probs and policy versions; ``finish_reason`` is set
+    on the last delta of a request only, which may carry no tokens."""
+
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not len(self.output_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError("output_ids, logprobs and versions must have one entry per token")
+
+
+async def collect(deltas: AsyncIterator[TokenDelta]) -> GenerateResult:
+    """The result of a request from all its deltas (consumed to the end).
+
+    Raises what the stream raises (e.g. :class:`EngineAborted`), and RuntimeError if it
+    ends without a delta that has a finish reason.
+    """
+    ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    finish: FinishReason | None = None
+    async for delta in deltas:
+        ids.extend(delta.output_ids)
+        logprobs.extend(delta.logprobs)
+        versions.extend(delta.versions)
+        finish = delta.finish_reason
+    if finish is None:
+        raise RuntimeError("the engine's stream ended without a finish reason")
+    return GenerateResult(tuple(ids), tuple(logprobs), tuple(versions), finish)
+
+
+@dataclass(frozen=True)
 class WeightsOnDisk:
     """A HuggingFace checkpoint directory (safetensors) to load weights from."""
 
@@ -84,10 +122,26 @@ class InferenceEngine(Protocol):
         ...
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Generate; raises :class:`EngineAborted` if aborted before finishing."""
+        """Generate; raises :class:`EngineAborted` if aborted before finishing.
+
+        Equivalent to ``await collect(self.stream(request))``.
+        """
         ...
 
-    async def abort(self, request_id: str) -> None: ...
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenDelta, None]:
+        """Generate, yielding the tokens as they are sampled (an async generator).
+
+        The last delta has a finish reason. Raises :class:`EngineAborted` when the
+        request is aborted, possibly after some deltas. A consumer that stops early
+        (``aclose()``, or its task is cancelled) aborts the request: the engine frees its
+        place at once instead of generating on.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id``; its :meth:`generate` or :meth:`stream` raises
+        :class:`EngineAborted` (nothing happens if it is not in flight)."""
+        ...
 
     async def update_weights(self, source: WeightSource, version: int) -> None:
         """Load new weights between decode steps; later tokens carry ``version``."""

@@ -7,13 +7,19 @@ finished or aborted row is freed by moving the last running row into it. On CUDA
 decode step replays a captured graph (:mod:`qwengyre.engines.decode_graphs`;
 ``cuda_graphs=False``, or a failed capture, runs it eagerly). Compute runs in a worker
 thread so the event loop (the proxy) stays responsive; only that thread touches the
-model.
+model. Every decode step hands each sequence's new token to its consumer's event loop
+(:meth:`EmbeddedEngine.stream`); a consumer that leaves early aborts its sequence.
 
 Behaviour log-probs (what the trainer must reproduce): for a sampled token ``y`` with
-logits ``z`` at its position, ``log softmax(z / T)[y]`` in fp32 — the *tempered* full
-distribution, before top-k / top-p truncation (with the RL defaults top_k=-1, top_p=1
-it is exactly the sampling distribution). With ``T = 0`` (greedy) it is
-``log softmax(z)[y]``.
+logits ``z`` at its position, ``log softmax(z' / T)[y]`` in fp32, where ``z'`` is ``z``
+with the logits that top-k / top-p truncate set to ``-inf``: the log-prob under the
+distribution actually sampled from. With the RL defaults top_k=-1, top_p=1 nothing is
+truncated and it is :func:`behaviour_logprobs` (the trainer's function). With ``T = 0``
+(greedy) ``T`` is taken as 1.
+
+Stop strings (:mod:`qwengyre.engines.stops`) are looked for in the decoded output after
+every token; the model's tokenizer is loaded from ``model_dir`` the first time a request
+has any.
 
 Weight updates are applied between decode steps without dropping requests; every
 token records the version of the weights that produced it. Tokens sampled after a
@@ -24,11 +30,13 @@ mid-request update use the new weights over a KV cache the old weights partly co
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import gc
 import inspect
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -40,9 +48,11 @@ from qwengyre.engines.base import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    TokenDelta,
     WeightsInMemory,
     WeightsOnDisk,
     WeightSource,
+    collect,
 )
 from qwengyre.engines.decode_graphs import DecodeGraphs, GraphCaptureFailed
 from qwengyre.engines.kv_slots import (
@@ -53,6 +63,7 @@ from qwengyre.engines.kv_slots import (
     prefill_mask,
     sliding,
 )
+from qwengyre.engines.stops import StopStrings
 from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.types import SamplingParams
 
@@ -70,28 +81,25 @@ def behaviour_logprobs(
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+_Token = tuple[int, float, int, FinishReason | None]
+"""A sampled token as the worker hands it over: id, log-prob, version, finish reason."""
+
+
 @dataclass
 class _Sequence:
     request: GenerateRequest
-    future: asyncio.Future[GenerateResult]
+    queue: asyncio.Queue[_Token | BaseException]  # read by the consumer's event loop
     loop: asyncio.AbstractEventLoop
+    stops: StopStrings | None = None
     length: int = 0  # tokens in the KV cache for this row
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens sampled
     next_token: int = -1
     aborted: bool = False
 
-    def settle(self, result: GenerateResult | BaseException) -> None:
-        def deliver() -> None:
-            if self.future.done():
-                return
-            if isinstance(result, BaseException):
-                self.future.set_exception(result)
-            else:
-                self.future.set_result(result)
-
-        self.loop.call_soon_threadsafe(deliver)
+    def push(self, item: _Token | BaseException) -> None:
+        """Hand a token, or the exception that ends the sequence, to its consumer."""
+        with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 @dataclass
@@ -170,15 +178,54 @@ class EmbeddedEngine:
             return len(self._active)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await collect(self.stream(request))
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenDelta, None]:
+        """Deltas of the tokens the worker sampled since the consumer last looked (one
+        per decode step when it keeps up). A consumer that stops early aborts the
+        sequence: its row is freed at the next decode step."""
         self._validate(request)
+        stops = None
+        if request.sampling.stop:
+            tokenizer = await asyncio.to_thread(lambda: self.tokenizer)
+            stops = StopStrings(tokenizer, request.sampling.stop)
         loop = asyncio.get_running_loop()
-        sequence = _Sequence(request, loop.create_future(), loop)
+        sequence = _Sequence(request, asyncio.Queue(), loop, stops)
         with self._lock:
             if self._released:
                 raise EngineAborted(f"{self.name} has released its memory")
             self._pending.append(sequence)
         self._wake.set()
-        return await sequence.future
+        finished = False
+        try:
+            while not finished:
+                items = [await sequence.queue.get()]
+                while not sequence.queue.empty():
+                    items.append(sequence.queue.get_nowait())
+                tokens: list[_Token] = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    tokens.append(item)
+                finish = tokens[-1][3]
+                finished = finish is not None
+                yield TokenDelta(
+                    tuple(t[0] for t in tokens),
+                    tuple(t[1] for t in tokens),
+                    tuple(t[2] for t in tokens),
+                    finish,
+                )
+        finally:
+            if not finished:  # aborted, failed, or the consumer left: free the row
+                sequence.aborted = True
+                self._wake.set()
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded on first use (stop strings need it)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
@@ -263,7 +310,7 @@ class EmbeddedEngine:
                     if self._graphs is not None:
                         self._graphs.clear()
                     for sequence in failed:
-                        sequence.settle(exc)
+                        sequence.push(exc)
                 if self._active or self._pending:
                     self._wake.set()
 
@@ -299,7 +346,7 @@ class EmbeddedEngine:
         with self._lock:
             for sequence in [s for s in self._pending if s.aborted]:
                 self._pending.remove(sequence)
-                sequence.settle(EngineAborted(sequence.request.request_id))
+                sequence.push(EngineAborted(sequence.request.request_id))
             # Only this thread removes from the queue: the joining stay counted as pending
             # (so the engine is never seen idle) until they are in the batch.
             joining = self._pending[: self.capacity - len(self._active)]
@@ -319,16 +366,7 @@ class EmbeddedEngine:
                 for batch in prefill_batches(lengths)
             ]
         )
-        tokens, logprobs = self._sample(logits, [s.request.sampling for s in joining])
-        done = []
-        for row, sequence in enumerate(joining):
-            result = self._take(sequence, tokens[row], logprobs[row])
-            if result is not None:
-                done.append((first + row, sequence, result))
-        if done:
-            self._remove([row for row, _, _ in done])
-            for _, sequence, result in done:
-                sequence.settle(result)
+        self._hand_over(first, joining, logits)
 
     def _prefill(self, prompts: list[Sequence[int]], first_row: int) -> torch.Tensor:
         """Prefill ``prompts``, left-padded, into rows from ``first_row``, ending at the
@@ -353,7 +391,7 @@ class EmbeddedEngine:
             gone = [self._active[i] for i in aborted]
             self._remove(aborted)  # the slot is free before the caller hears of it
             for sequence in gone:
-                sequence.settle(EngineAborted(sequence.request.request_id))
+                sequence.push(EngineAborted(sequence.request.request_id))
             if not self._active:
                 return
         kv = self._slots()
@@ -371,18 +409,9 @@ class EmbeddedEngine:
         )
         logits = self._decode(n)
         kv.width += 1
-        finished: list[tuple[int, GenerateResult]] = []
-        tokens, logprobs = self._sample(logits, [s.request.sampling for s in self._active])
-        for row, sequence in enumerate(self._active):
+        for sequence in self._active:
             sequence.length += 1
-            result = self._take(sequence, tokens[row], logprobs[row])
-            if result is not None:
-                finished.append((row, result))
-        if finished:
-            done = [(self._active[row], result) for row, result in finished]
-            self._remove([row for row, _ in finished])
-            for sequence, result in done:
-                sequence.settle(result)
+        self._hand_over(0, list(self._active), logits)
 
     def _decode(self, n: int) -> torch.Tensor:
         """The logits of a decode step of the first ``n`` rows, through a CUDA graph of
@@ -451,25 +480,34 @@ class EmbeddedEngine:
         if moved and self._graphs is not None:
             self._graphs.clear()
 
-    def _take(self, sequence: _Sequence, token: int, logprob: float) -> GenerateResult | None:
-        """Record a sampled token; the result once the sequence is finished."""
+    def _hand_over(self, first: int, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample the next token of ``sequences`` (rows from ``first``) and hand each to
+        its consumer; finished rows are freed before their consumers hear of it."""
+        tokens, logprobs = self._sample(logits, [s.request.sampling for s in sequences])
+        items = [
+            (sequence, (token, logprob, self.version, self._advance(sequence, token)))
+            for sequence, token, logprob in zip(sequences, tokens, logprobs, strict=True)
+        ]
+        finished = [first + row for row, (_, item) in enumerate(items) if item[3] is not None]
+        if finished:
+            self._remove(finished)
+        for sequence, item in items:
+            sequence.push(item)
+
+    def _advance(self, sequence: _Sequence, token: int) -> FinishReason | None:
+        """Record a sampled token; why the sequence ends with it, if it does."""
         s = sequence.request.sampling
-        sequence.output.append(token)
-        sequence.logprobs.append(logprob)
-        sequence.versions.append(self.version)
+        sequence.generated += 1
         sequence.next_token = token
-        reason: FinishReason | None = None
         if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
-            reason = "stop"
-        elif len(sequence.output) >= s.max_tokens or (
-            len(sequence.request.input_ids) + len(sequence.output) >= self.max_context
+            return "stop"
+        if sequence.stops is not None and sequence.stops.add(token) is not None:
+            return "stop"
+        if sequence.generated >= s.max_tokens or (
+            len(sequence.request.input_ids) + sequence.generated >= self.max_context
         ):
-            reason = "length"
-        if reason is None:
-            return None
-        return GenerateResult(
-            tuple(sequence.output), tuple(sequence.logprobs), tuple(sequence.versions), reason
-        )
+            return "length"
+        return None
 
     def _sample(
         self, logits: torch.Tensor, params: list[SamplingParams]
@@ -477,14 +515,14 @@ class EmbeddedEngine:
         """One token per row of ``logits`` [B, V], with each row's own sampling params.
 
         Vectorised on the logits' device with one host sync per step. The returned
-        log-probs are :func:`behaviour_logprobs` of the sampled tokens.
+        log-probs are those of the sampled tokens under the tempered, truncated
+        distribution they were drawn from (see the module docstring).
         """
         logits = logits.float()
         vocab = logits.shape[-1]
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         greedy = temperature == 0
         scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-        behaviour = torch.log_softmax(scaled, dim=-1)
         masked = scaled
         if any(p.top_k > 0 for p in params):
             k = torch.tensor(
@@ -504,7 +542,7 @@ class EmbeddedEngine:
         uniform = torch.rand(masked.shape, generator=self._generator, device=masked.device)
         sampled = (masked - torch.log(-torch.log(uniform.clamp_(1e-20, 1.0)))).argmax(-1)
         tokens = torch.where(greedy, scaled.argmax(-1), sampled)
-        logprobs = behaviour.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        logprobs = torch.log_softmax(masked, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return tokens.tolist(), logprobs.tolist()
 
     def _remove(self, rows: list[int]) -> None:

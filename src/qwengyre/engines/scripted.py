@@ -5,8 +5,12 @@ Script format (JSON object): keys are request classes (``main.task``, ``sub.task
 used in turn order per execution and class (the last one repeats). A reply may contain
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks. Log-probs are a
 deterministic function of the token and its position (a fake but reproducible
-behaviour policy). ``delay_s`` makes each call take that long, so tests can abort
-or reroute calls in flight.
+behaviour policy). A reply ends at the first of its stop strings (the output keeps the
+token that completes it, :mod:`qwengyre.engines.stops`), at ``max_tokens``, or with EOS.
+
+Timing, so tests can abort or reroute calls in flight: nothing comes for ``prefill_s``,
+then the reply streams in ``STREAM_PARTS`` deltas spread evenly over ``delay_s`` (the
+first after ``delay_s / STREAM_PARTS``).
 """
 
 from __future__ import annotations
@@ -16,10 +20,23 @@ import contextlib
 import json
 import math
 from collections import defaultdict
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-from qwengyre.engines.base import EngineAborted, GenerateRequest, GenerateResult, WeightSource
+from qwengyre.engines.base import (
+    EngineAborted,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    TokenDelta,
+    WeightSource,
+    collect,
+)
+from qwengyre.engines.stops import StopStrings
+
+STREAM_PARTS = 4
+"""How many deltas a reply streams in (fewer for a reply of fewer tokens)."""
 
 
 class ScriptedEngine:
@@ -31,6 +48,7 @@ class ScriptedEngine:
         capacity: int = 256,
         delay_s: float = 0.0,
         policy_version: int = 0,
+        prefill_s: float = 0.0,
     ) -> None:
         if not script or not all(
             isinstance(v, list) and v and all(isinstance(t, str) for t in v)
@@ -42,6 +60,7 @@ class ScriptedEngine:
         self.name = name
         self.capacity = capacity
         self.delay_s = delay_s
+        self.prefill_s = prefill_s
         self.policy_version = policy_version
         self._turns: dict[tuple[str, str], int] = defaultdict(int)
         self._inflight: dict[str, asyncio.Event] = {}
@@ -71,27 +90,45 @@ class ScriptedEngine:
         self._turns[key] += 1
         return replies[min(turn, len(replies) - 1)]
 
+    def output_for(self, request: GenerateRequest) -> tuple[list[int], FinishReason]:
+        """The ids of the next reply to ``request`` (its turn is taken) and why they end."""
+        ids = list(self.tokenizer.encode(self.reply_for(request), add_special_tokens=False))
+        stops = StopStrings(self.tokenizer, request.sampling.stop)
+        end = next((i + 1 for i, t in enumerate(ids) if stops.add(t) is not None), None)
+        limit = request.sampling.max_tokens
+        if end is not None and end <= limit:
+            return ids[:end], "stop"
+        if len(ids) >= limit:
+            return ids[:limit], "length"
+        return [*ids, self.tokenizer.eos_token_id], "stop"
+
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await collect(self.stream(request))
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenDelta, None]:
+        """The reply in up to ``STREAM_PARTS`` deltas (see the module docstring). A call
+        aborted before its first delta takes no turn of the script."""
+        rid = request.request_id
         aborted = asyncio.Event()
-        self._inflight[request.request_id] = aborted
+        self._inflight[rid] = aborted
         try:
-            if self.delay_s > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(aborted.wait(), timeout=self.delay_s)
-            if aborted.is_set():
-                raise EngineAborted(request.request_id)
-            ids = list(self.tokenizer.encode(self.reply_for(request), add_special_tokens=False))
-            limit = request.sampling.max_tokens
-            finish = "stop"
-            if len(ids) >= limit:
-                ids, finish = ids[:limit], "length"
-            else:
-                ids.append(self.tokenizer.eos_token_id)
-            logprobs = tuple(-0.05 - 0.9 * abs(math.sin(t * 0.37 + i)) for i, t in enumerate(ids))
-            versions = (self.policy_version,) * len(ids)
-            return GenerateResult(tuple(ids), logprobs, versions, finish)  # type: ignore[arg-type]
+            await _pause(rid, aborted, self.prefill_s + self.delay_s / STREAM_PARTS)
+            ids, finish = self.output_for(request)
+            sent = 0
+            for part in range(1, STREAM_PARTS + 1):
+                if part > 1:
+                    await _pause(rid, aborted, self.delay_s / STREAM_PARTS)
+                end = len(ids) * part // STREAM_PARTS
+                if end > sent or part == STREAM_PARTS:
+                    yield TokenDelta(
+                        tuple(ids[sent:end]),
+                        tuple(_logprob(t, i) for i, t in enumerate(ids[sent:end], start=sent)),
+                        (self.policy_version,) * (end - sent),
+                        finish if part == STREAM_PARTS else None,
+                    )
+                    sent = end
         finally:
-            self._inflight.pop(request.request_id, None)
+            self._inflight.pop(rid, None)
 
     async def abort(self, request_id: str) -> None:
         event = self._inflight.get(request_id)
@@ -110,3 +147,17 @@ class ScriptedEngine:
 
     async def health(self) -> bool:
         return not self.released
+
+
+def _logprob(token: int, position: int) -> float:
+    """The fake behaviour log-prob of ``token`` at ``position`` of a reply."""
+    return -0.05 - 0.9 * abs(math.sin(token * 0.37 + position))
+
+
+async def _pause(request_id: str, aborted: asyncio.Event, seconds: float) -> None:
+    """Wait ``seconds``; EngineAborted if the call is aborted before or meanwhile."""
+    if seconds > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(aborted.wait(), timeout=seconds)
+    if aborted.is_set():
+        raise EngineAborted(request_id)

@@ -7,17 +7,34 @@ servers: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, 
 ``/resume_memory_occupation``, ``/flush_cache``, ``/health``. One addition to SGLang's
 answer: ``meta_info.output_token_versions``, the policy version of every output token.
 Binds 127.0.0.1 by default and requires ``Authorization: Bearer <api key>``.
+
+``/generate`` with ``stream: true`` answers server-sent events as SGLang does with
+``--incremental-streaming-output``: a ``data: {chunk}`` per engine delta, holding its
+new tokens (``output_ids``, ``output_token_logprobs``, ``output_token_versions``;
+``completion_tokens`` counts all so far), the last with ``finish_reason``, then
+``data: [DONE]``. A client that hangs up, streaming or not, aborts its engine request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import secrets
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsOnDisk
+from qwengyre.engines.base import (
+    EngineAborted,
+    GenerateRequest,
+    GenerateResult,
+    TokenDelta,
+    WeightsOnDisk,
+    collect,
+)
 from qwengyre.engines.embedded import EmbeddedEngine
 from qwengyre.types import SamplingParams
 
@@ -52,8 +69,105 @@ class _UpdateFromDisk(BaseModel):
     weight_version: str | None = None
 
 
+HANGUP_POLL_S = 0.05
+"""How often a generating request's connection is checked for a client that hung up."""
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def _abort_on_hangup(request: web.Request, engine: EmbeddedEngine, rid: str) -> None:
+    """Abort ``rid`` once the client's connection is gone (aiohttp cancels no handler
+    unless its server runs with ``handler_cancellation``)."""
+    while request.transport is not None and not request.transport.is_closing():
+        await asyncio.sleep(HANGUP_POLL_S)
+    await engine.abort(rid)
+
+
+class _Answers:
+    """SGLang's answers (or stream chunks) to one ``/generate`` request."""
+
+    def __init__(self, rid: str, prompt_tokens: int, logprobs: bool, version: int) -> None:
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.logprobs = logprobs
+        self.version = version  # for an answer without tokens
+        self.tokens = 0  # output tokens answered so far
+
+    def of(self, part: TokenDelta | GenerateResult) -> dict[str, Any]:
+        """The answer carrying ``part``'s tokens, the next of the output."""
+        self.tokens += len(part.output_ids)
+        finish: dict[str, Any] | None = None
+        if part.finish_reason is not None:
+            finish = {"type": part.finish_reason}
+            if part.finish_reason == "length":
+                finish["length"] = self.tokens
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": finish,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.tokens,
+            "weight_version": str(max(part.versions, default=self.version)),
+            "output_token_versions": list(part.versions),
+        }
+        if self.logprobs:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(part.logprobs, part.output_ids, strict=True)
+            ]
+        return {"text": "", "output_ids": list(part.output_ids), "meta_info": meta}
+
+    def aborted(self, message: str) -> dict[str, Any]:
+        return {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {
+                "id": self.rid,
+                "finish_reason": {"type": "abort", "message": message},
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.tokens,
+                "output_token_logprobs": [],
+            },
+        }
+
+
+async def _plain_answer(deltas: AsyncIterator[TokenDelta], answers: _Answers) -> web.Response:
+    try:
+        result = await collect(deltas)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    except EngineAborted as exc:
+        return web.json_response(answers.aborted(str(exc)))
+    return web.json_response(answers.of(result))
+
+
+async def _event_stream(
+    request: web.Request, deltas: AsyncIterator[TokenDelta], answers: _Answers
+) -> web.StreamResponse:
+    """The deltas as SGLang's stream chunks; a request refused before it starts is
+    answered 400, as without streaming."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    last: dict[str, Any] | None = None
+    try:
+        async for delta in deltas:
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write(f"data: {json.dumps(answers.of(delta))}\n\n".encode())
+    except ValueError as exc:
+        if not response.prepared:
+            return _error(400, str(exc))
+        last = {"error": {"message": str(exc)}}
+    except EngineAborted as exc:
+        last = answers.aborted(str(exc))
+    except ConnectionError:  # the client hung up: the handler closes the engine's stream
+        return response
+    with contextlib.suppress(ConnectionError):
+        if not response.prepared:
+            await response.prepare(request)
+        if last is not None:
+            await response.write(f"data: {json.dumps(last)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+    return response
 
 
 def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
@@ -67,15 +181,13 @@ def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
         response: web.StreamResponse = await handler(request)
         return response
 
-    async def generate(request: web.Request) -> web.Response:
+    async def generate(request: web.Request) -> web.StreamResponse:
         try:
             body = _Generate.model_validate_json(await request.read())
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             return _error(400, f"{where}: {first['msg']}")
-        if body.stream:
-            return _error(400, "stream: streaming is not supported by this engine server")
         s = body.sampling_params
         stop = [s.stop] if isinstance(s.stop, str) else (s.stop or [])
         rid = body.rid or secrets.token_hex(8)
@@ -86,44 +198,19 @@ def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
             s.top_k,
             tuple(stop),
             tuple(s.stop_token_ids or ()),
+            s.ignore_eos,
         )
-        try:
-            result = await engine.generate(GenerateRequest(rid, tuple(body.input_ids), sampling))
-        except ValueError as exc:
-            return _error(400, str(exc))
-        except EngineAborted as exc:
-            finish: dict[str, Any] = {"type": "abort", "message": str(exc)}
-            return web.json_response(
-                {
-                    "text": "",
-                    "output_ids": [],
-                    "meta_info": {
-                        "id": rid,
-                        "finish_reason": finish,
-                        "prompt_tokens": len(body.input_ids),
-                        "completion_tokens": 0,
-                        "output_token_logprobs": [],
-                    },
-                }
-            )
-        finish = {"type": result.finish_reason}
-        if result.finish_reason == "length":
-            finish["length"] = len(result.output_ids)
-        meta = {
-            "id": rid,
-            "finish_reason": finish,
-            "prompt_tokens": len(body.input_ids),
-            "completion_tokens": len(result.output_ids),
-            "weight_version": str(result.policy_version),
-            "output_token_versions": list(result.versions),
-        }
-        if body.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(result.logprobs, result.output_ids, strict=True)
-            ]
-        return web.json_response(
-            {"text": "", "output_ids": list(result.output_ids), "meta_info": meta}
-        )
+        answers = _Answers(rid, len(body.input_ids), body.return_logprob, engine.version)
+        hangup = asyncio.ensure_future(_abort_on_hangup(request, engine, rid))
+        async with contextlib.aclosing(
+            engine.stream(GenerateRequest(rid, tuple(body.input_ids), sampling))
+        ) as deltas:
+            try:
+                if body.stream:
+                    return await _event_stream(request, deltas, answers)
+                return await _plain_answer(deltas, answers)
+            finally:
+                hangup.cancel()
 
     async def abort(request: web.Request) -> web.Response:
         body = await request.json()

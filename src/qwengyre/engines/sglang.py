@@ -6,11 +6,20 @@ dataclasses of ``sglang/srt/managers/io_struct.py``):
 - ``POST /generate`` with ``GenerateReqInput``: ``input_ids``, ``sampling_params``
   (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``,
   ``stop_token_ids``), ``return_logprob``, ``logprob_start_len=-1`` (log-probs of the
-  output tokens only), ``rid``, ``stream=false``. The answer is
+  output tokens only), ``rid``, ``stream=true``. The answer is a server-sent event
+  stream of ``data: {json}`` lines ending with ``data: [DONE]``; each chunk is
   ``{"text", "output_ids", "meta_info"}`` where ``meta_info`` holds ``id``,
-  ``finish_reason`` (``{"type": "stop"|"length"|"abort", ...}``), ``prompt_tokens``,
-  ``completion_tokens``, ``output_token_logprobs`` (``[logprob, token_id, text]``
-  triples, ``text`` null unless asked for) and, in recent SGLang, ``weight_version``.
+  ``finish_reason`` (null until the last chunk, then ``{"type":
+  "stop"|"length"|"abort", ...}``), ``prompt_tokens``, ``completion_tokens`` (all the
+  tokens so far), ``output_token_logprobs`` (``[logprob, token_id, text]`` triples,
+  ``text`` null unless asked for) and, in recent SGLang, ``weight_version``. By default
+  every chunk repeats all the output so far (cumulative); with
+  ``--incremental-streaming-output`` it holds only the new tokens. The engine takes
+  the last ``completion_tokens - (tokens already yielded)`` triples, right in both
+  cases, and reads the ids from the triples (``output_ids`` has meant either, across
+  versions). Errors raised while the request runs arrive as a chunk
+  ``{"error": {"message"}}`` (HTTP 200); an abort with ``status_code`` 400 is a bad
+  request.
 - ``POST /abort_request`` with ``AbortReq`` (``rid``).
 - ``POST /update_weights_from_disk`` with ``UpdateWeightFromDiskReqInput``
   (``model_path``, ``weight_version``); answers ``{"success", "message",
@@ -43,7 +52,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +63,11 @@ from qwengyre.engines.base import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    TokenDelta,
     WeightsInMemory,
     WeightsOnDisk,
     WeightSource,
+    collect,
 )
 
 log = logging.getLogger(__name__)
@@ -99,7 +110,9 @@ class SGLangEngine:
     an engine failure); a connection that cannot be made or is lost raises an
     ``OSError`` (``ConnectionError`` wrapping aiohttp's errors that are not already
     ``OSError``), HTTP 5xx raises ``ConnectionError`` too, and a request that the
-    server aborted raises :class:`EngineAborted`; the router reroutes on all three.
+    server aborted raises :class:`EngineAborted`; the router reroutes on all three. A
+    consumer that leaves a :meth:`stream` early closes its HTTP response and sends
+    ``/abort_request``.
     """
 
     def __init__(
@@ -172,7 +185,14 @@ class SGLangEngine:
         except OSError:
             raise  # includes aiohttp.ClientOSError / ClientConnectorError / timeouts
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise ConnectionError(f"SGLang {self.name} at {self.base_url}: {exc!r}") from exc
+            raise self._lost(exc) from exc
+        self._raise_for_status(path, status, text)
+        return status, text
+
+    def _lost(self, exc: Exception) -> ConnectionError:
+        return ConnectionError(f"SGLang {self.name} at {self.base_url}: {exc!r}")
+
+    def _raise_for_status(self, path: str, status: int, text: str) -> None:
         if 400 <= status < 500:
             raise ValueError(f"SGLang {path} ({status}): {_error_message(status, text)}")
         if status >= 500:
@@ -181,7 +201,6 @@ class SGLangEngine:
                 # a running request aborted with status 503 (e.g. timeout) comes back this way
                 raise EngineAborted(message)
             raise ConnectionError(f"SGLang {self.name} {path} ({status}): {message}")
-        return status, text
 
     async def _post_json(self, path: str, body: Mapping[str, Any]) -> Any:
         _, text = await self._call("POST", path, body)
@@ -214,42 +233,56 @@ class SGLangEngine:
             "return_logprob": True,
             "logprob_start_len": -1,  # only the output tokens' log-probs
             "rid": request.request_id,
-            "stream": False,
+            "stream": True,
         }
 
-    def _parse(self, request_id: str, payload: Any) -> GenerateResult:
-        if not isinstance(payload, dict) or not isinstance(payload.get("meta_info"), dict):
-            raise ConnectionError(f"SGLang /generate answered without meta_info: {payload!r:.200}")
-        meta = payload["meta_info"]
+    def _delta(self, request_id: str, chunk: Any, yielded: int) -> TokenDelta:
+        """The new tokens of a stream chunk, ``yielded`` tokens having come before."""
+        if isinstance(chunk, dict) and "error" in chunk:
+            raise ValueError(f"SGLang /generate: {_error_message(200, json.dumps(chunk))}")
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
+            raise ConnectionError(
+                f"SGLang /generate sent a chunk without meta_info: {chunk!r:.200}"
+            )
+        meta = chunk["meta_info"]
         finish = meta.get("finish_reason")
         kind = finish.get("type") if isinstance(finish, dict) else finish
         if kind == "abort":
             message = finish.get("message") if isinstance(finish, dict) else None
+            if isinstance(finish, dict) and finish.get("status_code") == 400:
+                raise ValueError(f"SGLang /generate: {message}")
             raise EngineAborted(f"{request_id} aborted on {self.name}: {message or 'aborted'}")
-        if kind not in _FINISH_TYPES:
+        if kind is not None and kind not in _FINISH_TYPES:
             raise ConnectionError(f"SGLang returned an unknown finish reason {finish!r}")
         triples = meta.get("output_token_logprobs")
         if not isinstance(triples, list):
             raise ConnectionError("SGLang answered without output_token_logprobs")
-        ids = tuple(int(t[1]) for t in triples)
-        logprobs = tuple(float(t[0]) for t in triples)
-        output_ids = payload.get("output_ids")
-        if output_ids is not None and list(output_ids) != list(ids):
+        total = meta.get("completion_tokens")
+        fresh = (total if isinstance(total, int) else len(triples)) - yielded
+        if not 0 <= fresh <= len(triples):
             raise ConnectionError(
-                f"SGLang output_ids ({len(output_ids)}) disagree with its logprobs ({len(ids)})"
+                f"SGLang reported {total} tokens and {len(triples)} log-probs"
+                f" after {yielded} tokens"
             )
+        new = triples[len(triples) - fresh :]
+        ids = tuple(int(t[1]) for t in new)
+        logprobs = tuple(float(t[0]) for t in new)
         per_token = meta.get("output_token_versions")  # qwengyre's engine server only
-        if isinstance(per_token, list) and len(per_token) == len(ids):
-            return GenerateResult(
-                ids, logprobs, tuple(int(v) for v in per_token), _FINISH_TYPES[kind]
-            )
-        version = self.policy_version
-        reported = meta.get("weight_version")
-        if isinstance(reported, str) and reported.lstrip("-").isdigit():
-            version = int(reported)
-        return GenerateResult(ids, logprobs, (version,) * len(ids), _FINISH_TYPES[kind])
+        if isinstance(per_token, list) and len(per_token) == len(triples):
+            versions = tuple(int(v) for v in per_token[len(per_token) - fresh :])
+        else:
+            version = self.policy_version
+            reported = meta.get("weight_version")
+            if isinstance(reported, str) and reported.lstrip("-").isdigit():
+                version = int(reported)
+            versions = (version,) * fresh
+        return TokenDelta(ids, logprobs, versions, _FINISH_TYPES[kind] if kind else None)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await collect(self.stream(request))
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenDelta, None]:
+        """``/generate`` with ``stream=true``: a delta per chunk with new tokens."""
         rid = request.request_id
         if rid in self._inflight:
             raise ValueError(f"request id {rid!r} is already in flight on {self.name}")
@@ -257,16 +290,41 @@ class SGLangEngine:
             # not an abort to retry here: the router drains an engine that fails this way
             raise ConnectionError(f"SGLang {self.name} has released its memory (training)")
         self._inflight.add(rid)
+        yielded = 0
+        finished = False
         try:
-            payload = await self._post_json("/generate", self.request_body(request))
-        except asyncio.CancelledError:
-            # the caller gave up: free the server's slot too (SGLang also notices the
-            # closed connection, but only at its next wake-up)
-            self._spawn(self.abort(rid))
+            async with self._get_session().post(
+                f"{self.base_url}/generate", json=self.request_body(request)
+            ) as resp:
+                if resp.status >= 400:
+                    self._raise_for_status("/generate", resp.status, await resp.text())
+                async with contextlib.aclosing(_sse_data(resp.content)) as events:
+                    async for data in events:
+                        if data == "[DONE]" or finished:
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError as exc:
+                            raise ConnectionError(f"SGLang /generate sent {data[:200]!r}") from exc
+                        delta = self._delta(rid, chunk, yielded)
+                        yielded += len(delta.output_ids)
+                        finished = delta.finish_reason is not None
+                        if delta.output_ids or finished:
+                            yield delta
+            if not finished:
+                raise ConnectionError(f"SGLang {self.name} ended the stream of {rid} unfinished")
+        except OSError:
+            raise  # includes aiohttp.ClientOSError / ClientConnectorError / timeouts
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise self._lost(exc) from exc
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:
+                # the consumer left: free the server's slot at once (SGLang also notices
+                # the closed connection, but only at its next wake-up)
+                self._spawn(self.abort(rid))
             raise
         finally:
             self._inflight.discard(rid)
-        return self._parse(rid, payload)
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -274,7 +332,7 @@ class SGLangEngine:
         task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> None:
-        """Abort ``request_id``; its :meth:`generate` raises :class:`EngineAborted`."""
+        """Abort ``request_id``; its :meth:`stream` raises :class:`EngineAborted`."""
         try:
             await self._call("POST", "/abort_request", {"rid": request_id}, timeout_s=30)
         except (OSError, ValueError, EngineAborted) as exc:
@@ -335,6 +393,17 @@ class SGLangEngine:
         except (TimeoutError, OSError, ValueError, EngineAborted):
             return False
         return status == 200
+
+
+async def _sse_data(content: aiohttp.StreamReader) -> AsyncGenerator[str, None]:
+    """The ``data:`` payloads of a server-sent event stream, however long a line is
+    (cumulative chunks outgrow aiohttp's line buffer)."""
+    buffer = b""
+    async for block in content.iter_any():
+        *lines, buffer = (buffer + block).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
 
 
 # -- launching a server ----------------------------------------------------------------

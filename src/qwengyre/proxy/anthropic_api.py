@@ -11,6 +11,14 @@ What real clients send (see ``shared/HARNESSES.md``) is accepted: unknown top-le
 ``cache_control`` anywhere are ignored; ``role: "system"`` messages may appear inside
 ``messages``; ``thinking`` blocks in history are dropped; server tools are skipped.
 Images and documents are refused.
+
+Bodies are read by :func:`qwengyre.proxy.jsonsafe.loads`: UTF-8 JSON nested at most
+:data:`~qwengyre.proxy.jsonsafe.MAX_DEPTH` levels, without ``NaN``/``Infinity``; anything
+else is a 400 ``invalid_request_error``. Lone surrogates (``"\\ud83d"``, sent by clients
+that cut a string mid-emoji) are replaced with U+FFFD, so the model sees, and the store
+keeps, exactly what was parsed; a selected header (``anthropic-*``, ``x-claude-code-*``)
+that is not UTF-8 is refused. Responses are lossless: SSE events are UTF-8 JSON, with
+``\\uXXXX`` escapes when the reply holds a lone surrogate (a model's tool-call JSON can).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from qwengyre.proxy import jsonsafe
 from qwengyre.proxy.types import (
     ApiError,
     ChatRequest,
@@ -36,6 +45,7 @@ from qwengyre.proxy.types import (
 )
 
 __all__ = [
+    "MessageStream",
     "count_tokens_body",
     "error_body",
     "error_headers",
@@ -176,14 +186,14 @@ def _validate(model: type[_M], data: Any, loc: tuple[str | int, ...] = ()) -> _M
 # request parsing
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _load_body(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object (see the module docstring for the bounds and for lone
+    surrogates)."""
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError
+        data = jsonsafe.loads(body, surrogates="replace")
+    except jsonsafe.TooDeep as exc:
+        raise ApiError("invalid_request_error", f"The request body is too deep: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise ApiError(
             "invalid_request_error", f"The request body is not valid JSON: {exc}"
         ) from None
@@ -192,22 +202,7 @@ def _load_body(body: bytes) -> dict[str, Any]:
             "invalid_request_error",
             f"The request body should be a JSON object, not {type(data).__name__}",
         )
-    # Clients that cut strings mid-emoji send lone surrogates ("\ud83d"); they cannot be
-    # encoded to UTF-8 later, so replace them with U+FFFD (json.loads already pairs the
-    # valid ones into one code point).
-    if b"\\ud" in body or b"\\uD" in body:
-        data = _clean_surrogates(data)
     return data
-
-
-def _clean_surrogates(x: Any) -> Any:
-    if isinstance(x, str):
-        return _SURROGATE.sub("\ufffd", x)
-    if isinstance(x, list):
-        return [_clean_surrogates(v) for v in x]
-    if isinstance(x, dict):
-        return {_clean_surrogates(k): _clean_surrogates(v) for k, v in x.items()}
-    return x
 
 
 def _text_content(content: Any, loc: tuple[str | int, ...], what: str) -> str:
@@ -314,6 +309,8 @@ def _convert_tools(tools: list[dict[str, Any]] | None) -> tuple[ToolSpec, ...]:
 
 
 def _select_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers request-class rules may read; one of them that is not UTF-8 (the HTTP
+    server hands such bytes over as lone surrogates) is refused."""
     out: dict[str, str] = {}
     for name, value in headers.items():
         low = name.lower()
@@ -321,6 +318,8 @@ def _select_headers(headers: Mapping[str, str]) -> dict[str, str]:
             continue
         if any(word in low for word in _SECRET_HEADER_WORDS):
             continue
+        if _SURROGATE.search(low + value):
+            raise _invalid("", f"header {low!r} is not valid UTF-8")
         out[low] = value
     return out
 
@@ -348,7 +347,18 @@ def _to_chat_request(b: _Body, max_tokens: int, headers: Mapping[str, str]) -> C
         tools=_convert_tools(b.tools),
         stream=bool(b.stream),
         headers=_select_headers(headers),
+        last_user_texts=_last_user_texts(b.messages),
     )
+
+
+def _last_user_texts(messages: list[_MessageParam]) -> tuple[str, ...]:
+    """The text blocks of the last user message, as sent (already validated)."""
+    last = next((m for m in reversed(messages) if m.role == "user"), None)
+    if last is None:
+        return ()
+    if isinstance(last.content, str):
+        return (last.content,)
+    return tuple(block["text"] for block in last.content if block["type"] == "text")
 
 
 def parse_messages_request(body: bytes, headers: Mapping[str, str]) -> ChatRequest:
@@ -386,16 +396,17 @@ def _content(c: Completion) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if c.text or not c.tool_calls:
         blocks.append({"type": "text", "text": c.text})
-    for call in c.tool_calls:
-        blocks.append(
-            {
-                "type": "tool_use",
-                "id": call.id or new_tool_use_id(),
-                "name": call.name,
-                "input": call.arguments,
-            }
-        )
+    blocks.extend(_tool_use_block(call) for call in c.tool_calls)
     return blocks
+
+
+def _tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": call.id or new_tool_use_id(),
+        "name": call.name,
+        "input": call.arguments,
+    }
 
 
 def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
@@ -422,8 +433,7 @@ def message_body(c: Completion) -> dict[str, Any]:
 
 
 def _sse(event: str, data: Mapping[str, Any]) -> bytes:
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event}\ndata: {payload}\n\n".encode("utf-8", "replace")
+    return b"event: " + event.encode() + b"\ndata: " + jsonsafe.dumps(data) + b"\n\n"
 
 
 def _chunks(s: str, n: int) -> Iterator[str]:
@@ -432,58 +442,120 @@ def _chunks(s: str, n: int) -> Iterator[str]:
 
 
 def stream_events(c: Completion, chunk_chars: int = 64) -> Iterator[bytes]:
-    """The SSE stream for ``c``, event by event, as the API sends it.
+    """The SSE stream for ``c``, event by event, as the API sends it: a
+    :class:`MessageStream` given ``c.text`` in ``text_delta`` chunks of ``chunk_chars``
+    characters (tool input goes in ``input_json_delta`` chunks of as many)."""
+    events = MessageStream(_message_id(c), c.model, c.input_tokens, chunk_chars=chunk_chars)
+    yield from _split_events(events.start())
+    for piece in _chunks(c.text, chunk_chars):
+        yield from _split_events(events.text(piece))
+    yield from _split_events(events.finish(c))
 
-    ``message_start`` (empty content, ``output_tokens`` 1), then per content block
-    ``content_block_start`` / ``content_block_delta``\\* / ``content_block_stop`` (a ``ping``
-    follows the first ``content_block_start``, as in the API), then ``message_delta``
-    (stop reason, final ``output_tokens``) and ``message_stop``. Text is sent in
-    ``text_delta`` chunks of ``chunk_chars`` characters; tool input as ``input_json_delta``
-    chunks of its compact JSON.
+
+def _split_events(data: bytes) -> list[bytes]:
+    """SSE events one by one (a data line never holds a blank line: JSON escapes it)."""
+    return [event + b"\n\n" for event in data.split(b"\n\n")[:-1]]
+
+
+class MessageStream:
+    """The SSE events of one streamed message, made as its text arrives.
+
+    Call :meth:`start` first (``message_start``: empty content, ``output_tokens`` 1),
+    then :meth:`text` with each new piece of text and :meth:`ping` at will, then
+    :meth:`finish` once with the completion, whose ``text`` must be the pieces given
+    to :meth:`text`, concatenated. Each content block goes as ``content_block_start``,
+    ``content_block_delta``\\* and ``content_block_stop`` (a ``ping`` follows the first
+    ``content_block_start``, as in the API): the text block opens with the first
+    non-empty text, the ``tool_use`` blocks follow at the end with their input as
+    ``input_json_delta`` pieces of ``chunk_chars`` characters of its compact JSON, and
+    an answer with neither gets an empty text block. Then ``message_delta`` (stop
+    reason, stop sequence, final ``output_tokens``) and ``message_stop``. Folding the
+    events gives :func:`message_body` of the completion.
     """
-    if chunk_chars < 1:
-        raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
-    start = message_body(c)
-    start["content"] = []
-    start["stop_reason"] = None
-    start["stop_sequence"] = None
-    start["usage"] = _usage(c.input_tokens, 1)
-    yield _sse("message_start", {"type": "message_start", "message": start})
-    pinged = False
-    for index, block in enumerate(_content(c)):
-        if block["type"] == "text":
-            first: dict[str, Any] = {"type": "text", "text": ""}
-            deltas = [
-                {"type": "text_delta", "text": t} for t in _chunks(block["text"], chunk_chars)
-            ]
-        else:
-            first = {**block, "input": {}}
+
+    def __init__(
+        self, message_id: str, model: str, input_tokens: int, *, chunk_chars: int = 64
+    ) -> None:
+        if chunk_chars < 1:
+            raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
+        self.message_id = message_id
+        self.model = model
+        self.input_tokens = input_tokens
+        self.chunk_chars = chunk_chars
+        self._blocks = 0  # content blocks started
+        self._text_open = False
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(self.input_tokens, 1),
+        }
+        return _sse("message_start", {"type": "message_start", "message": message})
+
+    def ping(self) -> bytes:
+        return _sse("ping", {"type": "ping"})
+
+    def text(self, delta: str) -> bytes:
+        """The text block's next ``text_delta`` (nothing for empty text)."""
+        if not delta:
+            return b""
+        opening = b""
+        if not self._text_open:
+            self._text_open = True
+            opening = self._open({"type": "text", "text": ""})
+        return opening + self._delta({"type": "text_delta", "text": delta})
+
+    def finish(self, c: Completion) -> bytes:
+        """The rest of the message: the tool calls, stop reason and usage of ``c``."""
+        out: list[bytes] = []
+        if not self._text_open and not c.tool_calls:
+            out.append(self._open({"type": "text", "text": ""}))
+            self._text_open = True
+        if self._text_open:
+            out.append(self._close())
+        for call in c.tool_calls:
+            block = _tool_use_block(call)
+            out.append(self._open({**block, "input": {}}))
             js = json.dumps(block["input"], ensure_ascii=False, separators=(",", ":"))
-            deltas = [
-                {"type": "input_json_delta", "partial_json": p} for p in _chunks(js, chunk_chars)
-            ]
-        yield _sse(
-            "content_block_start",
-            {"type": "content_block_start", "index": index, "content_block": first},
-        )
-        if not pinged:
-            yield _sse("ping", {"type": "ping"})
-            pinged = True
-        for delta in deltas:
-            yield _sse(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": index, "delta": delta},
+            for piece in _chunks(js, self.chunk_chars):
+                out.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
+            out.append(self._close())
+        out.append(
+            _sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": c.stop_reason, "stop_sequence": c.stop_sequence},
+                    "usage": {"output_tokens": c.output_tokens},
+                },
             )
-        yield _sse("content_block_stop", {"type": "content_block_stop", "index": index})
-    yield _sse(
-        "message_delta",
-        {
-            "type": "message_delta",
-            "delta": {"stop_reason": c.stop_reason, "stop_sequence": c.stop_sequence},
-            "usage": {"output_tokens": c.output_tokens},
-        },
-    )
-    yield _sse("message_stop", {"type": "message_stop"})
+        )
+        out.append(_sse("message_stop", {"type": "message_stop"}))
+        return b"".join(out)
+
+    def _open(self, block: dict[str, Any]) -> bytes:
+        index = self._blocks
+        self._blocks += 1
+        start = _sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": block},
+        )
+        return start + self.ping() if index == 0 else start
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _sse(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": self._blocks - 1, "delta": delta},
+        )
+
+    def _close(self) -> bytes:
+        return _sse("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})
 
 
 # --------------------------------------------------------------------------------------

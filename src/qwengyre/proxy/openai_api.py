@@ -10,17 +10,28 @@ unknown or unsupported-but-harmless top-level fields are ignored (see
 :func:`parse_chat_request_with_ignored` for which ones), while anything whose meaning the
 proxy cannot honour (images, audio, ``n > 1``, JSON response formats, the legacy
 ``functions`` API) is refused with an ``invalid_request_error`` naming the field.
+
+Bodies (and the JSON strings in ``tool_calls[].function.arguments``) are read by
+:func:`qwengyre.proxy.jsonsafe.loads`: UTF-8 JSON nested at most
+:data:`~qwengyre.proxy.jsonsafe.MAX_DEPTH` levels, without ``NaN``/``Infinity``; anything
+else is a 400 ``invalid_request_error``. Lone surrogates (``"\\ud83d"``, sent by clients
+that cut a string mid-emoji) are replaced with U+FFFD, as the Anthropic adapter does, so
+the model sees, and the store keeps, exactly what was parsed; a forwarded ``x-*`` header
+that is not UTF-8 is refused. Responses are lossless: SSE chunks are UTF-8 JSON, with
+``\\uXXXX`` escapes when the reply holds a lone surrogate (a model's tool-call JSON can).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from qwengyre.proxy import jsonsafe
 from qwengyre.proxy.types import (
     ApiError,
     ChatRequest,
@@ -35,6 +46,7 @@ from qwengyre.proxy.types import (
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "MAX_TOP_LOGPROBS",
+    "ChunkStream",
     "completion_body",
     "context_length_exceeded",
     "error_body",
@@ -90,6 +102,8 @@ _CREDENTIAL_HEADER_PARTS = (
     "credential",
     "cookie",
 )
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 _UNSUPPORTED_PARTS = {
     "image_url": "image",
@@ -302,14 +316,14 @@ def _validate(model: type[_Strict], data: object, prefix: tuple[str | int, ...] 
 # ---------------------------------------------------------------------------------------
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _load_body(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object (see the module docstring for the bounds and for lone
+    surrogates)."""
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
+        data = jsonsafe.loads(body, surrogates="replace")
+    except jsonsafe.TooDeep as err:
+        raise _invalid(None, f"The JSON body of the request is too deep: {err}.") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise _invalid(
             None,
             f"Could not parse the JSON body of the request ({err}). "
@@ -323,11 +337,15 @@ def _load_body(body: bytes) -> dict[str, Any]:
 
 
 def _forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The ``x-*`` headers request-class rules may read (credentials left out); one that
+    is not UTF-8 (the HTTP server hands such bytes over as lone surrogates) is refused."""
     out: dict[str, str] = {}
     for name, value in headers.items():
         key = name.lower()
         if not key.startswith("x-") or any(p in key for p in _CREDENTIAL_HEADER_PARTS):
             continue
+        if _SURROGATE.search(key + value):
+            raise _invalid(None, f"The header {key!r} is not valid UTF-8.")
         out[key] = value
     return out
 
@@ -393,8 +411,8 @@ def _tool_arguments(value: object, param: str, msg_index: int) -> dict[str, Any]
     if not value.strip():
         return {}
     try:
-        parsed = json.loads(value, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as err:
+        parsed = jsonsafe.loads(value, surrogates="replace")
+    except ValueError as err:  # not JSON, NaN/Infinity, or too deep
         raise _invalid(
             param,
             f"Invalid value for '{param}': the tool call arguments of message {msg_index} are "
@@ -538,6 +556,16 @@ def _check_unsupported(body: _Body) -> None:
         )
 
 
+def _last_user_texts(messages: list[Any]) -> tuple[str, ...]:
+    """The text parts of the last user message, as sent (already validated)."""
+    last = next((m for m in reversed(messages) if m["role"] == "user"), None)
+    if last is None:
+        return ()
+    if isinstance(last["content"], str):
+        return (last["content"],)
+    return tuple(part["text"] for part in last["content"])
+
+
 def parse_chat_request_with_ignored(
     body: bytes, headers: Mapping[str, str]
 ) -> tuple[ChatRequest, tuple[str, ...]]:
@@ -587,6 +615,7 @@ def parse_chat_request_with_ignored(
         top_logprobs=(parsed.top_logprobs or 0) if logprobs else 0,
         include_usage=include_usage,
         headers=_forwarded_headers(headers),
+        last_user_texts=_last_user_texts(parsed.messages),
     )
     ignored = tuple(
         sorted(k for k, v in data.items() if k not in _HONOURED_FIELDS and v is not None)
@@ -680,8 +709,7 @@ def completion_body(c: Completion, created: int, *, logprobs: bool = False) -> d
 
 
 def _sse(obj: Mapping[str, Any]) -> bytes:
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return b"data: " + text.encode("utf-8", "replace") + b"\n\n"
+    return b"data: " + jsonsafe.dumps(obj) + b"\n\n"
 
 
 def _slices(text: str, size: int) -> Iterator[str]:
@@ -691,11 +719,10 @@ def _slices(text: str, size: int) -> Iterator[str]:
 
 def _aligned_pieces(
     text: str, tokens: Sequence[TokenLogprob], chunk_chars: int
-) -> tuple[list[tuple[str, list[TokenLogprob]]], str, list[TokenLogprob]]:
+) -> tuple[list[tuple[str, list[TokenLogprob]]], str]:
     """Split ``text`` into content deltas along token boundaries while the tokens spell
-    it out. Returns the (text, tokens) pieces, the text left over once the tokens stop
-    matching (streamed without logprobs) and the tokens left over (tool-call markup and
-    the like, sent with the final chunk)."""
+    it out. Returns the (text, tokens) pieces and the text left over once the tokens
+    stop matching (streamed without logprobs)."""
     pieces: list[tuple[str, list[TokenLogprob]]] = []
     buf_text = ""
     buf_toks: list[TokenLogprob] = []
@@ -712,7 +739,7 @@ def _aligned_pieces(
             buf_text, buf_toks = "", []
     if buf_toks:
         pieces.append((buf_text, buf_toks))
-    return pieces, text[pos:], list(tokens[k:])
+    return pieces, text[pos:]
 
 
 def stream_chunks(
@@ -723,30 +750,139 @@ def stream_chunks(
     include_usage: bool,
     chunk_chars: int = 64,
 ) -> Iterator[bytes]:
-    """The SSE body of a streamed answer: ``data: {chat.completion.chunk}`` events (a role
-    delta, content deltas, tool-call deltas, a final chunk carrying ``finish_reason``, the
-    usage chunk with empty ``choices`` when ``include_usage``), then ``data: [DONE]``.
+    """The SSE body of a streamed answer, event by event: a :class:`ChunkStream` given
+    ``c.text`` in content deltas of ``chunk_chars`` characters or, with ``logprobs``,
+    of whole tokens while ``c.logprobs`` spell the text (each delta then carries the
+    logprobs of its tokens; the rest ride on the final chunk)."""
+    events = ChunkStream(
+        _completion_id(c),
+        created,
+        c.model,
+        logprobs=logprobs,
+        include_usage=include_usage,
+        chunk_chars=chunk_chars,
+    )
+    pieces, rest = _aligned_pieces(c.text, c.logprobs if logprobs else (), chunk_chars)
+    pieces += [(text, []) for text in _slices(rest, chunk_chars)]
+    yield from _split_events(events.start())
+    for text, tokens in pieces:
+        yield from _split_events(events.text(text, tokens))
+    yield from _split_events(events.finish(c))
 
-    With ``logprobs`` every content delta carries the logprobs of the tokens that spell
-    it; logprobs of tokens that do not appear in the content (tool-call markup) ride on
-    the final chunk, so the concatenated logprobs are exactly ``c.logprobs``.
+
+def _split_events(data: bytes) -> list[bytes]:
+    """SSE events one by one (a data line never holds a blank line: JSON escapes it)."""
+    return [event + b"\n\n" for event in data.split(b"\n\n")[:-1]]
+
+
+class ChunkStream:
+    """The SSE body of one streamed answer, made as its text arrives.
+
+    Call :meth:`start`, then :meth:`text` with each new piece of text and :meth:`ping`
+    at will, then :meth:`finish` once with the completion, whose ``text`` must be the
+    pieces given to :meth:`text`, concatenated. The events are ``data:
+    {chat.completion.chunk}`` lines: a role delta (content ``""``, or null for an
+    answer of tool calls only, as :func:`completion_body` has it: so it goes out with
+    the first text or at the end, when that is known), content deltas, tool-call deltas
+    (arguments in pieces of ``chunk_chars`` characters), a final chunk carrying
+    ``finish_reason``, with ``include_usage`` the usage chunk with empty ``choices``
+    (every other chunk then has ``"usage": null``), and ``data: [DONE]``.
+
+    Logprobs (when the request asked for them): give :meth:`text` the logprobs of the
+    completion's tokens in order, each call those of the tokens after the ones already
+    given (possibly none; tokens given with empty text ride on the next content delta).
+    :meth:`finish` sends the completion's logprobs that no delta carried on the final
+    chunk, so the logprobs a client concatenates are exactly ``c.logprobs``.
     """
-    if chunk_chars < 1:
-        raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
-    cid = _completion_id(c)
 
-    def chunk(
+    def __init__(
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        *,
+        logprobs: bool,
+        include_usage: bool,
+        chunk_chars: int = 64,
+    ) -> None:
+        if chunk_chars < 1:
+            raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
+        self.completion_id = completion_id
+        self.created = created
+        self.model = model
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.chunk_chars = chunk_chars
+        self._role_sent = False
+        self._pending: list[TokenLogprob] = []  # given, not yet sent
+        self._sent = 0  # logprobs sent on content deltas
+
+    def start(self) -> bytes:
+        """Nothing yet (the role delta waits for the first text or the end): empty."""
+        return b""
+
+    def ping(self) -> bytes:
+        """An SSE comment: keeps the connection busy, clients skip it."""
+        return b": ping\n\n"
+
+    def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+        """A content delta (empty text: nothing, the logprobs wait for the next one)."""
+        if self.logprobs and logprobs:
+            self._pending.extend(logprobs)
+        if not delta:
+            return b""
+        carried = self._pending if self._pending else None
+        self._sent += len(self._pending)
+        self._pending = []
+        return self._role("") + self._chunk({"content": delta}, lp=carried)
+
+    def finish(self, c: Completion) -> bytes:
+        """The tool calls, the final chunk (finish reason, logprobs not yet sent), the
+        usage chunk and ``[DONE]``."""
+        out = [self._role(None if c.tool_calls else "")]
+        for i, tc in enumerate(c.tool_calls):
+            head = {"index": i, "id": tc.id, "type": "function"}
+            out.append(
+                self._chunk(
+                    {"tool_calls": [{**head, "function": {"name": tc.name, "arguments": ""}}]}
+                )
+            )
+            for piece in _slices(_arguments_json(tc), self.chunk_chars):
+                out.append(
+                    self._chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+                )
+        rest = c.logprobs[self._sent :] if self.logprobs else ()
+        out.append(self._chunk({}, finish=finish_reason(c), lp=rest or None))
+        if self.include_usage:
+            out.append(_sse({**self._head(), "choices": [], "usage": _usage(c)}))
+        out.append(b"data: [DONE]\n\n")
+        return b"".join(out)
+
+    def _role(self, content: str | None) -> bytes:
+        """The role delta, if it has not gone out yet."""
+        if self._role_sent:
+            return b""
+        self._role_sent = True
+        return self._chunk({"role": "assistant", "content": content})
+
+    def _head(self) -> dict[str, Any]:
+        return {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    def _chunk(
+        self,
         delta: dict[str, Any],
         *,
         finish: str | None = None,
         lp: Sequence[TokenLogprob] | None = None,
     ) -> bytes:
         obj: dict[str, Any] = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": c.model,
-            "system_fingerprint": None,
+            **self._head(),
             "choices": [
                 {
                     "index": 0,
@@ -760,40 +896,9 @@ def stream_chunks(
                 }
             ],
         }
-        if include_usage:
+        if self.include_usage:
             obj["usage"] = None
         return _sse(obj)
-
-    yield chunk({"role": "assistant", "content": None if not c.text and c.tool_calls else ""})
-
-    tokens: Sequence[TokenLogprob] = c.logprobs if logprobs else ()
-    pieces, rest_text, rest_tokens = _aligned_pieces(c.text, tokens, chunk_chars)
-    for text, toks in pieces:
-        yield chunk({"content": text}, lp=toks)
-    for text in _slices(rest_text, chunk_chars):
-        yield chunk({"content": text})
-
-    for i, tc in enumerate(c.tool_calls):
-        head = {"index": i, "id": tc.id, "type": "function"}
-        yield chunk({"tool_calls": [{**head, "function": {"name": tc.name, "arguments": ""}}]})
-        for text in _slices(_arguments_json(tc), chunk_chars):
-            yield chunk({"tool_calls": [{"index": i, "function": {"arguments": text}}]})
-
-    yield chunk({}, finish=finish_reason(c), lp=rest_tokens or None)
-
-    if include_usage:
-        yield _sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": c.model,
-                "system_fingerprint": None,
-                "choices": [],
-                "usage": _usage(c),
-            }
-        )
-    yield b"data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,15 +7,29 @@ first, then rollout cells in descending index, as the scheduler orders them), an
 aborts its in-flight requests; each aborted call is retried transparently at its new
 engine, so the harness sees one successful answer and the tree gets one record.
 An engine that fails outright is drained the same way.
+
+A call streams (:meth:`Router.stream`): tokens reach the harness as they are sampled,
+so a call moved after it produced some continues at its new engine from where it
+stopped (prompt + tokens so far) rather than starting over, which would contradict
+what the harness has already been sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
-from qwengyre.engines.base import EngineAborted, GenerateRequest, GenerateResult, InferenceEngine
+from qwengyre.engines.base import (
+    EngineAborted,
+    GenerateRequest,
+    GenerateResult,
+    InferenceEngine,
+    TokenDelta,
+    collect,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,28 +102,71 @@ class Router:
     async def generate(
         self, execution_id: str, request: GenerateRequest
     ) -> tuple[str, GenerateResult]:
-        """Run ``request`` for ``execution_id``, retrying across reroutes; (engine, result)."""
+        """Run ``request`` for ``execution_id`` to its end (:meth:`stream`, collected);
+        (the engine that finished it, the whole result)."""
+        engine = ""
+
+        async def deltas() -> AsyncIterator[TokenDelta]:
+            nonlocal engine
+            async for name, delta in self.stream(execution_id, request):
+                engine = name
+                yield delta
+
+        result = await collect(deltas())
+        return engine, result
+
+    async def stream(
+        self, execution_id: str, request: GenerateRequest
+    ) -> AsyncGenerator[tuple[str, TokenDelta], None]:
+        """Run ``request`` for ``execution_id``, yielding (engine, delta) as tokens come.
+
+        The deltas form one token stream, its last delta has the finish reason, whatever
+        happened underneath: an attempt that ends in :class:`EngineAborted` (the engine
+        is draining) or in a connection failure (the engine is drained here) is retried
+        at the execution's route, up to ``max_attempts`` attempts in all, and once tokens
+        have been produced the retry continues them: its input is the prompt plus those
+        tokens and its ``max_tokens`` what is left of the budget (none left: a last
+        empty delta finishing with ``"length"``). Raises :class:`NoEngineAvailable`
+        when no engine accepts or the attempts run out.
+
+        Closing the stream early (``aclose()``, or cancelling the consuming task) closes
+        the engine's stream, which aborts the request there.
+        """
+        produced: list[int] = []
+        engine = ""
         last: Exception | None = None
-        for _ in range(self.max_attempts):
-            name = self.route(execution_id)
-            slot = self._slots[name]
+        for tries in itertools.count():
+            sampling = request.sampling
+            if produced:
+                left = sampling.max_tokens - len(produced)
+                if left <= 0:
+                    yield engine, TokenDelta((), (), (), "length")
+                    return
+                sampling = dataclasses.replace(sampling, max_tokens=left)
+            if tries == self.max_attempts:
+                raise NoEngineAvailable(f"gave up after {tries} attempts: {last}")
+            engine = self.route(execution_id)
+            slot = self._slots[engine]
             # Fixed width: SGLang aborts every rid that starts with the one it is given.
             request_id = f"{request.request_id}-{next(self._ids):010d}"
+            input_ids = [*request.input_ids, *produced] if produced else request.input_ids
+            attempt = GenerateRequest(request_id, input_ids, sampling, request.tags)
             slot.inflight[request_id] = execution_id
+            deltas = slot.engine.stream(attempt)
             try:
-                attempt = GenerateRequest(
-                    request_id, request.input_ids, request.sampling, request.tags
-                )
-                return name, await slot.engine.generate(attempt)
+                async for delta in deltas:
+                    produced.extend(delta.output_ids)
+                    yield engine, delta
+                return
             except EngineAborted as exc:
                 last = exc  # drained or moved: the route has changed, try again
             except (OSError, ConnectionError, TimeoutError) as exc:
-                log.warning("engine %s failed (%s); draining it", name, exc)
+                log.warning("engine %s failed (%s); draining it", engine, exc)
                 last = exc
-                await self.drain(name)
+                await self.drain(engine)
             finally:
+                await deltas.aclose()  # early (the consumer left): aborts on the engine
                 slot.inflight.pop(request_id, None)
-        raise NoEngineAvailable(f"gave up after {self.max_attempts} attempts: {last}")
 
     async def drain(self, name: str) -> list[str]:
         """Stop ``name`` accepting, move its routes, abort its calls; the moved executions."""

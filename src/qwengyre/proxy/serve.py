@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,44 @@ class ServeOptions:
     port: int = 8080
     admin_token: str | None = None
     max_context: int | None = None  # default: the model's max_position_embeddings
+
+
+ADMIN_TOKEN_ENV = "QWENGYRE_ADMIN_TOKEN"
+MIN_ADMIN_TOKEN_CHARS = 16
+
+
+def resolve_admin_token(
+    token: str | None, token_file: Path | None, environ: Mapping[str, str] = os.environ
+) -> str | None:
+    """The admin token from the first source that is set: ``token`` (``--admin-token``;
+    other users see it in ``ps``), ``token_file`` (``--admin-token-file``: the file's
+    text, surrounding whitespace stripped), then ``$QWENGYRE_ADMIN_TOKEN`` (empty counts
+    as unset). None when none is set: :func:`serve` then generates one and prints it.
+
+    Raises ValueError naming the source when both ``token`` and ``token_file`` are
+    given, the file cannot be read as UTF-8 text, or the token is shorter than
+    16 characters.
+    """
+    if token is not None and token_file is not None:
+        raise ValueError("give --admin-token or --admin-token-file, not both")
+    if token is not None:
+        source = "--admin-token"
+    elif token_file is not None:
+        source = f"--admin-token-file {token_file}"
+        try:
+            token = token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the admin token file {token_file}: {exc}") from None
+    elif environ.get(ADMIN_TOKEN_ENV):
+        source, token = f"${ADMIN_TOKEN_ENV}", environ[ADMIN_TOKEN_ENV]
+    else:
+        return None
+    if len(token) < MIN_ADMIN_TOKEN_CHARS:
+        raise ValueError(
+            f"the admin token from {source} has {len(token)} characters; "
+            f"it must have at least {MIN_ADMIN_TOKEN_CHARS}"
+        )
+    return token
 
 
 def build_engine(options: ServeOptions, tokenizer: Any) -> InferenceEngine:

@@ -2,10 +2,16 @@
 
 SQLite in WAL mode with ``synchronous=NORMAL``: a committed record survives a crash of
 the process (not necessarily of the machine's power). The proxy commits a call's node
-before it answers the harness, and a restarted proxy rebuilds every execution's tree
-and tool-call cache from here. Token ids are stored as int32 arrays, log-probs as
-float64 arrays; tool definitions once per distinct set (Claude Code sends ~64 KB of
-them with every call).
+before it answers the harness (marked undelivered until the answer was written), and a
+restarted proxy loads an execution's tree and tool-call cache from here when the
+execution is next used. A call stores its increment only: its new input ids, its
+output ids, log-probs and versions (int32 / float64 arrays) and the messages it added;
+tool definitions are stored once per distinct set (Claude Code sends ~64 KB of them
+with every call). Text is stored as JSON with ASCII escapes, so any string a client or
+the model produces (lone surrogates included) round-trips exactly.
+
+Loading never fails as a whole: an execution whose records are damaged raises
+:class:`DamagedRecord` for that execution only.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from qwengyre.proxy.tito import Turn
+from qwengyre.proxy.tito import Turn, toolset_json
 from qwengyre.proxy.types import Message, ToolCall, ToolSpec
 from qwengyre.trajectories.tree import Node, NodeMeta
 
@@ -39,17 +45,27 @@ CREATE TABLE IF NOT EXISTS nodes (
 
 @dataclass(frozen=True)
 class StoredExecution:
+    """An execution's credentials and state, without its calls."""
+
     id: str
     key_hash: str
     revoked: bool
-    calls: list[tuple[Node, Turn]]
+
+
+class DamagedRecord(Exception):
+    """An execution's stored calls cannot be loaded; the execution is quarantined."""
+
+    def __init__(self, execution_id: str, reason: str) -> None:
+        super().__init__(f"execution {execution_id}: {reason}")
+        self.execution_id = execution_id
+        self.reason = reason
 
 
 class ProxyStore(Protocol):
     """What the proxy needs from a durable store; :class:`Store` is the SQLite one.
 
-    A server database (PostgreSQL, say) implements the same five methods; each write
-    must be durable when it returns.
+    A server database (PostgreSQL, say) implements the same methods; each write must
+    be durable when it returns, and writes of one execution arrive in node order.
     """
 
     def add_execution(self, execution_id: str, key_hash: str, created_s: float) -> None: ...
@@ -58,13 +74,20 @@ class ProxyStore(Protocol):
 
     def add_call(self, execution_id: str, node: Node, turn: Turn) -> None: ...
 
-    def load(self) -> list[StoredExecution]: ...
+    def set_delivered(self, execution_id: str, node_id: int, delivered: bool) -> None: ...
+
+    def executions(self) -> list[StoredExecution]: ...
+
+    def calls(self, execution_id: str) -> list[tuple[Node, Turn]]: ...
 
     def close(self) -> None: ...
 
 
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    """The SHA-256 (hex) of ``key``'s UTF-8 bytes, for any string: surrogates (a header's
+    non-UTF-8 bytes, as the HTTP server decodes them) are encoded as they stand, so such
+    a key hashes, and matches no issued key (those are ASCII), instead of raising."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class Store:
@@ -77,7 +100,11 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(nodes)")}
+        if "delivered" not in columns:  # a store written before delivery was recorded
+            self._db.execute("ALTER TABLE nodes ADD COLUMN delivered INTEGER NOT NULL DEFAULT 1")
         self._lock = threading.Lock()
+        self._toolsets: set[str] = set()  # written already
 
     def close(self) -> None:
         with self._lock:
@@ -95,66 +122,120 @@ class Store:
             self._db.execute("UPDATE executions SET revoked = 1 WHERE id = ?", (execution_id,))
 
     def add_call(self, execution_id: str, node: Node, turn: Turn) -> None:
-        """Commit one recorded call; returns once it is durable."""
-        tools = json.dumps([asdict(t) for t in turn.tools], sort_keys=True)
-        toolset = hashlib.sha256(tools.encode()).hexdigest()
-        messages = json.dumps([asdict(m) for m in turn.new_messages], ensure_ascii=False)
+        """Commit one recorded call; returns once it is durable. Nothing is written if
+        it raises."""
+        toolset = turn.toolset
+        tools = None if toolset in self._toolsets else toolset_json(turn.tools)
+        messages = json.dumps([asdict(m) for m in turn.new_messages])
+        meta = asdict(node.meta)
+        delivered = meta.pop("delivered")
+        row = (
+            execution_id,
+            node.id,
+            node.parent,
+            array("i", node.input_ids).tobytes(),
+            array("i", node.output_ids).tobytes(),
+            array("d", node.logprobs).tobytes(),
+            array("i", node.versions).tobytes(),
+            json.dumps(meta),
+            messages,
+            toolset,
+            int(delivered),
+        )
         with self._lock:
             self._db.execute("BEGIN")
             try:
+                if tools is not None:
+                    self._db.execute(
+                        "INSERT OR IGNORE INTO toolsets (hash, tools) VALUES (?, ?)",
+                        (toolset, tools),
+                    )
                 self._db.execute(
-                    "INSERT OR IGNORE INTO toolsets (hash, tools) VALUES (?, ?)", (toolset, tools)
-                )
-                self._db.execute(
-                    "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        execution_id,
-                        node.id,
-                        node.parent,
-                        array("i", node.input_ids).tobytes(),
-                        array("i", node.output_ids).tobytes(),
-                        array("d", node.logprobs).tobytes(),
-                        array("i", node.versions).tobytes(),
-                        json.dumps(asdict(node.meta)),
-                        messages,
-                        toolset,
-                    ),
+                    "INSERT INTO nodes (execution, node, parent, input_ids, output_ids,"
+                    " logprobs, versions, meta, new_messages, toolset, delivered)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    row,
                 )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            self._toolsets.add(toolset)
 
-    def load(self) -> list[StoredExecution]:
-        """Every execution with its calls in node order (for a restarted proxy)."""
+    def set_delivered(self, execution_id: str, node_id: int, delivered: bool) -> None:
         with self._lock:
-            executions = self._db.execute(
+            self._db.execute(
+                "UPDATE nodes SET delivered = ? WHERE execution = ? AND node = ?",
+                (int(delivered), execution_id, node_id),
+            )
+
+    def executions(self) -> list[StoredExecution]:
+        """Every execution's credentials and state (cheap: no calls are read)."""
+        with self._lock:
+            rows = self._db.execute(
                 "SELECT id, key_hash, revoked FROM executions ORDER BY created_s, id"
             ).fetchall()
-            toolsets = dict(self._db.execute("SELECT hash, tools FROM toolsets").fetchall())
-            rows = self._db.execute("SELECT * FROM nodes ORDER BY execution, node").fetchall()
-        by_execution: dict[str, list[tuple[Node, Turn]]] = {e[0]: [] for e in executions}
-        conversations: dict[tuple[str, int], tuple[Message, ...]] = {}
-        for execution, node_id, parent, inp, out, lps, vers, meta, new, toolset in rows:
-            node = Node(
-                node_id,
-                parent,
-                tuple(array("i", inp)),
-                tuple(array("i", out)),
-                tuple(array("d", lps)),
-                tuple(array("i", vers)),
-                NodeMeta(**json.loads(meta)),
+        return [StoredExecution(eid, key_hash, bool(revoked)) for eid, key_hash, revoked in rows]
+
+    def calls(self, execution_id: str) -> list[tuple[Node, Turn]]:
+        """One execution's calls in node order; :class:`DamagedRecord` if they cannot
+        be loaded exactly (a gap, a missing parent or tool set, an undecodable field)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT node, parent, input_ids, output_ids, logprobs, versions, meta,"
+                " new_messages, toolset, delivered FROM nodes WHERE execution = ?"
+                " ORDER BY node",
+                (execution_id,),
+            ).fetchall()
+            hashes = sorted({row[8] for row in rows})
+            marks = ",".join("?" * len(hashes))
+            toolsets = dict(
+                self._db.execute(
+                    f"SELECT hash, tools FROM toolsets WHERE hash IN ({marks})", hashes
+                ).fetchall()
             )
-            new_messages = tuple(_message(m) for m in json.loads(new))
-            before = () if parent is None else conversations[(execution, parent)]
-            conversation = (*before, *new_messages)
-            conversations[(execution, node_id)] = conversation
-            tools = tuple(ToolSpec(**t) for t in json.loads(toolsets[toolset]))
-            by_execution[execution].append((node, Turn(node_id, conversation, new_messages, tools)))
-        return [
-            StoredExecution(eid, key_hash, bool(revoked), by_execution[eid])
-            for eid, key_hash, revoked in executions
-        ]
+        out: list[tuple[Node, Turn]] = []
+        lengths: list[int] = []
+        tools_by_hash: dict[str, tuple[ToolSpec, ...]] = {}
+        for expected, row in enumerate(rows):
+            try:
+                node, turn = _decode(row, lengths, toolsets, tools_by_hash)
+            except Exception as exc:  # any damage quarantines this execution only
+                raise DamagedRecord(execution_id, f"call {row[0]}: {exc!r}") from exc
+            if node.id != expected:
+                raise DamagedRecord(execution_id, f"call {expected} is missing")
+            out.append((node, turn))
+            lengths.append(turn.length)
+        return out
+
+
+def _decode(
+    row: tuple[Any, ...],
+    lengths: list[int],
+    toolsets: dict[str, str],
+    tools_by_hash: dict[str, tuple[ToolSpec, ...]],
+) -> tuple[Node, Turn]:
+    node_id, parent, inp, out, lps, vers, meta, new, toolset, delivered = row
+    if parent is not None and not 0 <= parent < len(lengths):
+        raise ValueError(f"parent {parent} is not an earlier call")
+    node = Node(
+        node_id,
+        parent,
+        tuple(array("i", inp)),
+        tuple(array("i", out)),
+        tuple(array("d", lps)),
+        tuple(array("i", vers)),
+        NodeMeta(**json.loads(meta), delivered=bool(delivered)),
+    )
+    tools = tools_by_hash.get(toolset)
+    if tools is None:
+        tools = tuple(ToolSpec(**t) for t in json.loads(toolsets[toolset]))
+        tools_by_hash[toolset] = tools
+    new_messages = tuple(_message(m) for m in json.loads(new))
+    if not new_messages or new_messages[-1].role != "assistant":
+        raise ValueError("the call's messages do not end with its reply")
+    length = (0 if parent is None else lengths[parent]) + len(new_messages)
+    return node, Turn(node_id, parent, new_messages, tools, toolset, length)
 
 
 def _message(data: dict[str, Any]) -> Message:

@@ -15,11 +15,14 @@ For each call (DESIGN.md §3, proxy):
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 import string
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from qwengyre.engines.base import GenerateResult
 from qwengyre.proxy.render import ChatRenderer, parse_reply
@@ -53,12 +56,20 @@ class ContextTooLong(Exception):
 
 @dataclass(frozen=True)
 class Turn:
-    """A recorded call at message level: what it was asked and what it answered."""
+    """A recorded call at message level: what it added to its parent's conversation.
+
+    A turn keeps only its increment (the request's messages after the parent's
+    conversation, then the reply), so an execution's memory grows with its unique
+    messages, not with calls x history. :meth:`ExecutionRecorder.conversation` rebuilds
+    a whole conversation.
+    """
 
     node_id: int
-    conversation: tuple[Message, ...]  # the request's messages + the reply
-    new_messages: tuple[Message, ...]  # what this call added to its parent's conversation
+    parent: int | None
+    new_messages: tuple[Message, ...]  # the last one is the reply
     tools: tuple[ToolSpec, ...]
+    toolset: str  # the tool set's key (:func:`toolset_key`)
+    length: int  # messages in the whole conversation (the parent's + these)
 
 
 @dataclass(frozen=True)
@@ -70,13 +81,43 @@ class PreparedCall:
     input_ids: tuple[int, ...]  # new tokens after the parent's context
     prompt_ids: array[int]  # the full prompt (an int32 array: cheap to extend and copy)
     request_class: RequestClass
-    tools: tuple[ToolSpec, ...]
+    tools: tuple[ToolSpec, ...]  # interned: the same object for the same tool set
+    toolset: str  # the tool set's key (a hash of its JSON)
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What a caller knows of a request from an earlier one of the same execution (see
+    :mod:`qwengyre.proxy.body`): its first ``known`` messages are that request's
+    normalised messages, and that request extended the recorded call ``parent``
+    (None: the root), so matching starts there instead of at the root."""
+
+    known: int
+    parent: int | None
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A call's node and turn, built but not yet part of the tree (see :meth:`add`)."""
+
+    node: Node
+    turn: Turn
+    completion: Completion
 
 
 class ExecutionRecorder:
-    """The in-memory tree and tool-call cache of one execution."""
+    """The in-memory tree, turns and tool-call cache of one execution.
 
-    _CONTEXT_CACHE = 4
+    Per call: :meth:`prepare` (match and build the prompt; nothing changes), then
+    :meth:`build` (the node and turn for the engine's answer; nothing changes), then,
+    once the store has committed them, :meth:`add`. :meth:`record` does the last two
+    at once (for in-process use without a store). A caller that records concurrent
+    calls of one execution must serialise build + commit + add (node ids are
+    ``len(tree.nodes)`` at build time).
+    """
+
+    _CACHED = 4  # recent contexts and conversations kept whole (each call extends one)
 
     def __init__(
         self,
@@ -90,71 +131,210 @@ class ExecutionRecorder:
         self.tree = TrajectoryTree()
         self.turns: list[Turn] = []
         self.tool_calls: dict[str, ToolCall] = {}
+        self._children: dict[int | None, list[int]] = {None: []}
+        self._toolsets: dict[str, tuple[ToolSpec, ...]] = {}
         self._contexts: OrderedDict[int, array[int]] = OrderedDict()
+        self._conversations: OrderedDict[int, tuple[Message, ...]] = OrderedDict()
 
     # ------------------------------------------------------------ before the engine
 
-    def prepare(self, request: ChatRequest) -> PreparedCall:
-        """Match, classify and build the prompt; raises ContextTooLong, records nothing."""
-        messages = tuple(self._normalise(m) for m in request.messages)
+    def prepare(self, request: ChatRequest, reuse: Reuse | None = None) -> PreparedCall:
+        """Match, classify and build the prompt; raises ContextTooLong, records nothing.
+
+        With ``reuse`` only the messages after ``reuse.known`` are normalised and
+        matching walks down from ``reuse.parent``: the cost follows the new messages,
+        not the history."""
+        known = 0 if reuse is None else reuse.known
+        new = tuple(self._normalise(m) for m in request.messages[known:])
+        messages = request.messages[:known] + new if known else new
         klass = self._classify(request, messages)
-        parent, input_ids, prompt = self._match(messages, request.tools)
+        toolset, tools = self.intern_tools(request.tools)
+        start = None if reuse is None else reuse.parent
+        parent, input_ids, prompt = self._match(messages, tools, start)
         if len(prompt) >= self.max_context:  # no room left for a single output token
             raise ContextTooLong(len(prompt), self.max_context)
-        return PreparedCall(parent, messages, input_ids, prompt, klass, request.tools)
+        return PreparedCall(
+            parent, messages, input_ids, prompt, klass, tools, toolset, request.sampling.stop
+        )
+
+    def intern_tools(self, tools: tuple[ToolSpec, ...]) -> tuple[str, tuple[ToolSpec, ...]]:
+        """(key, the execution's one copy of this tool set): Claude Code repeats ~64 KB of
+        tool definitions with every call; a turn keeps a reference, not a copy."""
+        key = toolset_key(tools)
+        return key, self._toolsets.setdefault(key, tools)
 
     def _normalise(self, message: Message) -> Message:
-        calls = tuple(
-            ToolCall(c.id, *self._restored(c)) if c.id in self.tool_calls else c
-            for c in message.tool_calls
-        )
-        return Message(message.role, message.content.strip(), calls, message.tool_call_id)
-
-    def _restored(self, call: ToolCall) -> tuple[str, dict[str, object]]:
-        ours = self.tool_calls[call.id]
-        return ours.name, ours.arguments
+        """Restore the payload of tool calls we produced (by id); the text stays as sent."""
+        if not any(c.id in self.tool_calls for c in message.tool_calls):
+            return message
+        calls = tuple(self.tool_calls.get(c.id, c) for c in message.tool_calls)
+        return Message(message.role, message.content, calls, message.tool_call_id)
 
     def _classify(self, request: ChatRequest, messages: tuple[Message, ...]) -> RequestClass:
         last_user = next((m.content for m in reversed(messages) if m.role == "user"), "")
-        facts = RequestFacts(request.headers, bool(request.tools), last_user)
+        texts = request.last_user_texts or (last_user,)
+        facts = RequestFacts(request.headers, bool(request.tools), texts)
         return classify(facts) if self.rules is None else classify(facts, self.rules)
 
     def _match(
-        self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...]
+        self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...], start: int | None = None
     ) -> tuple[int | None, tuple[int, ...], array[int]]:
-        """The deepest turn this conversation extends; its context plus the new suffix."""
-        # Deepest first; among equal conversations (a repeated call) the newest record.
-        for turn in sorted(
-            self.turns, key=lambda t: (len(t.conversation), t.node_id), reverse=True
-        ):
-            n = len(turn.conversation)
-            if n >= len(messages) or turn.tools != tools or messages[:n] != turn.conversation:
-                continue
+        """The deepest turn this conversation extends (below ``start``, a turn it is
+        known to extend); that turn's context plus the new suffix."""
+        for turn in self._extended(messages, tools, start):
             node = self.tree.nodes[turn.node_id]
             suffix = self.renderer.suffix_ids(
-                turn.conversation, messages[n:], tools, node.output_ids
+                self.conversation(turn.node_id), messages[turn.length :], tools, node.output_ids
             )
-            if suffix is None:
-                continue
-            return turn.node_id, tuple(suffix), self._context(turn.node_id) + array("i", suffix)
+            if suffix is not None:
+                return turn.node_id, tuple(suffix), self._context(turn.node_id) + array("i", suffix)
         prompt = self.renderer.prompt_ids(messages, tools)
         return None, tuple(prompt), array("i", prompt)
+
+    def _extended(
+        self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...], start: int | None
+    ) -> list[Turn]:
+        """Turns below ``start`` whose conversation ``messages`` strictly extends, with
+        the same tools: deepest first, the newest first among equals (``start`` itself
+        last). Walks down the turn tree comparing each turn's increment only."""
+        found: list[Turn] = []
+        if start is not None and self.turns[start].length < len(messages):
+            found.append(self.turns[start])
+        stack: list[tuple[int | None, int]] = [
+            (start, 0 if start is None else self.turns[start].length)
+        ]
+        while stack:
+            parent, offset = stack.pop()
+            for child in self._children[parent]:
+                turn = self.turns[child]
+                if (
+                    turn.length < len(messages)
+                    and messages[offset : turn.length] == turn.new_messages
+                ):
+                    stack.append((child, turn.length))
+                    if turn.tools is tools:
+                        found.append(turn)
+        found.sort(key=lambda t: (t.length, t.node_id), reverse=True)
+        return [t for t in found if t.tools is tools]
+
+    def conversation(self, node_id: int) -> tuple[Message, ...]:
+        """The messages of a recorded call's request and its reply."""
+        pending: list[Turn] = []  # up to the nearest cached ancestor
+        at: int | None = node_id
+        while at is not None and at not in self._conversations:
+            pending.append(self.turns[at])
+            at = self.turns[at].parent
+        conversation = () if at is None else self._conversations[at]
+        for turn in reversed(pending):
+            conversation += turn.new_messages
+        _remember(self._conversations, node_id, conversation, self._CACHED)
+        return conversation
 
     def _context(self, node_id: int) -> array[int]:
         """A node's full context; the newest few are cached (each call extends one)."""
         context = self._contexts.get(node_id)
         if context is None:
             context = array("i", self.tree.context_ids(node_id))
-        self._remember(node_id, context)
+        _remember(self._contexts, node_id, context, self._CACHED)
         return context
 
-    def _remember(self, node_id: int, context: array[int]) -> None:
-        self._contexts[node_id] = context
-        self._contexts.move_to_end(node_id)
-        while len(self._contexts) > self._CONTEXT_CACHE:
-            self._contexts.popitem(last=False)
-
     # ------------------------------------------------------------ after the engine
+
+    def build(
+        self,
+        call: PreparedCall,
+        result: GenerateResult,
+        *,
+        api: str,
+        model: str,
+        engine: str,
+        started_s: float,
+        finished_s: float,
+        delivered: bool = True,
+        completion_id: str | None = None,
+    ) -> Recorded:
+        """The node and turn of ``call`` answered by ``result``, and the API-neutral
+        answer (``completion_id``: its id, if already announced to a streaming client);
+        the node gets the next id. Nothing changes until :meth:`add`."""
+        eos = self.renderer.tokenizer.eos_token_id
+        ids = list(result.output_ids)
+        body = ids[:-1] if ids and ids[-1] == eos else ids
+        decoded = self.renderer.decode(body, skip_special_tokens=True)
+        cut, stop_sequence = cut_at_stop(decoded, call.stop)
+        text, parsed = parse_reply(cut)
+        prefix = "toolu_" if api == "anthropic" else "call_"
+        calls = tuple(ToolCall(new_id(prefix), name, args) for name, args in parsed)
+        stop: StopReason
+        if calls:
+            stop = "tool_use"
+        elif stop_sequence is not None:
+            stop = "stop_sequence"
+        elif result.finish_reason == "length":
+            stop = "max_tokens"
+        else:
+            stop = "end_turn"
+        usage = {"input_tokens": len(call.prompt_ids), "output_tokens": len(ids)}
+        meta = NodeMeta(
+            request_class=call.request_class.name,
+            agent_id=call.request_class.agent_id,
+            engine=engine,
+            policy_version=result.policy_version,
+            started_s=started_s,
+            finished_s=finished_s,
+            finish_reason=result.finish_reason,
+            usage=usage,
+            delivered=delivered,
+        )
+        node = Node(
+            len(self.tree.nodes),
+            call.parent,
+            call.input_ids,
+            result.output_ids,
+            result.logprobs,
+            result.versions,
+            meta,
+        )
+        reply = Message("assistant", text, calls)
+        before = 0 if call.parent is None else self.turns[call.parent].length
+        increment = (*call.messages[before:], reply)
+        turn = Turn(
+            node.id, call.parent, increment, call.tools, call.toolset, len(call.messages) + 1
+        )
+        tokens = self.renderer.tokenizer.convert_ids_to_tokens(ids)
+        completion = Completion(
+            id=completion_id or new_id("msg_" if api == "anthropic" else "chatcmpl-"),
+            model=model,
+            text=text,
+            tool_calls=calls,
+            stop_reason=stop,
+            input_tokens=usage["input_tokens"],
+            output_tokens=usage["output_tokens"],
+            stop_sequence=stop_sequence,
+            logprobs=tuple(
+                TokenLogprob(str(t), lp) for t, lp in zip(tokens, result.logprobs, strict=True)
+            ),
+        )
+        return Recorded(node, turn, completion)
+
+    def add(self, node: Node, turn: Turn, prompt_ids: array[int] | None = None) -> None:
+        """Make a built (and, in the proxy, committed) call part of the tree; also used
+        when an execution is loaded from the store. ``prompt_ids``: its full prompt, if
+        at hand (caches its context for the next call)."""
+        if node.id != len(self.tree.nodes) or turn.node_id != node.id:
+            raise ValueError(f"node {node.id} out of order (expected {len(self.tree.nodes)})")
+        self.tree.add(
+            node.parent, node.input_ids, node.output_ids, node.logprobs, node.versions, node.meta
+        )
+        self.turns.append(turn)
+        self._children[turn.parent].append(node.id)
+        self._children[node.id] = []
+        self._toolsets.setdefault(turn.toolset, turn.tools)
+        for call in turn.new_messages[-1].tool_calls:
+            self.tool_calls[call.id] = call
+        if prompt_ids is not None:
+            _remember(
+                self._contexts, node.id, prompt_ids + array("i", node.output_ids), self._CACHED
+            )
 
     def record(
         self,
@@ -167,62 +347,51 @@ class ExecutionRecorder:
         started_s: float,
         finished_s: float,
     ) -> tuple[Node, Completion]:
-        """Add the node, cache the reply's tool calls, and answer in API-neutral form."""
-        eos = self.renderer.tokenizer.eos_token_id
-        ids = list(result.output_ids)
-        body = ids[:-1] if ids and ids[-1] == eos else ids
-        text, parsed = parse_reply(self.renderer.decode(body, skip_special_tokens=True))
-        prefix = "toolu_" if api == "anthropic" else "call_"
-        calls = tuple(ToolCall(new_id(prefix), name, args) for name, args in parsed)
-        stop: StopReason = (
-            "tool_use"
-            if calls
-            else ("max_tokens" if result.finish_reason == "length" else "end_turn")
-        )
-        usage = {"input_tokens": len(call.prompt_ids), "output_tokens": len(ids)}
-        meta = NodeMeta(
-            request_class=call.request_class.name,
-            agent_id=call.request_class.agent_id,
+        """:meth:`build` and :meth:`add` at once (in-process use, nothing to commit)."""
+        recorded = self.build(
+            call,
+            result,
+            api=api,
+            model=model,
             engine=engine,
-            policy_version=result.policy_version,
             started_s=started_s,
             finished_s=finished_s,
-            finish_reason=result.finish_reason,
-            usage=usage,
         )
-        node = self.tree.add(
-            call.parent, call.input_ids, result.output_ids, result.logprobs, result.versions, meta
-        )
-        self._remember(node.id, call.prompt_ids + array("i", result.output_ids))
-        reply = Message("assistant", text, calls)
-        parent_len = 0 if call.parent is None else len(self.turns[call.parent].conversation)
-        self.add_turn(
-            Turn(node.id, (*call.messages, reply), (*call.messages[parent_len:], reply), call.tools)
-        )
-        tokens = self.renderer.tokenizer.convert_ids_to_tokens(list(ids))
-        completion = Completion(
-            id=new_id("msg_" if api == "anthropic" else "chatcmpl-"),
-            model=model,
-            text=text,
-            tool_calls=calls,
-            stop_reason=stop,
-            input_tokens=usage["input_tokens"],
-            output_tokens=usage["output_tokens"],
-            logprobs=tuple(
-                TokenLogprob(str(t), lp) for t, lp in zip(tokens, result.logprobs, strict=True)
-            ),
-        )
-        return node, completion
+        self.add(recorded.node, recorded.turn, call.prompt_ids)
+        return recorded.node, recorded.completion
 
-    def add_turn(self, turn: Turn) -> None:
-        """Register a recorded call (also used when a store replays an execution)."""
-        if turn.node_id != len(self.turns):
-            raise ValueError(f"turn {turn.node_id} out of order (expected {len(self.turns)})")
-        self.turns.append(turn)
-        for call in turn.conversation[-1].tool_calls:
-            self.tool_calls[call.id] = call
+    def mark_delivered(self, node_id: int, delivered: bool) -> None:
+        """Whether the caller received the answer of ``node_id`` (see NodeMeta)."""
+        self.tree.set_delivered(node_id, delivered)
 
     def count_tokens(self, request: ChatRequest) -> int:
         """Prompt length for a request, as the next call would build it (nothing recorded)."""
         messages = tuple(self._normalise(m) for m in request.messages)
-        return len(self._match(messages, request.tools)[2])
+        return len(self._match(messages, self.intern_tools(request.tools)[1])[2])
+
+
+def toolset_key(tools: tuple[ToolSpec, ...]) -> str:
+    """A tool set's identity: the SHA-256 of its canonical JSON."""
+    return hashlib.sha256(toolset_json(tools).encode()).hexdigest()
+
+
+def toolset_json(tools: tuple[ToolSpec, ...]) -> str:
+    """Canonical JSON of a tool set (ASCII escapes: lossless for any string)."""
+    return json.dumps([asdict(t) for t in tools], sort_keys=True)
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """``text`` up to the first occurrence of any stop string, and that string."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop) if stop else -1
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, stop)
+    return (text, None) if best is None else (text[: best[0]], best[1])
+
+
+def _remember(cache: OrderedDict[int, Any], key: int, value: Any, size: int) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > size:
+        cache.popitem(last=False)

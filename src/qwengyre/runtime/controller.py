@@ -298,7 +298,7 @@ class Controller:
             cancel=ex.cancel,
         )
         await self.proxy.revoke_execution(ex.proxy_id)
-        nodes = self.proxy.executions[ex.proxy_id].recorder.tree.to_json()["nodes"]
+        nodes = self.proxy.tree(ex.proxy_id).to_json()["nodes"]
         self.outputs.traces.write(
             trace_record(task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0)
         )
@@ -313,7 +313,7 @@ class Controller:
         executions = []
         for eid in sorted(group.valid):
             proxy_id = self._executions[eid].proxy_id
-            tree = self.proxy.executions[proxy_id].recorder.tree
+            tree = self.proxy.tree(proxy_id)
             admitted = admit_execution(
                 tree, proxy_id, advantages[eid], j_max=self.config.trainer.j_max, rng=self.rng
             )

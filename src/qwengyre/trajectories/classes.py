@@ -16,7 +16,9 @@ Agent = Literal["main", "sub"]
 Kind = Literal["task", "summary", "side"]
 
 COMPACTION_PREFIX = "CRITICAL: Respond with TEXT ONLY"
-"""Claude Code's compaction request starts its last user text with this."""
+"""Claude Code's compaction instruction starts with this. It arrives as its own user
+message after a tool result, but as a further text block of the last user message after
+a user text turn (``/compact`` and auto-compaction alike)."""
 SUBAGENT_HEADER = "x-claude-code-agent-id"
 """Claude Code marks sub-agent requests with this header."""
 
@@ -34,11 +36,12 @@ class RequestClass:
 
 @dataclass(frozen=True)
 class RequestFacts:
-    """What the rules look at: lower-cased headers, tool count, last user text."""
+    """What the rules look at: lower-cased headers, whether tools were offered, and the
+    text blocks of the last user message as the client split them."""
 
     headers: dict[str, str]
     has_tools: bool
-    last_user_text: str
+    last_user_texts: tuple[str, ...]
 
 
 Rule = Callable[[RequestFacts], RequestClass | None]
@@ -50,7 +53,7 @@ def _agent(facts: RequestFacts) -> tuple[Agent, str]:
 
 
 def claude_code_summary(facts: RequestFacts) -> RequestClass | None:
-    if facts.last_user_text.lstrip().startswith(COMPACTION_PREFIX):
+    if any(text.lstrip().startswith(COMPACTION_PREFIX) for text in facts.last_user_texts):
         agent, agent_id = _agent(facts)
         return RequestClass(agent, "summary", agent_id)
     return None

@@ -18,6 +18,9 @@ are admitted:
 So a token shared by several admitted trajectories is a target exactly once (in the
 first that includes it), while each trajectory keeps its full recorded context.
 
+A call the harness never received (``meta.delivered`` False: it hung up, or the
+proxy died first) is never a candidate and its sampled tokens are never targets.
+
 Classes missing from ``priority`` (e.g. ``"main.side"``): by default they form one
 tier *below* every listed class, so they are admitted only once the listed classes
 have nothing trainable left (the issue asks for admission "until nothing trainable
@@ -130,9 +133,10 @@ def select_trajectories(
     candidates: list[tuple[int, int, list[int]]] = []  # (rank, leaf, path node ids)
     for node in tree.leaves():
         rank = class_rank(node.meta.request_class, priority, admit_unlisted=admit_unlisted)
-        if rank is not None:
+        if rank is not None and node.meta.delivered:
             candidates.append((rank, node.id, [n.id for n in tree.path(node.id)]))
-    masked: set[int] = set()  # nodes whose sampled tokens are masked
+    # Nodes whose sampled tokens are masked; an undelivered call's never are targets.
+    masked: set[int] = {n.id for n in tree.nodes if not n.meta.delivered}
 
     def unmasked(path: list[int]) -> int:
         return sum(len(tree.nodes[i].output_ids) for i in path if i not in masked)

@@ -11,7 +11,7 @@ sampled tokens can ever be training targets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -27,6 +27,10 @@ class NodeMeta:
     finished_s: float
     finish_reason: str
     usage: dict[str, int] = field(default_factory=dict)
+    # False: recorded but never delivered (the client hung up, the stream was cut, the
+    # proxy died before answering). Its sampled tokens are never training targets, and
+    # the harness's retry of it is the real call.
+    delivered: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class Node:
             "finished_s": self.meta.finished_s,
             "finish_reason": self.meta.finish_reason,
             "usage": dict(self.meta.usage),
+            "delivered": self.meta.delivered,
         }
 
 
@@ -91,6 +96,11 @@ class TrajectoryTree:
         self._children.setdefault(parent, []).append(node.id)
         self._children[node.id] = []
         return node
+
+    def set_delivered(self, node_id: int, delivered: bool) -> None:
+        """Mark whether the caller received ``node_id``'s answer."""
+        node = self.nodes[node_id]
+        self.nodes[node_id] = replace(node, meta=replace(node.meta, delivered=delivered))
 
     def path(self, node_id: int) -> list[Node]:
         """The nodes from the root down to ``node_id``."""

@@ -1,0 +1,205 @@
+"""Request bodies that repeat a known prefix are parsed only past it.
+
+A harness resends its whole conversation with every call, so at the 4,000th call of an
+execution the body holds ~8,000 messages and parsing it (JSON, validation, conversion)
+would cost ~50x the first call. But the same client serialises the same messages to the
+same bytes: a body that starts with the bytes of an earlier body, up to the end of that
+body's last message, holds those messages and then new ones. :func:`split` finds such a
+prefix among an execution's recent bodies (one ``bytes.startswith``, C speed) and
+JSON-decodes only what follows it plus the top-level fields, so the caller converts only
+the new messages and reuses what it made of the old ones (:class:`KnownBody.state`).
+
+Anything unusual (a duplicate top-level key, a ``messages`` value that is not an array,
+an exact repeat with no new message, undecodable bytes) returns None and the caller
+parses the whole body as usual, so errors are always reported by the API parsers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+_WHITESPACE = " \t\n\r"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+@dataclass(frozen=True)
+class KnownBody:
+    """The bytes of a body up to the end of its last message, and what they parsed to."""
+
+    data: bytes  # body[: end of the last message element]
+    head: dict[str, Any]  # the top-level fields before "messages"
+    count: int  # message elements in ``data``
+    state: Any  # the caller's conversion of those elements
+
+
+@dataclass(frozen=True)
+class SplitBody:
+    """A body as a known prefix plus what follows it.
+
+    ``doc`` is the whole top-level object except that ``doc["messages"]`` holds only
+    the elements after ``known.count`` (all of them if ``known`` is None).
+    ``messages_end`` is the byte offset just after the last message element and
+    ``head`` the top-level fields before ``messages`` — what :meth:`BodyMemo.remember`
+    needs to make this body a known prefix in turn.
+    """
+
+    doc: dict[str, Any]
+    known: KnownBody | None
+    messages_end: int
+    head: dict[str, Any]
+
+
+class BodyMemo:
+    """The most recent bodies of one execution (a main agent and a few sub-agents
+    interleave), as prefixes for :func:`split`."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._known: OrderedDict[bytes, KnownBody] = OrderedDict()
+
+    def split(self, body: bytes) -> SplitBody | None:
+        """``body`` split after the longest remembered prefix it starts with, or whole
+        (``known`` None) when none fits; None if it is not a body this module can read
+        (the caller parses it whole and reports what is wrong)."""
+        for known in sorted(self._known.values(), key=lambda k: len(k.data), reverse=True):
+            if body.startswith(known.data):
+                found = _split_after(body, known)
+                if found is not None:
+                    self._known.move_to_end(known.data)
+                    return found
+        return _split_whole(body)
+
+    def remember(self, body: bytes, split: SplitBody, state: Any) -> None:
+        """Make ``body``'s messages (``state``: their conversion) a known prefix."""
+        count = len(split.doc["messages"]) + (split.known.count if split.known else 0)
+        data = body[: split.messages_end]
+        self._known[data] = KnownBody(data, split.head, count, state)
+        self._known.move_to_end(data)
+        while len(self._known) > self.size:
+            self._known.popitem(last=False)
+
+
+def _skip(text: str, at: int) -> int:
+    while at < len(text) and text[at] in _WHITESPACE:
+        at += 1
+    return at
+
+
+def _split_whole(body: bytes) -> SplitBody | None:
+    try:
+        text = body.decode("utf-8")
+        at = _skip(text, 0)
+        if text[at : at + 1] != "{":
+            return None
+        return _scan(text, at + 1, {}, None, _byte_offsets(body, text))
+    except (ValueError, IndexError, RecursionError):
+        return None
+
+
+def _split_after(body: bytes, known: KnownBody) -> SplitBody | None:
+    try:
+        text = body[len(known.data) :].decode("utf-8")
+        at = _skip(text, 0)
+        if text[at : at + 1] != ",":  # an exact repeat has no new message: parse it whole
+            return None
+        doc = dict(known.head)
+        offsets = _byte_offsets(body[len(known.data) :], text, shift=len(known.data))
+        return _scan(text, at, doc, known, offsets, in_messages=True)
+    except (ValueError, IndexError, RecursionError):
+        return None
+
+
+class _Offsets:
+    """Byte offsets of positions in ``text`` (the decoded ``body[shift:]``); O(1) for
+    ASCII bodies (what ``json.dumps`` writes by default), else O(position)."""
+
+    def __init__(self, body: bytes, text: str, shift: int) -> None:
+        self.ascii = len(body) == len(text)
+        self.text = text
+        self.shift = shift
+
+    def __call__(self, at: int) -> int:
+        if self.ascii:
+            return self.shift + at
+        return self.shift + len(self.text[:at].encode("utf-8"))
+
+
+def _byte_offsets(body: bytes, text: str, shift: int = 0) -> _Offsets:
+    return _Offsets(body, text, shift)
+
+
+def _scan(
+    text: str,
+    at: int,
+    doc: dict[str, Any],
+    known: KnownBody | None,
+    offsets: _Offsets,
+    *,
+    in_messages: bool = False,
+) -> SplitBody | None:
+    """Scan the rest of the top-level object from ``at`` (just after ``{``, or, with
+    ``in_messages``, inside the messages array after its known elements)."""
+    messages: list[Any] = []
+    messages_end = -1
+    head: dict[str, Any] = dict(doc)
+    if in_messages:
+        at, last = _elements(text, at, messages)
+        messages_end = offsets(last)
+        doc["messages"] = messages
+    expect_key = not in_messages
+    while True:
+        at = _skip(text, at)
+        if not expect_key:  # after a value: "," and a key, or the end
+            if text[at] == "}":
+                break
+            if text[at] != ",":
+                return None
+            at = _skip(text, at + 1)
+        expect_key = False
+        key, at = _DECODER.raw_decode(text, at)
+        at = _skip(text, at)
+        if not isinstance(key, str) or key in doc or text[at] != ":":
+            return None
+        at = _skip(text, at + 1)
+        if key == "messages":
+            if text[at] != "[":
+                return None
+            head = dict(doc)
+            messages, at = _DECODER.raw_decode(text, at)
+            last = at - 1  # the closing bracket; the last element ends before it
+            while text[last - 1] in _WHITESPACE:
+                last -= 1
+            messages_end = offsets(last)
+            doc[key] = messages
+        else:
+            doc[key], at = _DECODER.raw_decode(text, at)
+    if _skip(text, at + 1) != len(text) or not isinstance(doc.get("messages"), list):
+        return None
+    if not doc["messages"]:
+        return None
+    return SplitBody(doc, known, messages_end, head)
+
+
+def _elements(text: str, at: int, out: list[Any]) -> tuple[int, int]:
+    """Decode the array elements that follow earlier ones (``at`` is at the ``,``
+    after them) into ``out`` up to the closing ``]``; (the position after it, the
+    position after the last element)."""
+    while True:
+        at = _skip(text, at)
+        if text[at] != ",":
+            raise ValueError("expected ','")
+        element, at = _DECODER.raw_decode(text, _skip(text, at + 1))
+        out.append(element)
+        end = at
+        at = _skip(text, at)
+        if text[at] == "]":
+            return at + 1, end

@@ -1,0 +1,253 @@
+"""Router.stream: one token stream per call across aborts, failures and reroutes."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from qwengyre.engines.base import (
+    EngineAborted,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    TokenDelta,
+)
+from qwengyre.proxy.routing import NoEngineAvailable, Router
+from qwengyre.types import SamplingParams
+
+PROMPT = (11, 12, 13)
+WAIT = "wait"  # a plan step: block until the request is aborted, then raise EngineAborted
+
+Step = tuple[tuple[int, ...], FinishReason | None] | BaseException | str
+
+
+def delta(ids: tuple[int, ...], finish: FinishReason | None = None) -> TokenDelta:
+    return TokenDelta(ids, tuple(-0.5 for _ in ids), tuple(7 for _ in ids), finish)
+
+
+@dataclass
+class FakeEngine:
+    """Streams one plan per request: (ids, finish) deltas, an exception to raise, or
+    WAIT. Records the requests, the aborts, and which streams were closed early."""
+
+    name: str
+    plans: list[list[Step]]
+    capacity: int = 8
+    requests: list[GenerateRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
+    _inflight: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    @property
+    def load(self) -> int:
+        return len(self._inflight)
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenDelta, None]:
+        rid = request.request_id
+        self.requests.append(request)
+        plan = self.plans.pop(0)
+        aborted = self._inflight[rid] = asyncio.Event()
+        try:
+            for step in plan:
+                await asyncio.sleep(0)
+                if aborted.is_set():
+                    raise EngineAborted(rid)
+                if step == WAIT:
+                    await aborted.wait()
+                    raise EngineAborted(rid)
+                if isinstance(step, BaseException):
+                    raise step
+                assert isinstance(step, tuple)
+                yield delta(*step)
+        except GeneratorExit:
+            self.closed.append(rid)
+            raise
+        finally:
+            del self._inflight[rid]
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        raise AssertionError("the router streams")
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        if request_id in self._inflight:
+            self._inflight[request_id].set()
+
+    async def update_weights(self, source: Any, version: int) -> None: ...
+    async def release_memory(self) -> None: ...
+    async def resume_memory(self) -> None: ...
+    async def health(self) -> bool:
+        return True
+
+
+def router_with(*engines: FakeEngine, max_attempts: int = 5) -> Router:
+    """The first engine is the preferred one."""
+    router = Router(max_attempts=max_attempts)
+    for preference, engine in enumerate(reversed(engines)):
+        router.register(engine, preference)
+    return router
+
+
+def request(max_tokens: int = 20) -> GenerateRequest:
+    return GenerateRequest("req_x", PROMPT, SamplingParams(max_tokens=max_tokens), {"a": "b"})
+
+
+async def consume(
+    router: Router,
+    max_tokens: int = 20,
+    after_first: Callable[[], Awaitable[None]] | None = None,
+) -> list[tuple[str, TokenDelta]]:
+    """Every (engine, delta) of a call; ``after_first`` runs once the first delta is in."""
+    out: list[tuple[str, TokenDelta]] = []
+    async for item in router.stream("ex", request(max_tokens)):
+        out.append(item)
+        if len(out) == 1 and after_first is not None:
+            await after_first()
+    return out
+
+
+def ids_of(items: list[tuple[str, TokenDelta]]) -> list[int]:
+    return [t for _, d in items for t in d.output_ids]
+
+
+def test_a_call_drained_mid_stream_continues_at_the_new_engine() -> None:
+    a = FakeEngine("a", [[((1, 2), None), WAIT]])
+    b = FakeEngine("b", [[((3, 4), None), ((5,), "stop")]])
+    router = router_with(a, b)
+
+    async def drain() -> None:
+        assert await router.drain("a") == ["ex"]
+
+    items = asyncio.run(consume(router, 20, after_first=drain))
+
+    assert [e for e, _ in items] == ["a", "b", "b"]
+    assert ids_of(items) == [1, 2, 3, 4, 5]
+    assert [d.finish_reason for _, d in items] == [None, None, "stop"]
+    (first,) = a.requests
+    (second,) = b.requests
+    assert tuple(first.input_ids) == PROMPT and first.sampling.max_tokens == 20
+    assert tuple(second.input_ids) == (*PROMPT, 1, 2)
+    assert second.sampling.max_tokens == 18 and second.tags == {"a": "b"}
+    assert a.aborted == [first.request_id]
+    assert router.route_of("ex") == "b"
+    # fixed width request ids, distinct per attempt
+    for r in (first, second):
+        assert re.fullmatch(r"req_x-\d{10}", r.request_id)
+    assert first.request_id != second.request_id
+
+
+def test_a_failure_mid_stream_drains_the_engine_and_continues() -> None:
+    a = FakeEngine("a", [[((1,), None), ConnectionResetError("gone")]])
+    b = FakeEngine("b", [[((2, 3), "length")]])
+    router = router_with(a, b)
+
+    items = asyncio.run(consume(router, 3))
+
+    assert ids_of(items) == [1, 2, 3] and items[-1] == ("b", delta((2, 3), "length"))
+    assert tuple(b.requests[0].input_ids) == (*PROMPT, 1)
+    assert b.requests[0].sampling.max_tokens == 2
+    assert router.route_of("ex") == "b"
+    assert router.route("other") == "b"  # "a" no longer accepts
+
+
+@pytest.mark.parametrize(
+    ("failure", "retried_at"), [(EngineAborted("aborted"), "a"), (TimeoutError("slow"), "b")]
+)
+def test_a_call_that_produced_nothing_restarts_from_the_prompt(
+    failure: Exception, retried_at: str
+) -> None:
+    answer: list[Step] = [((4,), None), ((5,), "stop")]
+    a = FakeEngine("a", [[failure], list(answer)])
+    b = FakeEngine("b", [list(answer)])
+    router = router_with(a, b)
+
+    items = asyncio.run(consume(router, 9))
+
+    assert ids_of(items) == [4, 5] and {e for e, _ in items} == {retried_at}
+    (retry,) = [*a.requests[1:], *b.requests]  # an abort keeps the route, a failure drains
+    assert tuple(retry.input_ids) == PROMPT
+    assert retry.sampling == SamplingParams(max_tokens=9)
+
+
+@pytest.mark.parametrize("max_attempts", [1, 5])
+def test_a_budget_spent_before_the_abort_finishes_with_length(max_attempts: int) -> None:
+    a = FakeEngine("a", [[((1, 2), None), EngineAborted("drained")]])
+    b = FakeEngine("b", [])
+    router = router_with(a, b, max_attempts=max_attempts)
+
+    items = asyncio.run(consume(router, 2))
+
+    assert items == [("a", delta((1, 2))), ("a", delta((), "length"))]
+    assert b.requests == []
+
+
+def test_max_attempts_bounds_the_retries_and_each_continues_the_last() -> None:
+    a = FakeEngine("a", [[((7,), None), EngineAborted("again")] for _ in range(5)])
+    router = router_with(a, max_attempts=3)
+    items: list[tuple[str, TokenDelta]] = []
+
+    async def run() -> None:
+        async for item in router.stream("ex", request()):
+            items.append(item)
+
+    with pytest.raises(NoEngineAvailable, match="gave up after 3 attempts: again"):
+        asyncio.run(run())
+    assert ids_of(items) == [7, 7, 7]
+    assert [tuple(r.input_ids) for r in a.requests] == [PROMPT, (*PROMPT, 7), (*PROMPT, 7, 7)]
+    assert [r.sampling.max_tokens for r in a.requests] == [20, 19, 18]
+    assert len(a.plans) == 2
+
+
+def test_closing_the_stream_early_closes_the_engines_stream() -> None:
+    a = FakeEngine("a", [[((1,), None), ((2,), None), ((3,), "stop")]])
+    router = router_with(a)
+
+    async def run() -> None:
+        stream = router.stream("ex", request())
+        assert await anext(stream) == ("a", delta((1,)))
+        await stream.aclose()
+        assert a.closed == [a.requests[0].request_id] and a.load == 0
+        # nothing is left in flight: draining aborts no request
+        await router.drain("a")
+        assert a.aborted == []
+
+    asyncio.run(run())
+
+
+def test_cancelling_the_consumer_leaves_nothing_in_flight() -> None:
+    a = FakeEngine("a", [[((1,), None), WAIT]])
+    router = router_with(a)
+
+    async def run() -> None:
+        got = asyncio.Event()
+
+        async def consumer() -> None:
+            async for _ in router.stream("ex", request()):
+                got.set()
+
+        task = asyncio.create_task(consumer())
+        await got.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert a.load == 0
+        await router.drain("a")
+        assert a.aborted == []
+
+    asyncio.run(run())
+
+
+def test_generate_collects_the_stream_and_names_the_finishing_engine() -> None:
+    a = FakeEngine("a", [[((1, 2), None), ConnectionError("reset")]])
+    b = FakeEngine("b", [[((3,), None), ((), "stop")]])
+    router = router_with(a, b)
+
+    engine, result = asyncio.run(router.generate("ex", request()))
+
+    assert engine == "b"
+    assert result == GenerateResult((1, 2, 3), (-0.5,) * 3, (7,) * 3, "stop")
