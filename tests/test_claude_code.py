@@ -17,7 +17,7 @@ import pytest
 from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
-from qwengyre.proxy import anthropic_api
+from qwengyre.proxy.server import ProxyServer
 from qwengyre.trajectories.classes import COMPACTION_PREFIX, SUBAGENT_HEADER
 
 pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
@@ -158,13 +158,15 @@ def requests_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, str | Non
     """Every ``/v1/messages`` body the proxy parsed (rejected ones too), as JSON, with
     its sub-agent header."""
     seen: list[tuple[dict, str | None]] = []
-    parse = anthropic_api.parse_messages_request
+    read = ProxyServer._body
 
-    def spy(body: bytes, headers):  # type: ignore[no-untyped-def]
-        seen.append((json.loads(body), headers.get(SUBAGENT_HEADER)))
-        return parse(body, headers)
+    async def spy(self: ProxyServer, http):  # type: ignore[no-untyped-def]
+        body = await read(self, http)
+        if http.path.endswith("/v1/messages"):
+            seen.append((json.loads(body), http.headers.get(SUBAGENT_HEADER)))
+        return body
 
-    monkeypatch.setattr(anthropic_api, "parse_messages_request", spy)
+    monkeypatch.setattr(ProxyServer, "_body", spy)
     return seen
 
 

@@ -898,9 +898,14 @@ def test_deep_json_is_a_400_naming_the_limit_not_a_recursion_error() -> None:
     tools = [{"name": "t", "input_schema": _nested_schema(250)}]
     with pytest.raises(ApiError, match="64 levels"):
         parse_count_tokens_request(_body(tools=tools), {})
-    # 64 levels are fine: body, tools, tool, input_schema, then 30 levels of properties.
-    ok = parse_messages_request(_body(tools=[{"name": "t", "input_schema": _nested_schema(30)}]), {})
-    assert ok.tools[0].parameters == _nested_schema(30)
+    # 64 levels are fine: body, tools, tool, then 30 schema levels of 2 (object, properties)
+    # and the innermost schema.
+    fits = [{"name": "t", "input_schema": _nested_schema(30)}]
+    assert (
+        parse_messages_request(_body(tools=fits), {}).tools[0].parameters == fits[0]["input_schema"]
+    )
+    with pytest.raises(ApiError, match="64 levels"):
+        parse_messages_request(_body(tools=[{"name": "t", "input_schema": _nested_schema(31)}]), {})
 
 
 @pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"Infinity", b"-Infinity", b"NaN"])
@@ -924,7 +929,7 @@ def _events(raw: list[bytes]) -> list[dict[str, Any]]:
     """Each SSE event's data, decoded as strict UTF-8 JSON."""
     out = []
     for chunk in raw:
-        name, data = chunk.decode("utf-8").removesuffix("\n\n").split("\n", 1)
+        data = chunk.decode("utf-8").removesuffix("\n\n").split("\n", 1)[1]
         out.append(json.loads(data.removeprefix("data: ")))
     return out
 

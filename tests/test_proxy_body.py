@@ -65,6 +65,11 @@ def test_anything_unusual_is_left_to_the_whole_parse():
         b"[" * 100_000,
     ]:
         assert memo.split(bad) is None, bad[:40]
+    assert memo.split(good[:-2] + b',{"b":1e999}]}') is None  # jsonsafe's rules hold
+    assert memo.split(good[:-2] + b"," + b"[" * 70 + b"]" * 70 + b"]}") is None
+    cleaned = memo.split(good[:-2] + b',{"b":"\\ud800"}], "s": "\\udfff"}')
+    assert cleaned is not None and cleaned.doc["messages"] == [{"b": "\ufffd"}]
+    assert cleaned.doc["s"] == "\ufffd"
     repeat = memo.split(good)  # no new message: read whole
     assert repeat is not None and repeat.known is None and repeat.doc == json.loads(good)
     longer = good[:-2] + b', {"b": 2}]}'

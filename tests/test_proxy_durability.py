@@ -339,7 +339,7 @@ def test_kill_9_under_streaming_load_loses_nothing_that_was_answered(
                         model="tiny", max_tokens=64, messages=messages, tools=TOOLS_ANTHROPIC
                     ) as stream:
                         reply = stream.get_final_message()
-                except (anthropic.APIConnectionError, anthropic.APIStatusError):
+                except Exception:  # the proxy died under it (mid-stream: not an SDK error)
                     return
                 answered[ex["id"]] = answered.get(ex["id"], 0) + 1
                 messages.append(

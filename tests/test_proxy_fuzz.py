@@ -146,8 +146,6 @@ def check_answer(response: httpx2.Response, api: str) -> Any:
         else:
             assert data[-1] == "[DONE]", data[-3:]
         return data
-    if status == 200 and response.request.url.path == "/":
-        return None  # the liveness probe answers text
     body = _strict_json(response.content)
     if status >= 400:
         if api == "anthropic":
@@ -170,14 +168,20 @@ def _model_call(path: str) -> bool:
 
 
 def call_and_check(
-    fuzzed: Fuzzed, method: str, path: str, content: bytes | None, headers: dict[str, Any]
+    fuzzed: Fuzzed,
+    method: str,
+    path: str,
+    content: bytes | None,
+    headers: dict[str, Any],
+    api: str | None = None,
 ) -> httpx2.Response:
-    """Send one request; check its answer, that a refused call recorded nothing and a
-    completed model call one node, and that nothing logged a traceback."""
+    """Send one request; check its answer (in ``api``'s shape, by default the path's),
+    that a refused call recorded nothing and a completed model call one node, and that
+    nothing logged a traceback."""
     before = fuzzed.nodes()
     fuzzed.tracebacks.clear()
     response = fuzzed.http.request(method, path, content=content, headers=headers)
-    check_answer(response, _api(path))
+    check_answer(response, api or _api(path))
     hypothesis.event(f"{path.rsplit('/v1', 1)[-1]} {response.status_code}")
     grown = fuzzed.nodes() - before
     assert grown == (1 if response.status_code == 200 and _model_call(path) else 0), (
@@ -443,7 +447,7 @@ def test_bad_bodies_answer_api_shaped_4xx_and_record_nothing(
 def test_headers_and_encodings_answer_api_shaped_errors(
     fuzzed: Fuzzed, data: st.DataObject
 ) -> None:
-    route = data.draw(st.sampled_from(ROUTES))
+    route = data.draw(st.sampled_from([*ROUTES, "/v1/models"]))
     api = _api(route)
     valid = ANTHROPIC_BASES[0] if api == "anthropic" else OPENAI_BASES[0]
     body, headers = data.draw(body_encodings(json.dumps(valid).encode()))
@@ -454,7 +458,13 @@ def test_headers_and_encodings_answer_api_shaped_errors(
     )
     if data.draw(st.booleans()):
         headers[forwarded] = b"agent-\xff\xfe"
-    response = call_and_check(fuzzed, "POST", route, body, headers)
+    if route == "/v1/models":  # its shape follows the anthropic-version header
+        api = "anthropic" if "anthropic-beta" in headers else "openai"
+        if api == "anthropic":
+            headers["anthropic-version"] = "2023-06-01"
+        response = call_and_check(fuzzed, "GET", route, None, headers, api)
+    else:
+        response = call_and_check(fuzzed, "POST", route, body, headers)
     assert (response.status_code == 401) == (not authentic), response.content[:300]
 
 

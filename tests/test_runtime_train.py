@@ -129,7 +129,8 @@ def test_ray_placement_runs_the_same_job(tiny_model_dir: Path, tmp_path: Path) -
     # they read from the Ray board.
     store = Store(run_dir / "proxy.sqlite")
     try:
-        versions = {v for ex in store.load() for node, _ in ex.calls for v in node.versions}
+        calls = [call for ex in store.executions() for call in store.calls(ex.id)]
+        versions = {v for node, _ in calls for v in node.versions}
     finally:
         store.close()
     assert 2 in versions, versions

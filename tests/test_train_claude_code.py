@@ -113,12 +113,12 @@ def test_one_step_of_rl_through_claude_code(
     # The proxy recorded Claude Code's /v1/messages calls as main-agent task calls.
     store = Store(run_dir / "proxy.sqlite")
     try:
-        calls = [call for ex in store.load() for call in ex.calls]
+        calls = [call for ex in store.executions() for call in store.calls(ex.id)]
     finally:
         store.close()
     assert calls and {node.meta.request_class for node, _ in calls} == {"main.task"}
     node, turn = calls[0]
-    system = turn.conversation[0]
+    system = turn.new_messages[0]  # a first call's increment is its whole conversation
     assert system.role == "system" and "cc_version=2.1.197" in system.content
     assert {t.name for t in turn.tools} >= {"Bash", "Read", "Edit"}  # --bare's tools
     assert len(node.input_ids) < config.run.max_context

@@ -38,6 +38,7 @@ from qwengyre.proxy.types import (
     ApiError,
     ChatRequest,
     Completion,
+    KnownMessages,
     Message,
     SamplingParams,
     ToolCall,
@@ -53,6 +54,7 @@ __all__ = [
     "new_message_id",
     "new_tool_use_id",
     "parse_count_tokens_request",
+    "parse_messages_doc",
     "parse_messages_request",
     "prompt_too_long",
     "stream_error_event",
@@ -324,14 +326,20 @@ def _select_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def _to_chat_request(b: _Body, max_tokens: int, headers: Mapping[str, str]) -> ChatRequest:
-    messages: list[Message] = []
+def _to_chat_request(
+    b: _Body, max_tokens: int, headers: Mapping[str, str], before: KnownMessages | None = None
+) -> ChatRequest:
+    lead: list[Message] = []
     if b.system is not None:
         system = _text_content(b.system, ("system",), "text blocks")
         if system:
-            messages.append(Message(role="system", content=system))
+            lead.append(Message(role="system", content=system))
+    messages = [*lead, *(before.messages if before else ())]
     for i, m in enumerate(b.messages):
         messages.extend(_convert_message(m, i))
+    texts = _last_user_texts(b.messages)
+    if texts is None and before is not None:
+        texts = before.last_user_texts
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if b.temperature is None else float(b.temperature),
@@ -347,15 +355,17 @@ def _to_chat_request(b: _Body, max_tokens: int, headers: Mapping[str, str]) -> C
         tools=_convert_tools(b.tools),
         stream=bool(b.stream),
         headers=_select_headers(headers),
-        last_user_texts=_last_user_texts(b.messages),
+        last_user_texts=texts or (),
+        lead=len(lead),
     )
 
 
-def _last_user_texts(messages: list[_MessageParam]) -> tuple[str, ...]:
-    """The text blocks of the last user message, as sent (already validated)."""
+def _last_user_texts(messages: list[_MessageParam]) -> tuple[str, ...] | None:
+    """The text blocks of the last user message, as sent (already validated); None
+    when there is none."""
     last = next((m for m in reversed(messages) if m.role == "user"), None)
     if last is None:
-        return ()
+        return None
     if isinstance(last.content, str):
         return (last.content,)
     return tuple(block["text"] for block in last.content if block["type"] == "text")
@@ -366,8 +376,17 @@ def parse_messages_request(body: bytes, headers: Mapping[str, str]) -> ChatReque
 
     Raises :class:`ApiError` (``invalid_request_error``) naming the offending field path.
     """
-    b = _validate(_MessagesBody, _load_body(body))
-    return _to_chat_request(b, b.max_tokens, headers)
+    return parse_messages_doc(_load_body(body), headers)
+
+
+def parse_messages_doc(
+    doc: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None = None
+) -> ChatRequest:
+    """:func:`parse_messages_request` of a decoded body. With ``before``, ``doc``'s
+    ``messages`` are the elements that follow those ``before`` was made from (an error's
+    path then counts from them: reparse the whole body to report it)."""
+    b = _validate(_MessagesBody, doc)
+    return _to_chat_request(b, b.max_tokens, headers, before)
 
 
 def parse_count_tokens_request(body: bytes, headers: Mapping[str, str]) -> ChatRequest:

@@ -8,6 +8,8 @@ body's last message, holds those messages and then new ones. :func:`split` finds
 prefix among an execution's recent bodies (one ``bytes.startswith``, C speed) and
 JSON-decodes only what follows it plus the top-level fields, so the caller converts only
 the new messages and reuses what it made of the old ones (:class:`KnownBody.state`).
+What is decoded obeys :mod:`qwengyre.proxy.jsonsafe`'s rules, as a whole parse would:
+bounded depth, no NaN/Infinity, lone surrogates replaced with U+FFFD.
 
 Anything unusual (a duplicate top-level key, a ``messages`` value that is not an array,
 an exact repeat with no new message, undecodable bytes) returns None and the caller
@@ -16,19 +18,14 @@ parses the whole body as usual, so errors are always reported by the API parsers
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from qwengyre.proxy import jsonsafe
+
 _WHITESPACE = " \t\n\r"
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = jsonsafe.DECODER
 
 
 @dataclass(frozen=True)
@@ -100,9 +97,11 @@ def _split_whole(body: bytes) -> SplitBody | None:
         at = _skip(text, 0)
         if text[at : at + 1] != "{":
             return None
-        return _scan(text, at + 1, {}, None, _byte_offsets(body, text))
+        jsonsafe.check_depth(text)
+        split = _scan(text, at + 1, {}, None, _byte_offsets(body, text))
     except (ValueError, IndexError, RecursionError):
         return None
+    return _clean(split, text)
 
 
 def _split_after(body: bytes, known: KnownBody) -> SplitBody | None:
@@ -111,11 +110,23 @@ def _split_after(body: bytes, known: KnownBody) -> SplitBody | None:
         at = _skip(text, 0)
         if text[at : at + 1] != ",":  # an exact repeat has no new message: parse it whole
             return None
+        jsonsafe.check_depth(text, start=2)  # inside the object and its messages array
         doc = dict(known.head)
         offsets = _byte_offsets(body[len(known.data) :], text, shift=len(known.data))
-        return _scan(text, at, doc, known, offsets, in_messages=True)
+        split = _scan(text, at, doc, known, offsets, in_messages=True)
     except (ValueError, IndexError, RecursionError):
         return None
+    return _clean(split, text)
+
+
+def _clean(split: SplitBody | None, text: str) -> SplitBody | None:
+    """``split`` with lone surrogates in what was decoded from ``text`` replaced."""
+    if split is None:
+        return None
+    doc = jsonsafe.clean_surrogates(split.doc, text)
+    if doc is split.doc:
+        return split
+    return replace(split, doc=doc, head={key: doc[key] for key in split.head})
 
 
 class _Offsets:

@@ -28,7 +28,16 @@ import re
 from itertools import accumulate
 from typing import Any, Literal
 
-__all__ = ["MAX_DEPTH", "MAX_REPLY_DEPTH", "TooDeep", "dumps", "loads"]
+__all__ = [
+    "DECODER",
+    "MAX_DEPTH",
+    "MAX_REPLY_DEPTH",
+    "TooDeep",
+    "check_depth",
+    "clean_surrogates",
+    "dumps",
+    "loads",
+]
 
 MAX_DEPTH = 64
 """Nesting limit of a client's JSON document (a request body, an OpenAI ``arguments``
@@ -57,12 +66,21 @@ class TooDeep(ValueError):
         self.limit = limit
 
 
-def _depth(text: str) -> int:
-    """The deepest bracket nesting of ``text`` outside strings, in C time: strings are cut
-    out, every byte but a bracket is deleted, the rest map to +1/-1 and are summed."""
+def _depth(text: str, start: int = 0) -> int:
+    """The deepest bracket nesting of ``text`` outside strings, ``text`` beginning
+    ``start`` levels deep, in C time: strings are cut out, every byte but a bracket is
+    deleted, the rest map to +1/-1 and are summed."""
     skeleton = _STRING.sub("", text).encode("utf-8", "surrogatepass")
     steps = skeleton.translate(_STEPS, _NOT_BRACKETS)
-    return max(accumulate(memoryview(steps).cast("b"), initial=0))
+    return max(accumulate(memoryview(steps).cast("b"), initial=start))
+
+
+def check_depth(text: str, *, start: int = 0, max_depth: int = MAX_DEPTH) -> None:
+    """Raise :class:`TooDeep` if ``text`` (a whole document, or the rest of one that
+    begins ``start`` levels deep, e.g. inside its top-level object and an array) nests
+    deeper than ``max_depth``."""
+    if _depth(text, start) > max_depth:
+        raise TooDeep(max_depth)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -76,6 +94,14 @@ def _finite_float(literal: str) -> float:
     return value
 
 
+def clean_surrogates(value: Any, text: str) -> Any:
+    """``value``, parsed from ``text``, with lone surrogates replaced by U+FFFD (itself
+    when ``text`` holds none)."""
+    if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
+        return _replace_surrogates(value)
+    return value
+
+
 def _replace_surrogates(value: Any) -> Any:
     """``value`` (parsed JSON) with every lone surrogate in strings and keys replaced by
     U+FFFD."""
@@ -86,6 +112,11 @@ def _replace_surrogates(value: Any) -> Any:
     if isinstance(value, dict):
         return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
     return value
+
+
+DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+"""A decoder for this module's rules (no NaN/Infinity, finite floats); pair it with
+:func:`check_depth` and :func:`clean_surrogates`."""
 
 
 def loads(
@@ -102,12 +133,9 @@ def loads(
     ValueErrors too).
     """
     text = document.decode("utf-8") if isinstance(document, bytes) else document
-    if _depth(text) > max_depth:
-        raise TooDeep(max_depth)
-    value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    if surrogates == "replace" and (_SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text)):
-        value = _replace_surrogates(value)
-    return value
+    check_depth(text, max_depth=max_depth)
+    value = DECODER.decode(text)
+    return clean_surrogates(value, text) if surrogates == "replace" else value
 
 
 def dumps(value: Any) -> bytes:

@@ -36,6 +36,7 @@ from qwengyre.proxy.types import (
     ApiError,
     ChatRequest,
     Completion,
+    KnownMessages,
     Message,
     SamplingParams,
     TokenLogprob,
@@ -54,6 +55,8 @@ __all__ = [
     "error_status",
     "finish_reason",
     "models_body",
+    "parse_chat_doc",
+    "parse_chat_doc_with_ignored",
     "parse_chat_request",
     "parse_chat_request_with_ignored",
     "stream_chunks",
@@ -556,11 +559,12 @@ def _check_unsupported(body: _Body) -> None:
         )
 
 
-def _last_user_texts(messages: list[Any]) -> tuple[str, ...]:
-    """The text parts of the last user message, as sent (already validated)."""
+def _last_user_texts(messages: list[Any]) -> tuple[str, ...] | None:
+    """The text parts of the last user message, as sent (already validated); None when
+    there is none."""
     last = next((m for m in reversed(messages) if m["role"] == "user"), None)
     if last is None:
-        return ()
+        return None
     if isinstance(last["content"], str):
         return (last["content"],)
     return tuple(part["text"] for part in last["content"])
@@ -572,11 +576,30 @@ def parse_chat_request_with_ignored(
     """Like :func:`parse_chat_request`, also returning the sorted names of the top-level
     fields that were present (non-null) but are not acted on, e.g. ``tool_choice``,
     ``seed``, ``user``, ``parallel_tool_calls``, penalties, ``metadata``."""
-    data = _load_body(body)
+    return parse_chat_doc_with_ignored(_load_body(body), headers)
+
+
+def parse_chat_doc(
+    data: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None = None
+) -> ChatRequest:
+    """:func:`parse_chat_request` of a decoded body. With ``before``, ``data``'s
+    ``messages`` are the elements that follow those ``before`` was made from (an error's
+    path then counts from them: reparse the whole body to report it)."""
+    return parse_chat_doc_with_ignored(data, headers, before)[0]
+
+
+def parse_chat_doc_with_ignored(
+    data: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None = None
+) -> tuple[ChatRequest, tuple[str, ...]]:
+    """:func:`parse_chat_request_with_ignored` of a decoded body (see :func:`parse_chat_doc`)."""
     parsed: _Body = _validate(_Body, data)
     _check_unsupported(parsed)
     _check_tool_choice(parsed.tool_choice)
-    messages = tuple(_parse_message(m, i) for i, m in enumerate(parsed.messages))
+    known = before.messages if before else ()
+    messages = known + tuple(_parse_message(m, i) for i, m in enumerate(parsed.messages))
+    texts = _last_user_texts(parsed.messages)
+    if texts is None and before is not None:
+        texts = before.last_user_texts
     tools = tuple(
         ToolSpec(
             name=t.function.name,
@@ -615,7 +638,7 @@ def parse_chat_request_with_ignored(
         top_logprobs=(parsed.top_logprobs or 0) if logprobs else 0,
         include_usage=include_usage,
         headers=_forwarded_headers(headers),
-        last_user_texts=_last_user_texts(parsed.messages),
+        last_user_texts=texts or (),
     )
     ignored = tuple(
         sorted(k for k, v in data.items() if k not in _HONOURED_FIELDS and v is not None)

@@ -9,6 +9,12 @@ because they cannot send custom headers):
 - admin (``Authorization: Bearer <admin token>``): ``POST /admin/executions``,
   ``DELETE /admin/executions/{id}``, ``GET /admin/executions/{id}/tree``
 
+Every client error is a 4xx in the API's own error shape (the admin API answers in
+Anthropic's, ``{"type": "error", "error": {"type", "message"}}``), logged as one line;
+a 5xx means no engine could take the call (529/503, retry) or the proxy failed, and
+only the latter is logged with a traceback. Bodies may be sent gzip or deflate
+(``Content-Encoding``); the bearer scheme is read in any case.
+
 A call runs: authenticate (unknown or revoked key: 401, nothing recorded) -> parse ->
 :meth:`ExecutionRecorder.prepare` -> engine through the :class:`Router` (reroutes are
 retried inside) -> :meth:`ExecutionRecorder.record` -> durable commit -> answer.
@@ -25,7 +31,7 @@ import secrets
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,11 +39,19 @@ from aiohttp import web
 
 from qwengyre.engines.base import FinishReason, GenerateRequest, GenerateResult, TokenDelta
 from qwengyre.proxy import anthropic_api, openai_api
+from qwengyre.proxy.body import BodyMemo, SplitBody
 from qwengyre.proxy.render import ChatRenderer, IncrementalDecoder, ReplyStream
 from qwengyre.proxy.routing import NoEngineAvailable, Router
 from qwengyre.proxy.store import DamagedRecord, ProxyStore, hash_key
-from qwengyre.proxy.tito import ContextTooLong, ExecutionRecorder, PreparedCall, Recorded, new_id
-from qwengyre.proxy.types import ApiError, ChatRequest
+from qwengyre.proxy.tito import (
+    ContextTooLong,
+    ExecutionRecorder,
+    PreparedCall,
+    Recorded,
+    Reuse,
+    new_id,
+)
+from qwengyre.proxy.types import ApiError, ChatRequest, KnownMessages, Message
 from qwengyre.trajectories.tree import TrajectoryTree
 from qwengyre.types import SamplingParams
 
@@ -59,6 +73,7 @@ class ExecutionState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # orders its commits
     busy: int = 0  # calls in flight
     used_s: float = 0.0  # time.monotonic() of its last use
+    bodies: BodyMemo = field(default_factory=BodyMemo)  # its recent request bodies
 
 
 class ProxyServer:
@@ -167,7 +182,7 @@ class ProxyServer:
                 break  # the rest are newer
             if state.busy == 0:
                 del self._resident[state.id]
-                state.recorder = None
+                state.recorder, state.bodies = None, BodyMemo()
 
     # ------------------------------------------------------------ the app
 
@@ -228,14 +243,18 @@ class ProxyServer:
         try:
             state = self._authenticate(http)
             body = await self._body(http)
-            if api == "anthropic":
-                chat = anthropic_api.parse_messages_request(body, http.headers)
-            else:
-                chat = openai_api.parse_chat_request(body, http.headers)
             recorder = self.recorder(state)
-            call = _prepare(recorder, chat)
+            chat, split, reuse = _parse(api, body, http.headers, state.bodies)
+            call = _prepare(recorder, chat, reuse)
         except ApiError as error:
             return _error_response(api, error)
+        if split is not None:  # the next body of this client can reuse this one's work
+            earlier = _Earlier(
+                KnownMessages(call.messages[chat.lead :], chat.last_user_texts),
+                call.messages[: chat.lead],
+                call.parent,
+            )
+            state.bodies.remember(body, split, earlier)
         state.busy += 1
         try:
             if chat.stream:
@@ -246,10 +265,11 @@ class ProxyServer:
             state.used_s = time.monotonic()
 
     async def _body(self, http: web.Request) -> bytes:
-        """The request body, decoded from its ``Content-Encoding`` (none, ``identity``,
-        ``gzip`` or ``deflate``). More than ``max_body_bytes``, sent or decoded, is a
-        ``request_too_large`` (413); another encoding, or a body that does not decode
-        from its encoding, an ``invalid_request_error`` (400)."""
+        """The request body, decoded from its ``Content-Encoding``: none, ``identity``,
+        ``gzip`` or ``deflate`` (the zlib format, as HTTP defines it). More than
+        ``max_body_bytes``, sent or decoded, is a ``request_too_large`` (413); another
+        encoding, or a body that does not decode from its encoding, an
+        ``invalid_request_error`` (400)."""
         encoding = http.headers.get("content-encoding", "").strip().lower() or "identity"
         if encoding not in _ENCODINGS:
             raise ApiError(
@@ -575,7 +595,7 @@ class ProxyServer:
         state.revoked = True
         self.router.forget(state.id)
         if state.busy == 0 and self._resident.pop(state.id, None) is not None:
-            state.recorder = None  # finished: its tree is in the store
+            state.recorder, state.bodies = None, BodyMemo()  # finished: all is in the store
 
     async def _admin_create(self, http: web.Request) -> web.Response:
         self._admin(http)
@@ -653,9 +673,47 @@ def _error_response(api: Api, error: ApiError) -> web.Response:
     )
 
 
-def _prepare(recorder: ExecutionRecorder, chat: ChatRequest) -> PreparedCall:
+@dataclass(frozen=True)
+class _Earlier:
+    """What a body's messages were made into, for the next body that repeats them."""
+
+    known: KnownMessages  # converted and normalised
+    lead: tuple[Message, ...]  # the messages before them (Anthropic's system)
+    parent: int | None  # the recorded call that body's request extended
+
+
+def _parse(
+    api: Api, body: bytes, headers: Mapping[str, str], bodies: BodyMemo
+) -> tuple[ChatRequest, SplitBody | None, Reuse | None]:
+    """Parse a call's body, converting only the messages an earlier body of the same
+    execution did not hold (:mod:`qwengyre.proxy.body`); (the request, the split to
+    remember, what the recorder may reuse). Errors come from a whole parse, so their
+    paths and messages never depend on what was remembered."""
+    split = bodies.split(body)
+    if split is not None:
+        earlier: _Earlier | None = split.known.state if split.known else None
+        before = earlier.known if earlier else None
+        try:
+            if api == "anthropic":
+                chat = anthropic_api.parse_messages_doc(split.doc, headers, before)
+            else:
+                chat = openai_api.parse_chat_doc(split.doc, headers, before)
+        except ApiError:
+            pass  # reported by the whole parse below
+        else:
+            if earlier is None:
+                return chat, split, None
+            same_lead = chat.messages[: chat.lead] == earlier.lead
+            known = chat.lead + len(earlier.known.messages)
+            return chat, split, Reuse(known, earlier.parent if same_lead else None)
+    if api == "anthropic":
+        return anthropic_api.parse_messages_request(body, headers), None, None
+    return openai_api.parse_chat_request(body, headers), None, None
+
+
+def _prepare(recorder: ExecutionRecorder, chat: ChatRequest, reuse: Reuse | None) -> PreparedCall:
     try:
-        return recorder.prepare(chat)
+        return recorder.prepare(chat, reuse)
     except ContextTooLong as exc:
         if chat.api == "anthropic":
             raise anthropic_api.prompt_too_long(exc.tokens, exc.limit) from None

@@ -89,6 +89,17 @@ class ChatRequest:
     include_usage: bool = False  # OpenAI stream_options.include_usage
     headers: dict[str, str] = field(default_factory=dict)
     last_user_texts: tuple[str, ...] = ()
+    lead: int = 0  # messages from fields other than ``messages`` (Anthropic's ``system``)
+
+
+@dataclass(frozen=True)
+class KnownMessages:
+    """What an earlier body's message elements were made into, for a body that repeats
+    them and adds more (:mod:`qwengyre.proxy.body`): the adapters then convert only the
+    new elements. ``last_user_texts`` is None when none of them was a user message."""
+
+    messages: tuple[Message, ...]
+    last_user_texts: tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
