@@ -49,7 +49,12 @@ def test_inconsistent_nodes_are_refused():
         ({SUBAGENT_HEADER: "a7"}, True, (COMPACTION_PREFIX,), RequestClass("sub", "summary", "a7")),
         # After a user text turn Claude Code appends the instruction as a second block.
         ({}, True, ("go on", COMPACTION_PREFIX), RequestClass("main", "summary", "main")),
-        ({SUBAGENT_HEADER: "a7"}, True, ("x", COMPACTION_PREFIX), RequestClass("sub", "summary", "a7")),
+        (
+            {SUBAGENT_HEADER: "a7"},
+            True,
+            ("x", COMPACTION_PREFIX),
+            RequestClass("sub", "summary", "a7"),
+        ),
         ({}, True, ("quote: " + COMPACTION_PREFIX,), RequestClass("main", "task", "main")),
         ({}, False, ("a title please",), RequestClass("main", "side", "main")),
     ],

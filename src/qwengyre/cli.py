@@ -104,6 +104,8 @@ def cmd_proxy_serve(args: argparse.Namespace) -> int:
             port=args.port,
             admin_token=admin_token,
             max_context=args.max_context,
+            temperature=args.temperature,
+            harness_sampling=args.harness_sampling,
         )
     )
     return 0
@@ -262,6 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-token-file", metavar="PATH", help="read the admin API token from PATH"
     )
     serve.add_argument("--max-context", type=int, help="default: the model's limit")
+    serve.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="every call samples at this temperature, without top-k / top-p, whatever the "
+        "harness asks: the recorded log-probs are then those the trainer computes",
+    )
+    serve.add_argument(
+        "--harness-sampling",
+        action="store_true",
+        help="honour the harness's temperature / top_p / top_k instead (the embedded engine "
+        "then records log-probs of the truncated distribution it sampled from)",
+    )
     serve.set_defaults(func=cmd_proxy_serve)
 
     roll = sub.add_parser(

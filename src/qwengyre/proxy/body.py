@@ -18,7 +18,6 @@ parses the whole body as usual, so errors are always reported by the API parsers
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,28 +60,26 @@ class BodyMemo:
 
     def __init__(self, size: int = 4) -> None:
         self.size = size
-        self._known: OrderedDict[bytes, KnownBody] = OrderedDict()
+        self._known: list[KnownBody] = []  # the most recently used last
 
     def split(self, body: bytes) -> SplitBody | None:
         """``body`` split after the longest remembered prefix it starts with, or whole
         (``known`` None) when none fits; None if it is not a body this module can read
         (the caller parses it whole and reports what is wrong)."""
-        for known in sorted(self._known.values(), key=lambda k: len(k.data), reverse=True):
+        for known in sorted(self._known, key=lambda k: len(k.data), reverse=True):
             if body.startswith(known.data):
                 found = _split_after(body, known)
                 if found is not None:
-                    self._known.move_to_end(known.data)
+                    self._known.remove(known)
+                    self._known.append(known)
                     return found
         return _split_whole(body)
 
     def remember(self, body: bytes, split: SplitBody, state: Any) -> None:
         """Make ``body``'s messages (``state``: their conversion) a known prefix."""
         count = len(split.doc["messages"]) + (split.known.count if split.known else 0)
-        data = body[: split.messages_end]
-        self._known[data] = KnownBody(data, split.head, count, state)
-        self._known.move_to_end(data)
-        while len(self._known) > self.size:
-            self._known.popitem(last=False)
+        self._known.append(KnownBody(body[: split.messages_end], split.head, count, state))
+        del self._known[: -self.size]
 
 
 def _skip(text: str, at: int) -> int:

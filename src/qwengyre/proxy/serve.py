@@ -31,6 +31,8 @@ class ServeOptions:
     port: int = 8080
     admin_token: str | None = None
     max_context: int | None = None  # default: the model's max_position_embeddings
+    temperature: float = 1.0  # what every call samples at (see harness_sampling)
+    harness_sampling: bool = False  # honour the harness's temperature / top_p / top_k
 
 
 ADMIN_TOKEN_ENV = "QWENGYRE_ADMIN_TOKEN"
@@ -109,6 +111,8 @@ def build_proxy(options: ServeOptions) -> ProxyServer:
         model=options.model.name,
         max_context=max_context,
         admin_token=options.admin_token or secrets.token_urlsafe(24),
+        temperature=options.temperature,
+        force_sampling=not options.harness_sampling,
     )
     server.base_url = f"http://{options.host}:{options.port}"
     return server

@@ -171,8 +171,9 @@ class ExecutionRecorder:
         return Message(message.role, message.content, calls, message.tool_call_id)
 
     def _classify(self, request: ChatRequest, messages: tuple[Message, ...]) -> RequestClass:
-        last_user = next((m.content for m in reversed(messages) if m.role == "user"), "")
-        texts = request.last_user_texts or (last_user,)
+        texts = request.last_user_texts
+        if texts is None:  # not given by a parser: a walk back (it can be long)
+            texts = (next((m.content for m in reversed(messages) if m.role == "user"), ""),)
         facts = RequestFacts(request.headers, bool(request.tools), texts)
         return classify(facts) if self.rules is None else classify(facts, self.rules)
 

@@ -76,7 +76,7 @@ class ChatRequest:
     """An API request, API-neutral. ``headers`` keeps the lower-cased request headers
     that request-class rules look at (e.g. ``x-claude-code-agent-id``);
     ``last_user_texts`` the text blocks of the last user message as the client split
-    them (empty: take the last user message's content whole)."""
+    them (None: not given, take the last user message's content whole)."""
 
     api: Literal["anthropic", "openai"]
     model: str
@@ -88,7 +88,7 @@ class ChatRequest:
     top_logprobs: int = 0
     include_usage: bool = False  # OpenAI stream_options.include_usage
     headers: dict[str, str] = field(default_factory=dict)
-    last_user_texts: tuple[str, ...] = ()
+    last_user_texts: tuple[str, ...] | None = None
     lead: int = 0  # messages from fields other than ``messages`` (Anthropic's ``system``)
 
 
