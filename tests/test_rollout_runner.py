@@ -201,3 +201,22 @@ def test_claude_code_as_the_rollout_harness_with_the_embedded_engine(
     assert [(outcome, reward) for _, _, outcome, reward in rows] == [("completed", 0.0)] * 2
     trace = read_trace(options.run_dir / "traces.jsonl")
     assert all(r.calls and r.calls[0].input_tokens > 1000 for r in trace)  # its real prompt
+
+
+def test_a_call_the_harness_never_received_is_not_one_of_its_calls_in_the_trace():
+    from qwengyre.rollout.execution import ExecutionResult
+    from qwengyre.rollout.runner import trace_record
+    from qwengyre.trajectories.tree import NodeMeta, TrajectoryTree
+    from qwengyre.types import Outcome
+
+    tree = TrajectoryTree()
+    usage = {"input_tokens": 10, "output_tokens": 3}
+    cut = NodeMeta("main.task", "main", "e", 0, 1.0, 2.0, "abort", usage, delivered=False)
+    tree.add(None, (1, 2), (3, 4, 5), (-0.1,) * 3, (0,) * 3, cut)
+    retry = NodeMeta("main.task", "main", "e", 0, 2.0, 3.0, "stop", usage)
+    tree.add(None, (1, 2), (6, 7, 8), (-0.1,) * 3, (0,) * 3, retry)
+    task = load_tasks(example_tasks_path())[0]
+    result = ExecutionResult("ex", task.id, Outcome.COMPLETED, 1.0, 0.0, 5.0, None)
+    record = trace_record(task, 0, 0, result, 0.0, tree.to_json()["nodes"], 0.0)
+    assert [(c.start_s, c.end_s) for c in record.calls] == [(2.0, 3.0)]
+    assert record.train_tokens == 3

@@ -244,7 +244,9 @@ def trace_record(
     nodes: list[dict[str, Any]],
     start_wall: float,
 ) -> TraceRecord:
-    """The execution's trace line; its calls' timings and token counts come from its tree."""
+    """The execution's trace line; its calls' timings and token counts come from its tree.
+    A call whose answer never reached the harness is not one of its calls (the harness
+    retried it, and the retry is)."""
     calls = [
         TraceCall(
             start_s=max(0.0, n["started_s"] - start_wall),
@@ -253,6 +255,7 @@ def trace_record(
             output_tokens=n["usage"]["output_tokens"],
         )
         for n in nodes
+        if n["delivered"]
     ]
     duration = result.ended_s - result.started_s
     return TraceRecord(
