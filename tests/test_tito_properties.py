@@ -114,7 +114,7 @@ def test_recorded_tokens_are_exactly_what_the_engine_saw(renderer: ChatRenderer,
             call, result, api="anthropic", model="m", engine="e", started_s=0, finished_s=1
         )
         # The engine's tokens, exactly; the prompt is the recorded context plus new input.
-        assert node.output_ids == out and node.versions == (3,) * len(out)
+        assert tuple(node.output_ids) == out and tuple(node.versions) == (3,) * len(out)
         context = [] if node.parent is None else recorder.tree.context_ids(node.parent)
         assert list(call.prompt_ids) == context + list(node.input_ids)
         assert node.to_json()["provenance"] == [0] * len(node.input_ids) + [1] * len(out)

@@ -334,9 +334,10 @@ def _to_chat_request(
         system = _text_content(b.system, ("system",), "text blocks")
         if system:
             lead.append(Message(role="system", content=system))
-    messages = [*lead, *(before.messages if before else ())]
+    converted: list[Message] = []
     for i, m in enumerate(b.messages):
-        messages.extend(_convert_message(m, i))
+        converted.extend(_convert_message(m, i))
+    messages = (*lead, *converted) if before is None else (*lead, *before.messages, *converted)
     texts = _last_user_texts(b.messages)
     if texts is None and before is not None:
         texts = before.last_user_texts
@@ -350,7 +351,7 @@ def _to_chat_request(
     return ChatRequest(
         api="anthropic",
         model=b.model,
-        messages=tuple(messages),
+        messages=messages,
         sampling=sampling,
         tools=_convert_tools(b.tools),
         stream=bool(b.stream),

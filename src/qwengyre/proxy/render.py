@@ -69,7 +69,9 @@ class ChatRenderer:
         reply_ids: Sequence[int],
     ) -> list[int] | None:
         """Tokens to append after a recorded reply (``reply_ids``, the engine's output)
-        that ended ``history`` so that the prompt for ``history + new`` is complete.
+        that ended ``history`` so that the prompt for ``history + new`` is complete. A
+        local template (:attr:`local`) reads only ``history[:1]``, so a caller may pass
+        just that.
 
         Returns None when the template does not render ``history`` as a prefix of
         ``history + new`` (the caller then treats the call as a new branch).

@@ -221,10 +221,10 @@ def _decode(
     node = Node(
         node_id,
         parent,
-        tuple(array("i", inp)),
-        tuple(array("i", out)),
-        tuple(array("d", lps)),
-        tuple(array("i", vers)),
+        array("i", inp),
+        array("i", out),
+        array("d", lps),
+        array("i", vers),
         NodeMeta(**json.loads(meta), delivered=bool(delivered)),
     )
     tools = tools_by_hash.get(toolset)

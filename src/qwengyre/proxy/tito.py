@@ -145,8 +145,10 @@ class ExecutionRecorder:
         matching walks down from ``reuse.parent``: the cost follows the new messages,
         not the history."""
         known = 0 if reuse is None else reuse.known
-        new = tuple(self._normalise(m) for m in request.messages[known:])
-        messages = request.messages[:known] + new if known else new
+        sent = request.messages
+        new = tuple(self._normalise(m) for m in sent[known:])
+        unchanged = all(a is b for a, b in zip(new, sent[known:], strict=True))
+        messages = sent if unchanged else sent[:known] + new
         klass = self._classify(request, messages)
         toolset, tools = self.intern_tools(request.tools)
         start = None if reuse is None else reuse.parent
@@ -184,8 +186,10 @@ class ExecutionRecorder:
         known to extend); that turn's context plus the new suffix."""
         for turn in self._extended(messages, tools, start):
             node = self.tree.nodes[turn.node_id]
+            # A local template needs only the first message of the history.
+            history = messages[:1] if self.renderer.local else self.conversation(turn.node_id)
             suffix = self.renderer.suffix_ids(
-                self.conversation(turn.node_id), messages[turn.length :], tools, node.output_ids
+                history, messages[turn.length :], tools, node.output_ids
             )
             if suffix is not None:
                 return turn.node_id, tuple(suffix), self._context(turn.node_id) + array("i", suffix)

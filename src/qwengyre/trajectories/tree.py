@@ -11,6 +11,8 @@ sampled tokens can ever be training targets.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,24 +35,40 @@ class NodeMeta:
     delivered: bool = True
 
 
-@dataclass(frozen=True)
+_TYPECODES = {"input_ids": "i", "output_ids": "i", "logprobs": "d", "versions": "i"}
+
+
+@dataclass(frozen=True, eq=False)
 class Node:
-    """One recorded model call."""
+    """One recorded model call. Its token fields are kept as compact arrays (int32 ids
+    and versions, float64 log-probs: 4-8 bytes a token instead of ~36 as a tuple of ints),
+    whatever sequence they are given as: an execution of a million tokens holds ~10 MB."""
 
     id: int
     parent: int | None  # None: hangs from the root
-    input_ids: tuple[int, ...]  # injected tokens after the parent's context
-    output_ids: tuple[int, ...]  # sampled by the engine
-    logprobs: tuple[float, ...]  # behaviour log-prob of each output token
-    versions: tuple[int, ...]  # policy version of the weights that produced each one
+    input_ids: Sequence[int]  # injected tokens after the parent's context
+    output_ids: Sequence[int]  # sampled by the engine
+    logprobs: Sequence[float]  # behaviour log-prob of each output token
+    versions: Sequence[int]  # policy version of the weights that produced each one
     meta: NodeMeta
 
     def __post_init__(self) -> None:
+        for name, code in _TYPECODES.items():
+            values = getattr(self, name)
+            if not (isinstance(values, array) and values.typecode == code):
+                object.__setattr__(self, name, array(code, values))
         for name, values in (("log-probs", self.logprobs), ("versions", self.versions)):
             if len(values) != len(self.output_ids):
                 raise ValueError(
                     f"node {self.id}: {len(values)} {name} for {len(self.output_ids)} output tokens"
                 )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Node):
+            return NotImplemented
+        return (self.id, self.parent, self.meta) == (other.id, other.parent, other.meta) and all(
+            getattr(self, name) == getattr(other, name) for name in _TYPECODES
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -83,10 +101,10 @@ class TrajectoryTree:
     def add(
         self,
         parent: int | None,
-        input_ids: tuple[int, ...],
-        output_ids: tuple[int, ...],
-        logprobs: tuple[float, ...],
-        versions: tuple[int, ...],
+        input_ids: Sequence[int],
+        output_ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
         meta: NodeMeta,
     ) -> Node:
         if parent is not None and not 0 <= parent < len(self.nodes):
