@@ -112,18 +112,20 @@ def test_commits_of_one_execution_land_in_node_order(tmp_path: Path, tiny_model_
         ex = proxy.new_execution()
 
         async def burst() -> None:
-            client = anthropic.AsyncAnthropic(api_key=ex["key"], base_url=proxy.url, max_retries=0)
-            await asyncio.gather(
-                *(
-                    client.messages.create(
-                        model="tiny",
-                        max_tokens=16,
-                        messages=[{"role": "user", "content": f"call {i}"}],
-                        tools=TOOLS_ANTHROPIC,
+            async with anthropic.AsyncAnthropic(
+                api_key=ex["key"], base_url=proxy.url, max_retries=0
+            ) as client:
+                await asyncio.gather(
+                    *(
+                        client.messages.create(
+                            model="tiny",
+                            max_tokens=16,
+                            messages=[{"role": "user", "content": f"call {i}"}],
+                            tools=TOOLS_ANTHROPIC,
+                        )
+                        for i in range(24)
                     )
-                    for i in range(24)
                 )
-            )
 
         asyncio.run(burst())
         served = proxy.tree(ex["id"])

@@ -15,9 +15,13 @@ a 5xx means no engine could take the call (529/503, retry) or the proxy failed, 
 only the latter is logged with a traceback. Bodies may be sent gzip or deflate
 (``Content-Encoding``); the bearer scheme is read in any case.
 
-A call runs: authenticate (unknown or revoked key: 401, nothing recorded) -> parse ->
-:meth:`ExecutionRecorder.prepare` -> engine through the :class:`Router` (reroutes are
-retried inside) -> :meth:`ExecutionRecorder.record` -> durable commit -> answer.
+A call runs: authenticate (unknown or revoked key: 401, nothing recorded) -> load the
+execution's recorder if it left memory -> parse (only past what a recent body of the
+execution held) -> :meth:`ExecutionRecorder.prepare` -> the engine through the
+:class:`Router` (reroutes continue a partial output; a streamed answer's text goes out as
+it comes; a client that hangs up aborts it) -> under the execution's lock,
+:meth:`ExecutionRecorder.build`, a durable commit marked undelivered, then
+:meth:`ExecutionRecorder.add` -> the answer's last bytes -> marked delivered.
 """
 
 from __future__ import annotations

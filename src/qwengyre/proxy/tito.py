@@ -2,15 +2,18 @@
 
 For each call (DESIGN.md §3, proxy):
 
-1. normalise the messages and restore tool-call payloads we produced, by call id (a
-   harness that reformats tool-call JSON still matches; its ids are kept);
+1. restore the payload of tool calls we produced, by call id (a harness that reformats
+   tool-call JSON still matches; its ids are kept); the text stays exactly as sent;
 2. find the deepest recorded call whose conversation (request + reply) the new one
-   extends, message for message, with the same tools;
+   extends, message for message, with the same tools, walking down the turn tree and
+   comparing each call's increment (from the call an earlier request of the same client
+   extended, when the caller knows it: :class:`Reuse`);
 3. the prompt is that call's recorded context — the engine's own tokens — plus only
    the newly rendered suffix (:meth:`ChatRenderer.suffix_ids`); a call that extends
    nothing is rendered whole and hangs from the root;
-4. after generation, the reply is parsed into text and tool calls and the node is
-   recorded with incremental input ids, output ids and behaviour log-probs.
+4. after generation, the reply is parsed into text and tool calls (cut at a stop
+   string) and the node is built with incremental input ids, output ids and behaviour
+   log-probs; it joins the tree once the caller has committed it.
 """
 
 from __future__ import annotations
