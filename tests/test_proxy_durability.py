@@ -222,6 +222,23 @@ def test_idle_and_revoked_executions_leave_memory_and_reload_exactly(
         gen.close()
 
 
+def test_idle_executions_leave_memory_without_another_call(tmp_path: Path, tiny_model_dir: Path):
+    gen = start(tmp_path, tiny_model_dir, idle_s=0.3)
+    proxy = next(gen)
+    try:
+        executions = [proxy.new_execution() for _ in range(3)]
+        for ex in executions:
+            loop_turns(proxy, ex, 2)
+        states = [proxy.server.executions[ex["id"]] for ex in executions]
+        deadline = time.monotonic() + 10
+        while any(s.recorder is not None for s in states) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(s.recorder is None for s in states)
+        assert [len(proxy.tree(ex["id"])) for ex in executions] == [2, 2, 2]
+    finally:
+        gen.close()
+
+
 def test_a_client_that_hangs_up_aborts_the_engine_and_its_call_is_undelivered(
     tmp_path: Path, tiny_model_dir: Path
 ):

@@ -35,7 +35,7 @@ import secrets
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -162,7 +162,7 @@ class ProxyServer:
             )
         recorder = state.recorder
         self._resident.pop(state.id, None)
-        self._evict()  # the others: this one is in use
+        self._evict(room=1)  # the others: this one is in use
         state.used_s = time.monotonic()
         self._resident[state.id] = state
         return recorder
@@ -177,16 +177,32 @@ class ProxyServer:
             recorder.add(node, turn)
         return recorder.tree
 
-    def _evict(self) -> None:
+    def _evict(self, room: int = 0) -> None:
         """Drop the recorders of idle or least recently used executions, leaving room
-        for one more (the caller's)."""
+        for ``room`` more."""
         now = time.monotonic()
         for state in list(self._resident.values()):  # least recently used first
-            if len(self._resident) < self.max_resident and now - state.used_s <= self.idle_s:
+            crowded = len(self._resident) + room > self.max_resident
+            if not crowded and now - state.used_s <= self.idle_s:
                 break  # the rest are newer
             if state.busy == 0:
                 del self._resident[state.id]
                 state.recorder, state.bodies = None, BodyMemo()
+
+    async def _sweeping(self, app: web.Application) -> AsyncIterator[None]:
+        """While the app runs: executions idle for ``idle_s`` leave memory even when no
+        other call comes to evict them."""
+
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(max(0.05, self.idle_s / 2))
+                self._evict()
+
+        task = asyncio.ensure_future(sweep())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     # ------------------------------------------------------------ the app
 
@@ -198,6 +214,7 @@ class ProxyServer:
             middlewares=[_api_errors],
             handler_args={"auto_decompress": False},
         )
+        app.cleanup_ctx.append(self._sweeping)
         routes: list[tuple[str, str, Handler]] = [
             ("POST", "/v1/messages", self._anthropic_messages),
             ("POST", "/v1/messages/count_tokens", self._anthropic_count_tokens),
