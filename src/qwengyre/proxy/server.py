@@ -141,19 +141,18 @@ class ProxyServer:
 
     # ------------------------------------------------------------ residency
 
-    def recorder(self, state: ExecutionState) -> ExecutionRecorder:
-        """``state``'s recorder, loaded from the store if it is not in memory; an
-        execution whose records are damaged answers a ``permission_error``."""
+    async def recorder(self, state: ExecutionState) -> ExecutionRecorder:
+        """``state``'s recorder, loaded from the store (in a worker thread: other
+        executions' calls go on meanwhile) if it is not in memory; an execution whose
+        records are damaged answers a ``permission_error``."""
         if state.recorder is None and state.damaged is None:
-            recorder = ExecutionRecorder(self.renderer, self.max_context)
-            try:
-                for node, turn in self.store.calls(state.id):
-                    recorder.add(node, turn)
-            except DamagedRecord as exc:
-                log.warning("quarantined %s", exc)
-                state.damaged = exc.reason
-            else:
-                state.recorder = recorder
+            async with state.lock:  # one load, however many calls wait for it
+                if state.recorder is None and state.damaged is None:
+                    try:
+                        state.recorder = await asyncio.to_thread(self._load, state.id)
+                    except DamagedRecord as exc:
+                        log.warning("quarantined %s", exc)
+                        state.damaged = exc.reason
         if state.recorder is None:
             raise ApiError(
                 "permission_error",
@@ -172,10 +171,15 @@ class ProxyServer:
         state = self.executions[execution_id]
         if state.recorder is not None:
             return state.recorder.tree
+        return self._load(execution_id).tree
+
+    def _load(self, execution_id: str) -> ExecutionRecorder:
+        """A recorder with an execution's stored calls; :class:`DamagedRecord` if they
+        do not load."""
         recorder = ExecutionRecorder(self.renderer, self.max_context)
         for node, turn in self.store.calls(execution_id):
             recorder.add(node, turn)
-        return recorder.tree
+        return recorder
 
     def _evict(self, room: int = 0) -> None:
         """Drop the recorders of idle or least recently used executions, leaving room
@@ -264,7 +268,7 @@ class ProxyServer:
         try:
             state = self._authenticate(http)
             body = await self._body(http)
-            recorder = self.recorder(state)
+            recorder = await self.recorder(state)
             chat, split, reuse = _parse(api, body, http.headers, state.bodies)
             call = _prepare(recorder, chat, reuse)
         except ApiError as error:
@@ -552,7 +556,7 @@ class ProxyServer:
         try:
             state = self._authenticate(http)
             chat = anthropic_api.parse_count_tokens_request(await self._body(http), http.headers)
-            count = self.recorder(state).count_tokens(chat)
+            count = (await self.recorder(state)).count_tokens(chat)
         except ApiError as error:
             return _error_response("anthropic", error)
         return web.json_response(anthropic_api.count_tokens_body(count))
