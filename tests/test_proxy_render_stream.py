@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from qwengyre.proxy.render import IncrementalDecoder, ReplyStream, parse_reply
+from qwengyre.proxy.render import IncrementalDecoder, ReplyStream, cut_at_stop, parse_reply
 
 T = TypeVar("T")
 
@@ -117,14 +117,11 @@ texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=3), max_size=24).
 
 
 def reference(full: str, stops: Sequence[str]) -> tuple[str, list[Any], str | None]:
-    """parse_reply of ``full`` cut before its first stop string (earliest, then listed)."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        at = full.find(stop) if stop else -1
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, stop)
-    text, calls = parse_reply(full if best is None else full[: best[0]])
-    return text, calls, None if best is None else best[1]
+    """What a whole reply gives (the recorder's rule): parse_reply of ``full`` cut
+    before its first stop string (earliest, then listed)."""
+    cut, stop = cut_at_stop(full, stops)
+    text, calls = parse_reply(cut)
+    return text, calls, stop
 
 
 def stream(full_chunks: Sequence[str], stops: Sequence[str]) -> tuple[list[str], Any]:

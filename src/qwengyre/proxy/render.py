@@ -156,6 +156,18 @@ def parse_reply(text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
     return "".join(kept).strip(), calls
 
 
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """``text`` up to the first occurrence of any stop string, and that string (the
+    first listed among those found at the same place); :class:`ReplyStream` cuts a
+    streamed reply by the same rule."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop) if stop else -1
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, stop)
+    return (text, None) if best is None else (text[: best[0]], best[1])
+
+
 class IncrementalDecoder:
     """Decodes a reply's ids as they arrive, for streaming its text.
 

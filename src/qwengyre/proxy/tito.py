@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from qwengyre.engines.base import GenerateResult
-from qwengyre.proxy.render import ChatRenderer, parse_reply
+from qwengyre.proxy.render import ChatRenderer, cut_at_stop, parse_reply
 from qwengyre.proxy.types import (
     ChatRequest,
     Completion,
@@ -386,16 +386,6 @@ def toolset_key(tools: tuple[ToolSpec, ...]) -> str:
 def toolset_json(tools: tuple[ToolSpec, ...]) -> str:
     """Canonical JSON of a tool set (ASCII escapes: lossless for any string)."""
     return json.dumps([asdict(t) for t in tools], sort_keys=True)
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
-    """``text`` up to the first occurrence of any stop string, and that string."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        at = text.find(stop) if stop else -1
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, stop)
-    return (text, None) if best is None else (text[: best[0]], best[1])
 
 
 def _remember(cache: OrderedDict[int, Any], key: int, value: Any, size: int) -> None:
