@@ -267,9 +267,11 @@ def test_a_client_that_hangs_up_aborts_the_engine_and_its_call_is_undelivered(
                     time.sleep(0.01)
                 assert engine.load == 1
             gone = time.monotonic()
-            while engine.load and time.monotonic() - gone < 5:
+            while engine.load and time.monotonic() - gone < 10:
                 time.sleep(0.01)
-            assert engine.load == 0 and time.monotonic() - gone < 2  # aborted at once
+            # Aborted, not finished: the engine would have taken 20 s (the proxy notices
+            # within ~50 ms; the bound is loose for a loaded machine).
+            assert engine.load == 0 and time.monotonic() - gone < 10
         deadline = time.monotonic() + 5
         while len(proxy.tree(ex["id"])) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
