@@ -127,7 +127,8 @@ def test_a_consumer_that_leaves_the_stream_aborts_on_the_server(leave: str) -> N
         started = asyncio.get_running_loop().time()
         while fake._running or not fake.bodies("/abort_request"):
             await asyncio.sleep(0.01)
-        assert asyncio.get_running_loop().time() - started < 1  # 500 tokens would take 5 s
+        # Aborted, not finished: 500 tokens take 5 s (the bound is loose for a busy machine).
+        assert asyncio.get_running_loop().time() - started < 2.5
         assert fake.bodies("/abort_request") == [{"rid": "gone"}]
 
     run_with_fake(t, token_delay_s=0.01)
