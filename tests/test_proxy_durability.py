@@ -280,7 +280,7 @@ def test_a_client_that_hangs_up_aborts_the_engine_and_its_call_is_undelivered(
         assert all(n["finish_reason"] == "abort" for n in nodes)
         engine.delay_s = 0.0
         ask(proxy, ex, [{"role": "user", "content": "list the files"}])  # the retry
-        tree = proxy.server.tree(ex["id"])
+        tree = proxy.run(proxy.server.tree(ex["id"]))
         deadline = time.monotonic() + 5  # marked just after the answer was written
         while not tree.nodes[2].meta.delivered and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -166,12 +166,13 @@ class ProxyServer:
         self._resident[state.id] = state
         return recorder
 
-    def tree(self, execution_id: str) -> TrajectoryTree:
-        """An execution's trajectory tree (loaded from the store if need be)."""
+    async def tree(self, execution_id: str) -> TrajectoryTree:
+        """An execution's trajectory tree (loaded from the store in a worker thread if
+        it is not in memory; it is not kept)."""
         state = self.executions[execution_id]
         if state.recorder is not None:
             return state.recorder.tree
-        return self._load(execution_id).tree
+        return (await asyncio.to_thread(self._load, execution_id)).tree
 
     def _load(self, execution_id: str) -> ExecutionRecorder:
         """A recorder with an execution's stored calls; :class:`DamagedRecord` if they
@@ -635,7 +636,7 @@ class ProxyServer:
     async def _admin_tree(self, http: web.Request) -> web.Response:
         self._admin(http)
         state = self._execution(http)
-        return web.json_response({"id": state.id, **self.tree(state.id).to_json()})
+        return web.json_response({"id": state.id, **(await self.tree(state.id)).to_json()})
 
 
 _ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})

@@ -240,7 +240,7 @@ class Controller:
             for cell, role in enumerate(self.scheduler.roles)
         ]
         if isinstance(event, ExecutionFinished):
-            self._buffer_if_ready(self._executions[event.execution_id].group)
+            await self._buffer_if_ready(self._executions[event.execution_id].group)
         self._observe_roles()
         self._maybe_pull()
 
@@ -298,13 +298,13 @@ class Controller:
             cancel=ex.cancel,
         )
         await self.proxy.revoke_execution(ex.proxy_id)
-        nodes = self.proxy.tree(ex.proxy_id).to_json()["nodes"]
+        nodes = (await self.proxy.tree(ex.proxy_id)).to_json()["nodes"]
         self.outputs.traces.write(
             trace_record(task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0)
         )
         self._emit(lambda t: ExecutionFinished(t, ex.id, result.outcome, result.reward))
 
-    def _buffer_if_ready(self, group_id: int) -> None:
+    async def _buffer_if_ready(self, group_id: int) -> None:
         """A group that just became ready: admit its trajectories, ledger, buffer."""
         group = self.scheduler.groups[group_id]
         if group.state is not GroupState.READY or group_id in self._buffered:
@@ -313,7 +313,7 @@ class Controller:
         executions = []
         for eid in sorted(group.valid):
             proxy_id = self._executions[eid].proxy_id
-            tree = self.proxy.tree(proxy_id)
+            tree = await self.proxy.tree(proxy_id)
             admitted = admit_execution(
                 tree, proxy_id, advantages[eid], j_max=self.config.trainer.j_max, rng=self.rng
             )
