@@ -120,6 +120,24 @@ def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> No
     assert {(r.cell, r.role) for r in metrics.roles if r.time_s > 0} <= {(0, "training")}
 
 
+def test_non_streaming_async_trains_whole_batches(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # The paper's non-streaming baseline: a batch is assigned in the very event that made
+    # its last group ready (it used to fail with "group 3 is not ready in the buffer").
+    run_dir = run(
+        tmp_path,
+        tiny_model_dir,
+        "run.steps=2",
+        "scheduler.policy=async",
+        "scheduler.streaming=false",
+    )
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1, 2]
+    trained = [g.group_id for g in metrics.groups]
+    assert len(trained) == 2 * 2 and len(set(trained)) == len(trained)
+    ledger = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+    assert set(trained) <= ledger
+
+
 def test_ray_placement_runs_the_same_job(tiny_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
     run_dir = run(tmp_path, tiny_model_dir, "run.steps=3", "run.placement=ray")

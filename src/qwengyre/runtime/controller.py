@@ -305,9 +305,11 @@ class Controller:
         self._emit(lambda t: ExecutionFinished(t, ex.id, result.outcome, result.reward))
 
     async def _buffer_if_ready(self, group_id: int) -> None:
-        """A group that just became ready: admit its trajectories, ledger, buffer."""
+        """A group that has its valid rewards and is not buffered yet: admit its
+        trajectories, ledger, buffer. Without streaming the scheduler may assign a group
+        in the same step that made it ready, so an assigned group counts too."""
         group = self.scheduler.groups[group_id]
-        if group.state is not GroupState.READY or group_id in self._buffered:
+        if group.state not in (GroupState.READY, GroupState.ASSIGNED) or group_id in self._buffered:
             return
         advantages = group_advantages(group.valid)
         executions = []
@@ -357,6 +359,8 @@ class Controller:
     # ------------------------------------------------------------------ training
 
     async def _assign(self, action: AssignGroups) -> None:
+        for group_id in action.group_ids:  # ready in this very event: not buffered yet
+            await self._buffer_if_ready(group_id)
         if self._step is None or self._step.step != action.step:
             self.queue.open(action.step)
             self._step = _Step(action.step, started_s=self.now())
