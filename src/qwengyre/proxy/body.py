@@ -95,7 +95,7 @@ def _split_whole(body: bytes) -> SplitBody | None:
         if text[at : at + 1] != "{":
             return None
         jsonsafe.check_depth(text)
-        split = _scan(text, at + 1, {}, None, _byte_offsets(body, text))
+        split = _scan(text, at + 1, {}, None, _Offsets(body, text, 0))
     except (ValueError, IndexError, RecursionError):
         return None
     return _clean(split, text)
@@ -109,7 +109,7 @@ def _split_after(body: bytes, known: KnownBody) -> SplitBody | None:
             return None
         jsonsafe.check_depth(text, start=2)  # inside the object and its messages array
         doc = dict(known.head)
-        offsets = _byte_offsets(body[len(known.data) :], text, shift=len(known.data))
+        offsets = _Offsets(body[len(known.data) :], text, len(known.data))
         split = _scan(text, at, doc, known, offsets, in_messages=True)
     except (ValueError, IndexError, RecursionError):
         return None
@@ -140,9 +140,6 @@ class _Offsets:
             return self.shift + at
         return self.shift + len(self.text[:at].encode("utf-8"))
 
-
-def _byte_offsets(body: bytes, text: str, shift: int = 0) -> _Offsets:
-    return _Offsets(body, text, shift)
 
 
 def _scan(
