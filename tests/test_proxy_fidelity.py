@@ -234,3 +234,31 @@ def test_anthropic_overloaded_before_the_stream_started_is_a_plain_error(proxy: 
     ):
         s.get_final_message()
     assert err.value.status_code == 529
+
+
+def test_openai_streamed_logprobs_arrive_with_the_text_and_add_up_to_the_record(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    reply = "one two three four five six seven eight nine ten eleven twelve"
+    gen, proxy, _ = running(
+        tmp_path, tiny_model_dir, {"default": [reply]}, engine_kw={"delay_s": 0.4}
+    )
+    try:
+        ex = proxy.new_execution()
+        chunks = list(
+            gpt(proxy, ex).chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "count"}],
+                logprobs=True,
+                stream=True,
+            )
+        )
+        with_lp = [c for c in chunks if c.choices and c.choices[0].logprobs is not None]
+        assert len(with_lp) > 1  # not all on the final chunk
+        streamed = [t.logprob for c in with_lp for t in c.choices[0].logprobs.content]
+        (node,) = proxy.tree(ex["id"])
+        assert streamed == pytest.approx(node["logprobs"])
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == reply
+    finally:
+        gen.close()

@@ -141,7 +141,6 @@ class _Offsets:
         return self.shift + len(self.text[:at].encode("utf-8"))
 
 
-
 def _scan(
     text: str,
     at: int,

@@ -55,7 +55,7 @@ from qwengyre.proxy.tito import (
     Reuse,
     new_id,
 )
-from qwengyre.proxy.types import ApiError, ChatRequest, KnownMessages, Message
+from qwengyre.proxy.types import ApiError, ChatRequest, KnownMessages, Message, TokenLogprob
 from qwengyre.trajectories.tree import TrajectoryTree
 from qwengyre.types import SamplingParams
 
@@ -519,8 +519,14 @@ class ProxyServer:
         async def on_delta(delta: TokenDelta) -> None:
             ids = [t for t in delta.output_ids if t != eos]
             text = reply.feed(decoder.push(ids))
-            if text:
-                await writer.write(events.text(text))
+            if isinstance(events, openai_api.ChunkStream) and chat.logprobs:
+                # Each token's log-prob rides on the next content delta (the rest on the
+                # final chunk), as the recorded completion lists them.
+                data = events.text(text, _token_logprobs(self.renderer, delta))
+            else:
+                data = events.text(text) if text else b""
+            if data:
+                await writer.write(data)
 
         try:
             pings = asyncio.ensure_future(writer.ping_every(self.ping_s, events.ping))
@@ -744,6 +750,11 @@ def _prepare(recorder: ExecutionRecorder, chat: ChatRequest, reuse: Reuse | None
         if chat.api == "anthropic":
             raise anthropic_api.prompt_too_long(exc.tokens, exc.limit) from None
         raise openai_api.context_length_exceeded(exc.tokens, exc.limit) from None
+
+
+def _token_logprobs(renderer: ChatRenderer, delta: TokenDelta) -> list[TokenLogprob]:
+    tokens = renderer.tokenizer.convert_ids_to_tokens(list(delta.output_ids))
+    return [TokenLogprob(str(t), lp) for t, lp in zip(tokens, delta.logprobs, strict=True)]
 
 
 def _stream_error(api: Api, error: ApiError) -> bytes:
