@@ -74,7 +74,7 @@ class ProcessActor:
         try:
             ok, value = self._conn.recv()
         except (EOFError, ConnectionError) as exc:
-            raise ActorDied(f"{self.name} (pid {self.pid}) died") from exc
+            raise self._died() from exc
         if not ok:
             raise ActorError(f"{self.name}: {value}")
         return value
@@ -88,7 +88,7 @@ class ProcessActor:
             try:
                 self._conn.send((method, args, kwargs))
             except (BrokenPipeError, ConnectionError) as exc:
-                raise ActorDied(f"{self.name} (pid {self.pid}) died") from exc
+                raise self._died() from exc
             return self._receive()
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -98,8 +98,15 @@ class ProcessActor:
     async def check_alive(self) -> None:
         """Raise :class:`ActorDied` if the process has ended (also during a call)."""
         if not self._process.is_alive():
-            code = self._process.exitcode
-            raise ActorDied(f"{self.name} (pid {self.pid}) died (exit code {code})")
+            raise self._died()
+
+    def _died(self) -> ActorDied:
+        """The error for a process that ended, with its exit code however it was noticed
+        (a broken pipe can come before the process is reaped: wait for it briefly)."""
+        self._process.join(5.0)
+        code = self._process.exitcode
+        suffix = "" if code is None else f" (exit code {code})"
+        return ActorDied(f"{self.name} (pid {self.pid}) died{suffix}")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the process (politely, then by force)."""
