@@ -36,6 +36,7 @@ from qwengyre.engines.base import (
     collect,
 )
 from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.hangups import HangUps
 from qwengyre.types import SamplingParams
 
 
@@ -69,19 +70,12 @@ class _UpdateFromDisk(BaseModel):
     weight_version: str | None = None
 
 
-HANGUP_POLL_S = 0.05
-"""How often a generating request's connection is checked for a client that hung up."""
-
-
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-async def _abort_on_hangup(request: web.Request, engine: EmbeddedEngine, rid: str) -> None:
-    """Abort ``rid`` once the client's connection is gone (aiohttp cancels no handler
-    unless its server runs with ``handler_cancellation``)."""
-    while request.transport is not None and not request.transport.is_closing():
-        await asyncio.sleep(HANGUP_POLL_S)
+async def _abort_when(gone: asyncio.Future[None], engine: EmbeddedEngine, rid: str) -> None:
+    await gone
     await engine.abort(rid)
 
 
@@ -172,6 +166,7 @@ async def _event_stream(
 
 def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
     """The aiohttp application serving ``engine``."""
+    hang_ups = HangUps()
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -201,7 +196,8 @@ def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
             s.ignore_eos,
         )
         answers = _Answers(rid, len(body.input_ids), body.return_logprob, engine.version)
-        hangup = asyncio.ensure_future(_abort_on_hangup(request, engine, rid))
+        gone = hang_ups.watch(request)
+        hangup = asyncio.ensure_future(_abort_when(gone, engine, rid))
         async with contextlib.aclosing(
             engine.stream(GenerateRequest(rid, tuple(body.input_ids), sampling))
         ) as deltas:
@@ -210,6 +206,7 @@ def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
                     return await _event_stream(request, deltas, answers)
                 return await _plain_answer(deltas, answers)
             finally:
+                hang_ups.forget(gone)
                 hangup.cancel()
 
     async def abort(request: web.Request) -> web.Response:

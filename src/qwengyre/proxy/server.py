@@ -42,6 +42,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from qwengyre.engines.base import FinishReason, GenerateRequest, GenerateResult, TokenDelta
+from qwengyre.hangups import HangUps
 from qwengyre.proxy import anthropic_api, openai_api
 from qwengyre.proxy.body import BodyMemo, SplitBody
 from qwengyre.proxy.render import ChatRenderer, IncrementalDecoder, ReplyStream
@@ -125,7 +126,7 @@ class ProxyServer:
         self.max_resident = max_resident
         self.idle_s = idle_s
         self.ping_s = ping_s
-        self._hang_ups = _HangUps()
+        self._hang_ups = HangUps()
         self.executions: dict[str, ExecutionState] = {}
         self._by_key: dict[str, str] = {}
         self._resident: OrderedDict[str, ExecutionState] = OrderedDict()  # least recent first
@@ -796,36 +797,3 @@ class _SseWriter:
             if time.monotonic() - self.written_s >= seconds:
                 with contextlib.suppress(ConnectionError):
                     await self.write(ping())
-
-
-class _HangUps:
-    """Notices clients whose connection closed while their call runs: aiohttp (without
-    handler cancellation) does not tell a running handler. One task polls every
-    watched request's transport, so the cost does not grow a task per call."""
-
-    def __init__(self, period_s: float = 0.05) -> None:
-        self.period_s = period_s
-        self._watched: dict[asyncio.Future[None], web.Request] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def watch(self, http: web.Request) -> asyncio.Future[None]:
-        """A future that completes when ``http``'s client has gone."""
-        gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._watched[gone] = http
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
-        return gone
-
-    def forget(self, gone: asyncio.Future[None]) -> None:
-        self._watched.pop(gone, None)
-        if not gone.done():
-            gone.cancel()
-
-    async def _run(self) -> None:
-        while self._watched:
-            await asyncio.sleep(self.period_s)
-            for gone, http in list(self._watched.items()):
-                transport = http.transport
-                if transport is None or transport.is_closing():
-                    del self._watched[gone]
-                    gone.set_result(None)

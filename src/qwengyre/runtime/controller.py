@@ -233,14 +233,15 @@ class Controller:
 
     async def handle(self, event: Event) -> None:
         self._account()
-        for action in self.scheduler.handle(event):
+        actions = self.scheduler.handle(event)
+        if isinstance(event, ExecutionFinished):  # buffered before these actions pack it
+            await self._buffer_if_ready(self._executions[event.execution_id].group)
+        for action in actions:
             await self.execute(action)
         self._serving = [
             role is Role.ROLLOUT and bool(self.scheduler.running_on(cell))
             for cell, role in enumerate(self.scheduler.roles)
         ]
-        if isinstance(event, ExecutionFinished):
-            await self._buffer_if_ready(self._executions[event.execution_id].group)
         self._observe_roles()
         self._maybe_pull()
 
@@ -307,7 +308,7 @@ class Controller:
     async def _buffer_if_ready(self, group_id: int) -> None:
         """A group that has its valid rewards and is not buffered yet: admit its
         trajectories, ledger, buffer. Without streaming the scheduler may assign a group
-        in the same step that made it ready, so an assigned group counts too."""
+        in the same event that made it ready, so an assigned group counts too."""
         group = self.scheduler.groups[group_id]
         if group.state not in (GroupState.READY, GroupState.ASSIGNED) or group_id in self._buffered:
             return
@@ -359,8 +360,6 @@ class Controller:
     # ------------------------------------------------------------------ training
 
     async def _assign(self, action: AssignGroups) -> None:
-        for group_id in action.group_ids:  # ready in this very event: not buffered yet
-            await self._buffer_if_ready(group_id)
         if self._step is None or self._step.step != action.step:
             self.queue.open(action.step)
             self._step = _Step(action.step, started_s=self.now())
