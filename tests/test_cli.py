@@ -113,7 +113,10 @@ def test_simulate_compare_writes_json_and_plots(tmp_path: Path):
 
 @pytest.mark.parametrize(
     "engine",
-    [["scripted", "--script"], ["embedded", "--dtype", "bfloat16", "--max-context", "512"]],
+    [
+        ["proxy.engine=scripted", "proxy.script="],
+        ["proxy.engine=embedded", "engine.dtype=bfloat16", "run.max_context=512"],
+    ],
 )
 def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path, engine):
     import socket
@@ -124,8 +127,8 @@ def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path,
 
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"default": ["Hello from the script."]}))
-    if engine[0] == "scripted":
-        engine = [*engine, str(script)]
+    if engine[0] == "proxy.engine=scripted":
+        engine = [engine[0], f"proxy.script={script}"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -139,7 +142,6 @@ def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path,
             "serve",
             "--model",
             str(tiny_model_dir),
-            "--engine",
             *engine,
             "--store",
             str(tmp_path / "store"),
@@ -170,7 +172,7 @@ def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path,
         reply = client.messages.create(
             model="tiny", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
         )
-        if engine[0] == "scripted":
+        if engine[0] == "proxy.engine=scripted":
             assert reply.content[0].text == "Hello from the script."
         else:  # the tiny model samples: it answered, and the call is recorded with log-probs
             assert 0 < reply.usage.output_tokens <= 30
@@ -193,8 +195,7 @@ def test_proxy_serve_refuses_a_missing_model_dir(tmp_path: Path):
         "serve",
         "--model",
         str(tmp_path / "nope"),
-        "--script",
-        str(tmp_path / "s"),
+        f"proxy.script={tmp_path / 's'}",
         "--store",
         str(tmp_path / "st"),
     )
@@ -204,7 +205,7 @@ def test_proxy_serve_refuses_a_missing_model_dir(tmp_path: Path):
 
 def test_proxy_serve_scripted_needs_a_script(tmp_path: Path, tiny_model_dir: Path):
     out = run("proxy", "serve", "--model", str(tiny_model_dir), "--store", str(tmp_path / "s"))
-    assert out.returncode != 0 and "--engine scripted needs --script FILE" in out.stderr
+    assert out.returncode != 0 and "proxy.engine=scripted needs proxy.script=FILE" in out.stderr
 
 
 def test_engine_serve_refuses_a_missing_model_dir(tmp_path: Path):
@@ -223,14 +224,11 @@ def test_rollout_cli_on_the_bundled_example(tmp_path: Path, tiny_model_dir: Path
         "toy",
         "--run-dir",
         str(tmp_path / "run"),
-        "--executions-per-task",
-        "1",
-        "--concurrency",
-        "4",
-        "--harness-timeout",
-        "60",
-        "--overall-timeout",
-        "90",
+        "groups.size=1",
+        "groups.min_valid=null",
+        "cells.capacity=4",
+        "run.harness_s=60",
+        "run.overall_s=90",
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "8 executions" in out.stdout

@@ -309,16 +309,14 @@ def _serve(store: Path, model: Path, script: Path, port: int) -> subprocess.Pope
         "serve",
         "--model",
         str(model),
-        "--script",
-        str(script),
+        f"proxy.script={script}",
         "--store",
         str(store),
         "--port",
         str(port),
         "--admin-token",
         ADMIN,
-        "--max-context",
-        "100000",
+        "run.max_context=100000",
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60

@@ -30,6 +30,8 @@ from qwengyre.report import (
 )
 from qwengyre.report import metrics as metrics_module
 from qwengyre.report.html import role_spans, summarize, training_fractions, write_report
+from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
+from qwengyre.rollout.evaluation import Assessment, placeholder
 from qwengyre.scheduler.events import Role
 from qwengyre.sim.simulator import RoleSpan
 
@@ -92,7 +94,12 @@ def _records() -> list[Record]:
     records += [_step(s, 100.0 * (s + 1)) for s in range(STEPS)]
     records += [
         GroupRecord(
-            time_s=100.0 * (3 + g), group_id=g, dispatch_version=3 + g - d, step=3 + g, staleness=d
+            time_s=100.0 * (3 + g),
+            group_id=g,
+            dispatch_version=3 + g - d,
+            step=3 + g,
+            staleness=d,
+            execution_staleness=d - 0.25,
         )
         for g, d in enumerate(STALENESS)
     ]
@@ -193,7 +200,9 @@ class _FakeSummaryWriter:
         self.scalars: list[tuple[str, float, int]] = []
         self.closed = False
 
-    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None:
+    def add_scalar(
+        self, tag: str, scalar_value: float, global_step: int, walltime: float | None = None
+    ) -> None:
         self.scalars.append((tag, scalar_value, global_step))
 
     def flush(self) -> None:
@@ -217,13 +226,17 @@ def test_step_metrics_are_mirrored_to_tensorboard_when_available(
     with MetricsWriter(tmp_path / "metrics.jsonl", fsync=True) as writer:
         assert writer.mirrors_tensorboard
         writer.write(_step(7, 10.0))
-        writer.write(LoadRecord(1.0, 1, 2, 3))  # not a step: not mirrored
+        writer.write(LoadRecord(1.0, 1, 2, 3))  # at the latest step
     assert dirs == [tmp_path / "tensorboard"]
     assert fake.closed and writer.closed
     tags = {tag: (value, step) for tag, value, step in fake.scalars}
     assert tags["step/reward_mean"] == (pytest.approx(0.7), 7)
     assert tags["step/tokens"] == (4096.0, 7)
-    assert "step/step" not in tags and len(tags) == len(dataclasses.fields(StepRecord)) - 1
+    assert "step/step" not in tags
+    assert {t for t in tags if t.startswith("step/")} == {
+        f"step/{f.name}" for f in dataclasses.fields(StepRecord) if f.name != "step"
+    }
+    assert tags["load/queued"] == (2.0, 7)  # tests/test_metric_sinks.py: the other scalars
 
 
 def test_no_tensorboard_is_skipped_silently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -289,6 +302,11 @@ def _is_png(path: Path) -> bool:
 
 def test_write_report_writes_a_page_and_valid_pngs(tmp_path: Path):
     _write_run(tmp_path)
+    log = AssessmentLog(tmp_path / ASSESSMENTS_FILE)
+    invalid = Assessment(None, False, "d1", 1, "command", "timeout")
+    log.write("a", 0, 0, [invalid, Assessment(1.0, True, "d1", 2, "command", "ok")])
+    log.write("b", 0, 1, [invalid])
+    log.write("c", 0, 2, [placeholder("the harness could not start")])
     index = write_report(tmp_path)
     assert index == tmp_path / "report" / "index.html"
     page = index.read_text()
@@ -315,6 +333,15 @@ def test_write_report_writes_a_page_and_valid_pngs(tmp_path: Path):
         "1000.0 s",
     ]:
         assert fragment in table, fragment
+    assessments = page[page.index("<h2>Assessments</h2>") :]
+    for fragment in [
+        "executions with an assessment</th><td class='num'>3",
+        "evaluated: a valid reward</th><td class='num'>1 of 2",
+        "evaluated: no valid reward (not trained)</th><td class='num'>1",
+        "evaluation attempts (retried executions)</th><td class='num'>3 (1)",
+        "infrastructure failures (zero-reward placeholder)</th><td class='num'>1",
+    ]:
+        assert fragment in assessments, fragment
 
 
 def test_missing_kinds_get_a_note_not_a_failure(tmp_path: Path):
@@ -407,3 +434,22 @@ def test_comparing_runs_refuses_one_out_dir_and_writes_nothing_on_a_bad_run(
     assert main(["report", str(good), str(tmp_path / "missing")]) == 2
     assert "no run directory" in capsys.readouterr().err
     assert not (good / "report").exists()
+
+
+def test_a_log_written_before_newer_fields_still_reads(tmp_path: Path) -> None:
+    old = [
+        '{"kind": "run", "time_s": 0.0, "policy": "elastic", "mu": 2, "phi": 0.5, "cells": 3,'
+        ' "predicted_staleness": 1.0, "group_size": 8, "batch": 4}',
+        '{"kind": "load", "time_s": 1.0, "running": 3, "queued": 2, "capacity": 16}',
+        '{"kind": "group", "time_s": 2.0, "group_id": 0, "dispatch_version": 0, "step": 0,'
+        ' "staleness": 0}',
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(old) + "\n")
+    metrics = read_metrics(tmp_path)
+    assert metrics.run is not None and metrics.run.standalone_capacity == 0
+    assert metrics.loads[0].waterlevel == 5
+    assert math.isnan(metrics.groups[0].execution_staleness)
+    # A required field is still required.
+    (tmp_path / "metrics.jsonl").write_text(old[1].replace(', "queued": 2', "") + "\n")
+    with pytest.raises(MetricsError, match="queued"):
+        read_metrics(tmp_path)

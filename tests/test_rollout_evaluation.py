@@ -287,7 +287,8 @@ def test_deadline_stops_retries(tmp_path: Path) -> None:
     assert len(results) in (1, 2)  # 50 allowed, but none may start after the deadline
     assert final(results) is None
     assert "deadline" in results[-1].detail
-    assert int(counter.read_text()) == len(results)
+    # An attempt cut to the last moments may be killed before its first line runs.
+    assert 1 <= int(counter.read_text()) <= len(results)
 
 
 def test_no_attempt_after_deadline(tmp_path: Path) -> None:
@@ -460,3 +461,79 @@ def test_final_prefers_valid_and_never_invents_zero() -> None:
     assert final([]) is None
     assert final([bad]) is None
     assert final([bad, good]) is good
+
+
+# --------------------------------------------------------------------------- issue 16
+
+
+def test_retries_are_bounded_by_the_budget_not_by_five_attempts(tmp_path: Path) -> None:
+    spec = _flaky(tmp_path / "counter", failures=7)
+    results = run(
+        assess(spec, _workspace(tmp_path), deadline=time.monotonic() + 30, retry_delay_s=0.0)
+    )
+    assert [a.attempt for a in results] == list(range(1, 9))
+    chosen = final(results)
+    assert chosen is results[-1] and chosen.score == 0.5
+
+
+def test_the_optional_cap_says_why_retrying_stopped(tmp_path: Path) -> None:
+    spec = _flaky(tmp_path / "counter", failures=100)
+    results = run(
+        assess(
+            spec,
+            _workspace(tmp_path),
+            deadline=time.monotonic() + 30,
+            retry_delay_s=0.0,
+            max_attempts=2,
+        )
+    )
+    assert len(results) == 2 and "max_attempts" in results[-1].detail
+
+
+def test_retry_delays_back_off_up_to_a_ceiling() -> None:
+    from qwengyre.rollout.evaluation import EvaluationOptions
+
+    options = EvaluationOptions(retry_delay_s=1.0, retry_backoff=2.0, max_retry_delay_s=5.0)
+    assert [options.delay(r) for r in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert EvaluationOptions(retry_backoff=1.0).delay(9) == 1.0
+    for bad in ({"retry_backoff": 0.5}, {"max_attempts": 0}, {"intermediate_every_s": 0.0}):
+        with pytest.raises(ValueError):
+            EvaluationOptions(**bad)  # type: ignore[arg-type]
+
+    class Section:
+        max_attempts = 3
+        intermediate_every_s = 60.0
+
+    loaded = EvaluationOptions.from_config(Section())
+    assert (loaded.max_attempts, loaded.intermediate_every_s, loaded.retry_delay_s) == (
+        3,
+        60.0,
+        1.0,
+    )
+
+
+def test_an_assessment_names_its_evaluator_time_and_critique(tmp_path: Path) -> None:
+    ws = _workspace(tmp_path)
+    spec = _cmd('import json; print(json.dumps({"score": 1, "valid": True, "critique": "fine"}))')
+    before = time.time()
+    result = run(evaluate_once(spec, ws, version=3, branch=5))
+    assert result.valid and result.critique == "fine" and result.kind == "final"
+    assert (result.version, result.branch) == (3, 5)
+    assert result.evaluator == "command" and result.evaluator_name.startswith(PY)
+    assert before <= result.time_s <= time.time() and result.duration_s > 0
+    assert Assessment.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+
+
+def test_kinds_are_consistent_and_intermediate_ones_never_give_the_reward() -> None:
+    middle = Assessment(1.0, True, "abc", 1, "command", "ok", kind="intermediate", version=1)
+    assert final([middle]) is None  # an intermediate assessment is never the reward
+    later = Assessment(0.0, True, "abd", 1, "command", "ok", version=2)
+    assert final([later, middle]) is later
+    assert placeholder("x").kind == "placeholder"
+    assert Assessment(0.0, True, "", 0, "placeholder", "x", placeholder=True).kind == "placeholder"
+    with pytest.raises(ValueError, match="version"):
+        Assessment(1.0, True, "abc", 1, "command", "ok", kind="intermediate")
+    with pytest.raises(ValueError, match="kind"):
+        Assessment(1.0, True, "abc", 1, "command", "ok", kind="draft")
+    with pytest.raises(ValueError, match="placeholder"):
+        Assessment(0.0, True, "", 0, "x", "y", placeholder=True, kind="intermediate", version=1)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, run_execution
 from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, Task
@@ -37,6 +39,22 @@ def run(task: Task, harness: HarnessSpec, tmp_path: Path, budgets=DEFAULT_BUDGET
     )
 
 
+class FakeHub:
+    """The proxy's part in an execution: registration, and a tree of ``calls`` nodes."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+
+    def register_assessor(self, execution_id: str, assessor: object) -> None:
+        pass
+
+    def unregister_assessor(self, execution_id: str) -> None:
+        pass
+
+    async def tree(self, execution_id: str) -> object:
+        return SimpleNamespace(nodes=list(range(self.calls)))
+
+
 def task(**kw) -> Task:  # type: ignore[no-untyped-def]
     fields = {"id": "add-1", "instructions": "Compute 37+45", "evaluator": ANSWER, **kw}
     return Task(**fields)
@@ -57,9 +75,75 @@ def test_a_harness_timeout_is_still_evaluated(tmp_path: Path):
 
 
 def test_a_crashed_harness_is_failed_but_its_work_is_assessed(tmp_path: Path):
-    result = run(task(), python_harness("raise SystemExit(3)"), tmp_path)
+    code = "open('answer.txt','w').write('81'); raise SystemExit(3)"
+    result = run(task(), python_harness(code), tmp_path)
     assert result.harness is not None and result.harness.exit_code == 3
-    assert (result.outcome, result.reward) == (Outcome.FAILED, 0.0)  # a real zero: no answer
+    assert (result.outcome, result.reward) == (Outcome.FAILED, 0.0)  # a real zero: wrong answer
+    assert [a.kind for a in result.assessments] == ["final"]
+    assert result.assessments[0].artifact and result.assessments[0].version == 1
+
+
+def test_a_harness_that_cannot_be_spawned_is_an_infrastructure_failure(tmp_path: Path):
+    missing = HarnessSpec(command=(str(tmp_path / "no-such-harness"),), deadline_s=60)
+    result = run(task(), missing, tmp_path)
+    assert result.harness is not None and not result.harness.spawned
+    assert (result.outcome, result.reward) == (Outcome.FAILED, 0.0)
+    [stub] = result.assessments
+    assert stub.kind == "placeholder" and stub.placeholder and stub.artifact == ""
+    assert "infrastructure failure" in result.detail and "could not start" in stub.detail
+
+
+def test_a_crash_before_touching_anything_is_an_infrastructure_failure(tmp_path: Path):
+    template = tmp_path / "tpl"
+    template.mkdir()
+    (template / "answer.txt").write_text("82")  # an untouched workspace would score 1
+    crash = python_harness("raise SystemExit(3)")
+    result = run(task(workspace_template=template), crash, tmp_path / "r", hub=FakeHub(0))
+    assert (result.outcome, result.reward) == (Outcome.FAILED, 0.0)
+    assert [a.kind for a in result.assessments] == ["placeholder"]
+    assert "exited with status 3" in result.detail and "no model call" in result.detail
+
+
+def test_a_crash_after_model_calls_is_assessed_even_if_nothing_changed(tmp_path: Path):
+    template = tmp_path / "tpl"
+    template.mkdir()
+    (template / "answer.txt").write_text("82")
+    crash = python_harness("raise SystemExit(3)")
+    result = run(task(workspace_template=template), crash, tmp_path / "r", hub=FakeHub(2))
+    assert (result.outcome, result.reward) == (Outcome.FAILED, 1.0)
+    assert [a.kind for a in result.assessments] == ["final"]
+
+
+def test_a_harness_that_changed_nothing_but_exited_0_is_a_real_result(tmp_path: Path):
+    result = run(task(), python_harness("pass"), tmp_path, hub=FakeHub(0))
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 0.0)
+    assert [a.kind for a in result.assessments] == ["final"]
+
+
+def test_evaluation_retries_past_five_attempts_within_the_budget(tmp_path: Path):
+    counter = tmp_path / "counter"
+    flaky = CommandEvaluator(
+        type="command",
+        command=[
+            sys.executable,
+            "-c",
+            f"import pathlib, sys; c = pathlib.Path({str(counter)!r}); "
+            "n = int(c.read_text()) if c.exists() else 0; c.write_text(str(n + 1)); "
+            'sys.exit(1) if n < 7 else print(\'{"score": 0.5, "valid": true}\')',
+        ],
+        timeout_s=10,
+    )
+    pacing = EvaluationOptions(retry_backoff=1.5, max_retry_delay_s=0.1)
+    result = run(
+        task(evaluator=flaky),
+        python_harness("pass"),
+        tmp_path / "r",
+        Budgets(5, 30),
+        evaluation=pacing,
+    )
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 0.5)
+    assert [a.attempt for a in result.assessments] == list(range(1, 9))
+    assert len({a.artifact for a in result.assessments}) == 1  # the same preserved state
 
 
 def test_an_evaluator_that_never_succeeds_leaves_no_reward_not_a_zero(tmp_path: Path):
@@ -67,6 +151,14 @@ def test_an_evaluator_that_never_succeeds_leaves_no_reward_not_a_zero(tmp_path: 
     result = run(task(evaluator=broken), python_harness("pass"), tmp_path, evaluation_attempts=3)
     assert result.reward is None and result.outcome is Outcome.FAILED
     assert len(result.assessments) == 3 and all(a.score is None for a in result.assessments)
+    assert "max_attempts" in result.detail
+
+
+def test_an_evaluator_that_never_succeeds_is_retried_until_the_overall_budget(tmp_path: Path):
+    broken = CommandEvaluator(type="command", command="exit 1", timeout_s=5)
+    result = run(task(evaluator=broken), python_harness("pass"), tmp_path, Budgets(1, 2))
+    assert (result.outcome, result.reward) == (Outcome.OVERALL_TIMEOUT, None)
+    assert len(result.assessments) > 5 and all(not a.valid for a in result.assessments)
 
 
 def test_the_overall_budget_ending_means_overall_timeout(tmp_path: Path):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from qwengyre.rollout.assessments import read_assessments
+from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.runner import RolloutOptions, harness_spec, rollout, summary
 from qwengyre.rollout.tasks import dump_tasks, example_tasks_path, load_tasks
 from qwengyre.sim.trace import TraceWorkload, read_trace
@@ -44,6 +46,13 @@ def test_rollout_records_results_traces_and_trees_and_resumes(tmp_path: Path, ti
     assert TraceWorkload(trace).execution(0, 0).duration_s > 0  # the simulator replays it
     db = sqlite3.connect(run_dir / "proxy.sqlite")
     assert db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0] >= 4  # TITO records
+    # Every assessment is kept with its execution in the run directory.
+    logged = read_assessments(run_dir / "assessments.jsonl")
+    assert sorted((r.task_id, r.index) for r in logged) == sorted((t, i) for t, i, _, _ in rows)
+    assert all(r.assessment.kind == "final" and r.assessment.valid for r in logged)
+    assert {r.execution_id for r in logged} == {
+        e for (e,) in db.execute("SELECT execution FROM rollout_results")
+    }
     with pytest.raises(ValueError, match="pass --resume"):
         asyncio.run(rollout(options))
     # A crash before an execution was committed: it runs again on resume, nothing else.
@@ -58,6 +67,9 @@ def test_rollout_records_results_traces_and_trees_and_resumes(tmp_path: Path, ti
 
 def test_harness_names_and_templates():
     assert harness_spec("toy", 10).command[-1] == "{instructions}"
+    assert dict(harness_spec("toy-critique-assistant", 10).env) == {
+        "QWENGYRE_TOY_CRITIQUE": "assistant"
+    }
     assert harness_spec("claude-code", 10).deadline_s == 10
     assert harness_spec("my-agent --task {instructions}", 5).command == (
         "my-agent",
@@ -95,14 +107,10 @@ def test_a_runner_killed_with_sigkill_resumes_without_losing_or_double_counting(
         f"{sys.executable} {agent} {{instructions}}",
         "--run-dir",
         str(run_dir),
-        "--executions-per-task",
-        "2",
-        "--concurrency",
-        "2",
-        "--harness-timeout",
-        "60",
-        "--overall-timeout",
-        "90",
+        "groups.size=2",
+        "cells.capacity=2",
+        "run.harness_s=60",
+        "run.overall_s=90",
     ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_path = run_dir / "proxy.sqlite"
@@ -176,9 +184,13 @@ def test_a_group_without_valid_rewards_is_dropped_not_zeroed(tmp_path: Path, tin
     broken = CommandEvaluator(type="command", command="exit 1", timeout_s=5)
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, [Task(id="t", instructions="x", evaluator=broken)])
-    options = _options(tmp_path, tiny_model_dir, tasks, overall_s=62)
+    # Retries go on until the overall budget (62 s) unless capped: cap them to stay fast.
+    quick = EvaluationOptions(retry_delay_s=0.05, max_attempts=3)
+    options = _options(tmp_path, tiny_model_dir, tasks, overall_s=62, evaluation=quick)
     rows = asyncio.run(rollout(options))
     assert all(reward is None for *_, reward in rows) and len(rows) == 2
+    logged = read_assessments(options.run_dir / "assessments.jsonl")
+    assert len(logged) == 6 and all(not r.assessment.valid for r in logged)
     store = ResultStore(options.run_dir / "proxy.sqlite")
     assert store.groups() == {"t": ("dropped", {})}
     store.close()

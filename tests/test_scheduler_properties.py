@@ -8,6 +8,12 @@ order hypothesis picks among the moves that are legal at that moment. After ever
 ``handle()`` it checks the invariants against its own bookkeeping (an independent
 model of the queue, the engines, the groups and the supply timer) and the scheduler's
 read-only views.
+
+Boundary dispatch keeps d(t) fixed within a burst: between two boundaries (Start,
+PublicationDone) the quota d + reserve left and the waterlevel w = d - f + reserved
+never rise, owed top-ups come with the next boundary's dispatch, and a dropped group's
+slot waits for it. The one exception, checked against the driver's own count of the
+groups that can still fill the step, is a stalled burst (see ``Driver._check_burst``).
 """
 
 from __future__ import annotations
@@ -49,9 +55,6 @@ pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
 # ---------------------------------------------------------------- parameters
 
 
-HAS_MIN_VALID = "min_valid" in {f.name for f in dataclasses.fields(SchedulerParams)}
-
-
 @st.composite
 def scheduler_params(draw: st.DrawFn) -> SchedulerParams:
     policy = draw(st.sampled_from(["elastic", "async", "colocate"]))
@@ -61,9 +64,10 @@ def scheduler_params(draw: st.DrawFn) -> SchedulerParams:
     group_size = draw(st.integers(1, 3))
     phis = [0.0] if policy == "colocate" else [0.0, 0.5, 1.0]
     phi = draw(st.sampled_from([x for x in phis if ((x + mu) * batch).is_integer()]))
+    dispatch = draw(st.sampled_from(["boundary", "continuous"]))
     kwargs = dict(
         policy=policy,
-        dispatch=draw(st.sampled_from(["boundary", "continuous"])),
+        dispatch=dispatch,
         group_size=group_size,
         oversample=draw(st.integers(0, 2)),
         max_topups=draw(st.integers(0, 2)),
@@ -77,9 +81,9 @@ def scheduler_params(draw: st.DrawFn) -> SchedulerParams:
         tau_s=float(draw(st.integers(0, 5))),
         streaming=draw(st.booleans()),
         async_training_cells=draw(st.integers(1, cells - 1)) if policy == "async" else 1,
+        min_valid=draw(st.one_of(st.none(), st.integers(1, group_size))),  # mostly None: N
+        reserve=draw(st.integers(0, 3)) if dispatch == "boundary" else 0,
     )
-    if HAS_MIN_VALID:  # None (all N) most of the time
-        kwargs["min_valid"] = draw(st.one_of(st.none(), st.integers(1, group_size)))
     try:
         return SchedulerParams(**kwargs)
     except ValueError:  # continuous dispatch is refused where no cell could ever train
@@ -89,7 +93,7 @@ def scheduler_params(draw: st.DrawFn) -> SchedulerParams:
 
 def valid_needed(params: SchedulerParams) -> int:
     """Valid rewards a group needs to be trained: N unless ``min_valid`` lowers it."""
-    return getattr(params, "min_valid", None) or params.group_size
+    return params.min_valid or params.group_size
 
 
 VALID_OUTCOMES = (Outcome.COMPLETED, Outcome.FAILED, Outcome.HARNESS_TIMEOUT)
@@ -152,8 +156,12 @@ class Driver:
         self.supply_since: float | None = None
         self.training_set: frozenset[int] = frozenset()
         self.owed: set[int] = set()  # cells to return to rollout when they arrive
+        # bursts
+        self.burst_steps = 0  # steps done since the last boundary
         # measurements
         self.max_rise = 0  # the largest rise of w within a burst, over one event
+        self.stalls = 0  # mid-burst dispatches beyond the reserve (stalled bursts)
+        self.early_ends = 0  # bursts that ended before mu steps (stalled bursts)
         self.joins = 0
 
     # ------------------------------------------------------------ sending
@@ -161,13 +169,20 @@ class Driver:
     def send(self, event: Event) -> list[Action]:
         assert event.time >= self.now
         self.now = event.time
-        w_before = self.s.counters.waterlevel
-        roles_before = list(self.s.roles)
-        actions = self.s.handle(event)
+        s = self.s
+        w_before = s.counters.waterlevel
+        outstanding_before = s.counters.dispatched - s.counters.finished
+        quota_before = s.counters.dispatched + s.reserve_left
+        owed_before = {g.id: g.owed for g in s.groups.values() if g.owed}
+        assigned_before = self.assigned_this_step
+        roles_before = list(s.roles)
+        actions = s.handle(event)
         self.events.append(event)
         self.outputs.append(actions)
         self._absorb(event, actions)
-        self._check(event, actions, w_before, roles_before)
+        self._check(event, actions, outstanding_before, roles_before)
+        if self.params.dispatch == "boundary":
+            self._check_burst(event, actions, w_before, quota_before, owed_before, assigned_before)
         return actions
 
     def start(self) -> list[Action]:
@@ -227,6 +242,7 @@ class Driver:
                         self.queued[eid] = a.group_id
                 case Launch():
                     eid = a.execution_id
+                    assert a.version == s.published == s.executions[eid].version
                     assert eid in self.queued, f"launch of {eid}, which is not queued"
                     assert self.queued.pop(eid) == a.group_id
                     assert s.groups[a.group_id].executions[a.index] == eid
@@ -259,10 +275,9 @@ class Driver:
                     assert len(group.valid) < valid_needed(p)
                     assert a.group_id not in self.assigned and a.group_id not in self.dropped
                     self.dropped.add(a.group_id)
-                case Publish():
+                case Publish():  # after mu steps, or earlier when a burst stalls
                     assert self.pending_publish is None
-                    assert isinstance(event, StepDone)
-                    assert a.version == s.version and a.version % p.mu == 0
+                    assert a.version == s.version > s.published
                     self.pending_publish = a.version
                 case WakeAt():
                     assert a.time >= self.now
@@ -318,7 +333,11 @@ class Driver:
     # ------------------------------------------------------------ invariants
 
     def _check(
-        self, event: Event, actions: list[Action], w_before: int, roles_before: list[Role]
+        self,
+        event: Event,
+        actions: list[Action],
+        outstanding_before: int,
+        roles_before: list[Role],
     ) -> None:
         s, p = self.s, self.params
         c = s.counters
@@ -343,11 +362,16 @@ class Driver:
         assert s.capacity == serving * p.cell_capacity + p.standalone_capacity
         assert c.running <= s.capacity
         assert c.queued == 0 or c.running == s.capacity, (c, s.capacity)
-        # Waterlevel: within a burst only this call's dispatches may raise it.
+        # Outstanding executions: within a burst only this call's dispatches add any.
         if not isinstance(event, Start | PublicationDone):
             added = sum(len(a.execution_ids) for a in actions if isinstance(a, Dispatch))
-            assert c.waterlevel <= w_before + added, (w_before, c.waterlevel, added)
-            self.max_rise = max(self.max_rise, c.waterlevel - w_before)
+            outstanding = c.dispatched - c.finished
+            assert outstanding <= outstanding_before + added, (outstanding_before, c, added)
+        if p.dispatch == "continuous":
+            assert c.reserved == 0 and s.reserve_left == 0
+        else:
+            assert c.reserved == min(s.reserve_left, c.dispatched - c.finished)
+            assert 0 <= s.reserve_left <= p.reserve
         self._check_groups()
         self._check_training()
         self._check_cells(event, actions, roles_before)
@@ -400,11 +424,11 @@ class Driver:
             self.owed.discard(event.cell)
         elif returns:  # cells stay in training to the end of the burst
             assert ends_burst, returns
-        if isinstance(event, StepDone):
-            published = any(isinstance(a, Publish) for a in actions)
+        published = any(isinstance(a, Publish) for a in actions)
+        if isinstance(event, StepDone) and p.dispatch == "continuous":  # no early ends
             assert published == (s.version % p.mu == 0)
-            if published and p.policy == "elastic":  # satellites return
-                self._expect_returns(returns, set(range(1, p.cells)), roles_before)
+        if published and p.policy == "elastic":  # satellites return
+            self._expect_returns(returns, set(range(1, p.cells)), roles_before)
         if isinstance(event, PublicationDone) and units_of(p):
             self._check_eq6(actions, roles_before, returns)
         if p.policy == "async":
@@ -429,6 +453,73 @@ class Driver:
         if not ends_burst and not arrived_owed:  # k(t) only grows within a burst
             assert self.training_set <= training, (self.training_set, s.roles)
         self.training_set = training
+
+    def _supply(self, exclude: set[int]) -> int:
+        """Groups that can still fill the current step without new dispatches: ready and
+        unassigned, or in rollout with enough valid + pending rewards, not counting the
+        executions in ``exclude`` (dispatched by the event being checked)."""
+        s, need = self.s, valid_needed(self.params)
+        viable = sum(
+            1
+            for g in s.groups.values()
+            if g.state is GroupState.ROLLOUT and len(g.valid) + len(g.pending - exclude) >= need
+        )
+        return s.ready_unassigned + viable
+
+    def _check_burst(
+        self,
+        event: Event,
+        actions: list[Action],
+        w_before: int,
+        quota_before: int,
+        owed_before: dict[int, int],
+        assigned_before: int,
+    ) -> None:
+        """Boundary dispatch: d(t) is fixed within a burst (plus the reserve), w(t) never
+        rises, owed top-ups come first at the next boundary, a burst ends after mu steps.
+
+        A burst *stalls* when its groups can no longer fill the current step (ready +
+        non-short groups in rollout < what the step needs): then it ends early if it has
+        trained a step and the current step holds no group, or else dispatches the owed
+        top-ups and the dropped slots at once, the one way d and w rise within a burst.
+        """
+        s, p = self.s, self.params
+        c = s.counters
+        dispatches = [a for a in actions if isinstance(a, Dispatch)]
+        new = {eid for a in dispatches for eid in a.execution_ids}
+        published = [a for a in actions if isinstance(a, Publish)]
+        if isinstance(event, StepDone):
+            self.burst_steps += 1
+            assert published or self.burst_steps < p.mu, "a burst of mu steps did not end"
+        if isinstance(event, Start | PublicationDone):
+            self.burst_steps = 0
+            # Owed top-ups first, oldest group first, at the published version; then
+            # new groups (Eq 1). Nothing stays owed.
+            topups = [(a.group_id, len(a.execution_ids)) for a in dispatches if a.topup]
+            assert topups == sorted(owed_before.items()), (topups, owed_before)
+            assert all(not a.topup for a in dispatches[len(topups) :])
+            assert all(a.version == s.published for a in dispatches)
+            assert not any(g.owed for g in s.groups.values())
+            assert s.reserve_left == p.reserve
+            return
+        if published:
+            self.burst_steps, steps = 0, self.burst_steps
+            if steps < p.mu:  # ended early
+                assigned = 0 if isinstance(event, StepDone) else assigned_before
+                assert steps > 0 and assigned == 0 and not dispatches
+                assert self._supply(set()) < p.batch, "an early end without a stall"
+                self.early_ends += 1
+        quota = c.dispatched + s.reserve_left
+        if quota <= quota_before:
+            assert c.waterlevel <= w_before, (w_before, c.waterlevel)
+            assert all(a.topup for a in dispatches), "a new group mid-burst"
+            return
+        # A stalled burst: the step could not be filled without these dispatches.
+        assert self._supply(new) < s.batch_needs, (self._supply(new), s.batch_needs)
+        assert self._supply(set()) >= s.batch_needs, "the stall was not resolved"
+        assert not any(g.owed for g in s.groups.values())
+        self.stalls += 1
+        self.max_rise = max(self.max_rise, c.waterlevel - w_before)
 
     def _expect_returns(self, returns: set[int], cells: set[int], roles_before: list[Role]):
         """``cells`` that train go back to rollout now; one still moving to training may
@@ -584,6 +675,39 @@ def views(s: Scheduler) -> tuple:
     )
 
 
+def play(d: Driver, data: st.DataObject, move: str) -> None:
+    """Any legal move but "finish" (whose results each test draws its own way)."""
+    params = d.params
+    if move == "cancelled":
+        gone = sorted(d.cancelled)
+        eid = gone[data.draw(st.integers(0, len(gone) - 1), label="cancelled")]
+        d.finish(eid, Outcome.CANCELLED, None)
+    elif move == "cell":
+        cells = sorted(d.pending_moves)
+        d.complete_move(cells[data.draw(st.integers(0, len(cells) - 1), label="cell")])
+    elif move == "publication":
+        d.complete_publication()
+    elif move == "pull":  # 1..B first (they shrink best), then 0
+        k = data.draw(st.integers(0, params.batch), label="pull")
+        d.pull((k + 1) % (params.batch + 1))
+    elif move == "step":
+        d.step_done()
+    elif move == "wake":
+        d.tick_wake()
+    elif move == "illegal":  # refused, and changes nothing (the replay checks it)
+        bad = illegal_events(d)
+        event = bad[data.draw(st.integers(0, len(bad) - 1), label="illegal")]
+        before = views(d.s)
+        with pytest.raises(SchedulerError):
+            d.s.handle(event)
+            pytest.fail(f"{event} was accepted")
+        assert views(d.s) == before
+    else:
+        dt = data.draw(st.sampled_from([0.5, 1.0, 2.0, 5.0]), label="dt")
+        d.advance(dt, tick=data.draw(st.booleans(), label="tick"))
+    d.check_not_stuck()
+
+
 def run_random(
     data: st.DataObject,
     params: SchedulerParams,
@@ -605,34 +729,9 @@ def run_random(
                 d.finish(eid, VALID_OUTCOMES[r % 3], REWARDS[r % 4])
             else:
                 d.finish(eid, INVALID_OUTCOMES[r - 9], None)
-        elif move == "cancelled":
-            gone = sorted(d.cancelled)
-            eid = gone[data.draw(st.integers(0, len(gone) - 1), label="cancelled")]
-            d.finish(eid, Outcome.CANCELLED, None)
-        elif move == "cell":
-            cells = sorted(d.pending_moves)
-            d.complete_move(cells[data.draw(st.integers(0, len(cells) - 1), label="cell")])
-        elif move == "publication":
-            d.complete_publication()
-        elif move == "pull":  # 1..B first (they shrink best), then 0
-            k = data.draw(st.integers(0, params.batch), label="pull")
-            d.pull((k + 1) % (params.batch + 1))
-        elif move == "step":
-            d.step_done()
-        elif move == "wake":
-            d.tick_wake()
-        elif move == "illegal":  # refused, and changes nothing (the replay checks it)
-            bad = illegal_events(d)
-            event = bad[data.draw(st.integers(0, len(bad) - 1), label="illegal")]
-            before = views(d.s)
-            with pytest.raises(SchedulerError):
-                d.s.handle(event)
-                pytest.fail(f"{event} was accepted")
-            assert views(d.s) == before
+            d.check_not_stuck()
         else:
-            dt = data.draw(st.sampled_from([0.5, 1.0, 2.0, 5.0]), label="dt")
-            d.advance(dt, tick=data.draw(st.booleans(), label="tick"))
-        d.check_not_stuck()
+            play(d, data, move)
     # Purity: the same events give the same actions (and state) to a fresh scheduler;
     # the refused events in between changed nothing.
     replay = Scheduler(params)
@@ -660,10 +759,60 @@ def test_waterlevel_never_rises_within_a_burst_when_every_reward_is_valid(
     params: SchedulerParams, data: st.DataObject
 ):
     """Boundary dispatch, no oversampling, every reward valid: no top-ups, no drops, no
-    replacements, so w = d - f can only fall between publications (DESIGN.md §4)."""
+    stalls, so w can only fall between publications (DESIGN.md §4)."""
     params = dataclasses.replace(params, oversample=0, dispatch="boundary")
     d = run_random(data, params, steps=300, valid_only=True)
-    assert d.max_rise <= 0, d.max_rise
+    assert d.stalls == d.early_ends == 0
+
+
+@pytest.mark.parametrize("reserve", [0, 2])
+@settings(max_examples=60, **SETTINGS)
+@given(params=scheduler_params(), data=st.data())
+def test_with_invalid_rewards_d_and_w_never_rise_within_a_burst(
+    reserve: int, params: SchedulerParams, data: st.DataObject
+):
+    """Every policy, boundary dispatch, random invalid rewards (about 1 result in 3):
+    top-ups come out of the reserve or wait for the next boundary, drops are refilled
+    there, so the quota d + reserve left and w never rise between publications
+    (``Driver._check_burst``), except when a burst stalls, which needs more short groups
+    than its extra ones (phi B) cover. With phi >= 1 and min_valid 1 a single short group
+    never stalls a burst: no rise at all."""
+    params = dataclasses.replace(params, dispatch="boundary", reserve=reserve)
+    d = run_random(data, params, steps=300)
+    if d.stalls == 0:
+        assert d.max_rise == 0
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(params=scheduler_params(), data=st.data())
+def test_a_single_short_group_never_stalls_a_burst_with_a_batch_of_extra_groups(
+    params: SchedulerParams, data: st.DataObject
+):
+    """phi = 1 (B extra groups): one invalid result per burst at most is far less than
+    the slack, so d and w never rise within a burst and no burst ends early."""
+    if params.policy == "colocate":
+        params = dataclasses.replace(params, policy="elastic")
+    params = dataclasses.replace(params, dispatch="boundary", phi=1.0, oversample=0)
+    d = Driver(params)
+    d.start()
+    invalid_in_burst = False
+    for _ in range(300):
+        if isinstance(d.events[-1], PublicationDone):
+            invalid_in_burst = False
+        moves = [m for m in legal_moves(d) if m != "illegal"]
+        move = moves[data.draw(st.integers(0, len(moves) - 1), label="move")]
+        if move == "finish":
+            live = sorted(e for e in d.running if e not in d.cancelled)
+            eid = live[data.draw(st.integers(0, len(live) - 1), label="execution")]
+            if not invalid_in_burst and data.draw(st.booleans(), label="invalid"):
+                invalid_in_burst = True
+                d.finish(eid, Outcome.OVERALL_TIMEOUT, None)
+            else:
+                d.finish(eid, Outcome.COMPLETED, 1.0)
+            d.check_not_stuck()
+        else:
+            play(d, data, move)
+    assert d.stalls == d.early_ends == 0 and d.max_rise == 0
 
 
 # ------------------------------------------------ bugs found by the random driver: regressions

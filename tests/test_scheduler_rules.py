@@ -122,13 +122,16 @@ def test_oversampling_cancels_the_surplus_and_counts_each_launch_once():
 
 
 def test_a_missing_reward_is_never_a_zero_it_is_topped_up():
-    s = Scheduler(SchedulerParams(batch=2, group_size=2, max_topups=1, cells=1, cell_capacity=2))
+    """With a replacement reserve the top-up launches at once, ahead of the queue."""
+    s = Scheduler(
+        SchedulerParams(batch=2, group_size=2, max_topups=1, cells=1, cell_capacity=2, reserve=1)
+    )
     s.handle(Start(0.0))  # group 0 = executions 0,1 (running); group 1 = 2,3 (queued)
     out = finish(s, 1.0, 0, None)
     (topup,) = of(Dispatch, out)
     assert topup == Dispatch(0, (4,), 0, topup=True)
     # The top-up jumps the queue: it launches before group 1's executions.
-    assert [a.execution_id for a in of(Launch, out)] == [4]
+    assert of(Launch, out) == [Launch(4, 0, 2, 0, version=0)]
     assert s.groups[0].valid == {} and s.groups[0].state is GroupState.ROLLOUT
     finish(s, 2.0, 1, 0.0)
     finish(s, 3.0, 4, 0.0)
@@ -147,26 +150,162 @@ def test_with_min_valid_a_finished_group_trains_on_its_valid_rewards_only():
     assert s.groups[0].valid == {0: 1.0, 2: 0.0}  # the missing reward is not a zero
 
 
-def test_below_min_valid_the_group_is_topped_up():
-    s = Scheduler(SchedulerParams(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3))
-    s.handle(Start(0.0))
-    finish(s, 1.0, 0, None)
-    out = finish(s, 2.0, 1, None)  # 0 valid + 1 pending < 2: one top-up
-    assert [d.execution_ids for d in of(Dispatch, out)] == [(3,)]
-
-
-def test_a_group_past_its_topup_allowance_is_dropped_and_replaced():
+def test_below_min_valid_the_group_owes_a_top_up_to_the_next_boundary():
+    """Boundary dispatch keeps d fixed within a burst (the paper): a short group's top-up
+    is owed, and the burst trains the other groups meanwhile."""
     s = Scheduler(
-        SchedulerParams(batch=1, group_size=2, max_topups=0, cells=1, cell_capacity=4, phi=1)
+        SchedulerParams(batch=1, group_size=3, min_valid=2, phi=1, cells=1, cell_capacity=6)
     )
-    s.handle(Start(0.0))  # groups 0 and 1, executions 0..3, all running
+    s.handle(Start(0.0))  # group 0 = executions 0-2, group 1 = 3-5, all running
+    finish(s, 1.0, 0, None)
+    d = s.counters.dispatched
+    out = finish(s, 2.0, 1, None)  # 0 valid + 1 pending < 2: one top-up, owed
+    assert not of(Dispatch, out) and s.counters.dispatched == d
+    assert s.groups[0].owed == 1
+
+
+def test_owed_top_ups_are_dispatched_at_the_next_boundary_with_the_new_version():
+    s = Scheduler(
+        SchedulerParams(batch=1, group_size=2, max_topups=2, phi=1, cells=2, cell_capacity=4)
+    )
+    s.handle(Start(0.0))  # groups 0, 1 (executions 0-3) on cell 1
+    w = s.counters.waterlevel
+    out = finish(s, 1.0, 0, None)  # group 0 falls short by one
+    assert not of(Dispatch, out) and s.counters.waterlevel == w - 1
+    finish(s, 1.0, 1, 1.0)
+    finish(s, 2.0, 2, 1.0)
+    out = finish(s, 2.0, 3, 0.0)  # group 1 ready; w = 0: the core joins (tau 30)
+    s.handle(Tick(40.0))
+    s.handle(CellMoved(41.0, 0))
+    out = s.handle(PullGroups(41.0, 0, 1))
+    assert of(AssignGroups, out) == [AssignGroups(0, (1,), closes_batch=True)]
+    assert of(Publish, s.handle(StepDone(42.0, 0))) == [Publish(1)]
+    out = s.handle(PublicationDone(43.0, 1))
+    # The owed top-up comes first, at the new version; then Eq 1 refills group 1's slot.
+    dispatches = of(Dispatch, out)
+    assert dispatches[0] == Dispatch(0, (4,), 1, topup=True)
+    assert [(d.group_id, d.version, d.topup) for d in dispatches[1:]] == [(2, 1, False)]
+    assert s.groups[0].owed == 0
+    assert of(Launch, out)[0] == Launch(4, 0, 2, 1, version=1)  # first, on cell 1
+    assert s.executions[4].version == 1
+    assert s.groups[0].v_d == 0  # its staleness stays v_t - v_d (Eq 2)
+
+
+def test_a_group_past_its_topup_allowance_is_dropped_at_once_and_refilled_at_the_boundary():
+    s = Scheduler(
+        SchedulerParams(
+            batch=1, group_size=2, max_topups=0, cells=2, cell_capacity=4, phi=1, tau_s=0
+        )
+    )
+    s.handle(Start(0.0))  # groups 0 and 1, executions 0..3, all on cell 1
     out = finish(s, 1.0, 0, None)
     assert of(DropGroup, out) == [DropGroup(0)]
     assert of(Cancel, out) == [Cancel(1)]
-    (replacement,) = of(Dispatch, out)
-    assert replacement.group_id == 2 and not replacement.topup
+    assert not of(Dispatch, out)  # the slot waits for the boundary: d stays fixed
     assert s.groups[0].state is GroupState.DROPPED
-    assert s.counters.waterlevel == 3 + 2  # 1 finished; 2 new executions dispatched
+    assert s.counters.waterlevel == 3  # 1 finished, nothing new dispatched
+    s.handle(ExecutionFinished(1.0, 1, Outcome.CANCELLED, None))
+    finish(s, 2.0, 2)
+    finish(s, 2.0, 3)  # group 1 ready, w = 0: the core joins
+    s.handle(CellMoved(3.0, 0))
+    s.handle(PullGroups(3.0, 0, 1))
+    s.handle(StepDone(4.0, 0))
+    out = s.handle(PublicationDone(5.0, 1))
+    # Eq 1: Q = 2 slots, both free (group 0 dropped, group 1 trained).
+    assert [(d.group_id, d.version) for d in of(Dispatch, out)] == [(2, 1), (3, 1)]
+
+
+def test_colocate_trains_the_other_groups_while_a_short_group_waits():
+    """min_valid, one group whose executions all fail: the pool no longer waits for
+    serial top-up rounds. It switches when the rest is done, trains the other groups,
+    and the burst ends early (it cannot fill its last step); the short group's top-ups
+    run after the publication and it is trained in a later batch."""
+    s = Scheduler(
+        SchedulerParams(
+            policy="colocate",
+            batch=1,
+            group_size=2,
+            min_valid=1,
+            mu=2,
+            cells=2,
+            cell_capacity=4,
+            tau_s=0,
+        )
+    )
+    s.handle(Start(0.0))  # groups 0, 1: executions 0-3 on cell 1
+    finish(s, 1.0, 0, None)
+    out = finish(s, 2.0, 1, None)  # group 0 short: its top-up is owed
+    assert not of(Dispatch, out) and s.groups[0].owed == 1
+    finish(s, 3.0, 2, 1.0)
+    out = finish(s, 3.0, 3, 0.0)  # w = 0: the whole pool switches
+    assert of(MoveCell, out) == [MoveCell(0, Role.TRAINING), MoveCell(1, Role.TRAINING)]
+    s.handle(CellMoved(4.0, 0))
+    s.handle(CellMoved(4.0, 1))
+    assert of(AssignGroups, s.handle(PullGroups(4.0, 0, 1))) == [
+        AssignGroups(0, (1,), closes_batch=True)
+    ]
+    out = s.handle(StepDone(5.0, 0))  # step 1 cannot be filled: the burst ends early
+    assert of(Publish, out) == [Publish(1)]
+    out = s.handle(PublicationDone(6.0, 1))
+    assert [(d.group_id, d.version, d.topup) for d in of(Dispatch, out)] == [
+        (0, 1, True),
+        (2, 1, False),
+    ]
+    assert of(MoveCell, out) == [MoveCell(0, Role.ROLLOUT), MoveCell(1, Role.ROLLOUT)]
+
+
+def test_a_burst_that_cannot_fill_its_first_step_dispatches_owed_top_ups_at_once():
+    """phi = 0 leaves no extra group: a short group in the burst's first step would wait
+    forever for a boundary, so its top-up is dispatched at once (d and w rise)."""
+    s = Scheduler(SchedulerParams(batch=2, group_size=2, max_topups=1, cells=1, cell_capacity=2))
+    s.handle(Start(0.0))  # group 0 = executions 0,1 (running); group 1 = 2,3 (queued)
+    w = s.counters.waterlevel
+    out = finish(s, 1.0, 0, None)
+    assert of(Dispatch, out) == [Dispatch(0, (4,), 0, topup=True)]
+    assert s.counters.waterlevel == w  # one finished, one dispatched
+
+
+def test_the_reserve_launches_top_ups_at_once_and_counts_in_the_waterlevel():
+    s = Scheduler(
+        SchedulerParams(
+            batch=1, group_size=2, max_topups=2, phi=1, cells=1, cell_capacity=8, reserve=1
+        )
+    )
+    s.handle(Start(0.0))  # 4 executions running
+    c = s.counters
+    assert (c.dispatched, c.finished, c.reserved, c.waterlevel) == (4, 0, 1, 5)
+    out = finish(s, 1.0, 0, None)  # the top-up comes out of the reserve
+    assert of(Dispatch, out) == [Dispatch(0, (4,), 0, topup=True)]
+    c = s.counters
+    assert (c.dispatched, c.finished, c.reserved, c.waterlevel) == (5, 1, 0, 4)
+    assert s.reserve_left == 0
+    out = finish(s, 2.0, 4, None)  # the reserve is spent: owed to the boundary
+    assert not of(Dispatch, out) and s.groups[0].owed == 1
+    for eid in (1, 2, 3):
+        finish(s, 3.0, eid)
+    assert s.counters.waterlevel == 0  # rollout is over: nothing held
+
+
+def test_continuous_dispatch_tops_up_and_replaces_at_once():
+    s = Scheduler(
+        SchedulerParams(
+            policy="async",
+            dispatch="continuous",
+            batch=1,
+            group_size=2,
+            max_topups=1,
+            cells=2,
+            cell_capacity=8,
+            async_training_cells=1,
+        )
+    )
+    s.handle(Start(0.0))  # group 0: executions 0, 1
+    assert of(Dispatch, finish(s, 1.0, 0, None)) == [Dispatch(0, (2,), 0, topup=True)]
+    out = finish(s, 2.0, 2, None)  # past the allowance: dropped and replaced at once
+    assert of(DropGroup, out) == [DropGroup(0)]
+    assert [(d.group_id, d.topup) for d in of(Dispatch, out)] == [(1, False)]
+    with pytest.raises(ValueError, match=r"groups\.reserve"):
+        SchedulerParams(dispatch="continuous", policy="async", phi=0, reserve=1)
 
 
 # ---------------------------------------------------------------- Eq 5, supply check, Eq 6

@@ -66,6 +66,7 @@ def _synthetic(spans: list[RoleSpan], cells: int, end_s: float) -> SimResult:
         mean_staleness=1.0,
         mean_staleness_all=1.0,
         predicted_staleness=1.0,
+        mean_execution_staleness=1.0,
         lower_bound_s=end_s * 0.8,
         cell_training_share=[0.0] * cells,
         rollout_utilisation=0.5,

@@ -204,7 +204,9 @@ def test_optional_fields_default(tmp_path: Path):
     line = record()
     del line["train_tokens"], line["calls"]
     rec = read_trace(write_lines(tmp_path / "t.jsonl", [line]))[0]
-    assert rec.train_tokens == 0 and rec.calls == []
+    assert rec.train_tokens == 0 and rec.calls == [] and rec.version is None
+    line["version"] = 3  # the policy version the execution launched with
+    assert read_trace(write_lines(tmp_path / "v.jsonl", [line]))[0].version == 3
 
 
 # -- errors -------------------------------------------------------------------------------

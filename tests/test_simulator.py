@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 
 from qwengyre.config import Config, load_config
+from qwengyre.scheduler.core import SchedulerParams
 from qwengyre.scheduler.events import Role
 from qwengyre.sim.compare import compare_policies
-from qwengyre.sim.simulator import simulate
-from qwengyre.sim.workload import FixedWorkload, ParametricWorkload
+from qwengyre.sim.simulator import SimCosts, Simulation, simulate
+from qwengyre.sim.workload import ExecutionSpec, FixedWorkload, ParametricWorkload
+from qwengyre.types import Outcome
 
 SMALL = [
     "groups.size=4",
@@ -112,3 +115,77 @@ def test_elastic_beats_both_baselines_on_a_scaled_down_paper_setup():
     summary = comparison.summary()["policies"]
     assert set(summary) == {"elastic", "async", "colocate"}
     assert summary["elastic"]["speedup_vs_async"] == comparison.speedup("async")
+
+
+@pytest.mark.parametrize("reserve", [0, 8])
+@pytest.mark.parametrize(("policy", "mu", "phi"), [("elastic", 3, 0.5), ("async", 1, 1.5)])
+def test_measured_staleness_matches_eq2_with_invalid_rewards(
+    policy: str, mu: int, phi: float, reserve: int
+):
+    """paper-122b has evaluator failures and overall timeouts; with every group needing
+    all N valid rewards each one is topped up (owed to the next boundary, or out of the
+    reserve), and Eq 2 still holds: each group counts once, at its first dispatch."""
+    config = small(
+        f"scheduler.policy={policy}",
+        f"scheduler.mu={mu}",
+        f"scheduler.phi={phi}",
+        f"groups.reserve={reserve}",
+        "sim.steps=60",
+    )
+    workload = ParametricWorkload.paper_122b(seed=3)
+    invalid = sum(not workload.execution(q, i).valid for q in range(60 * 4) for i in range(4))
+    assert invalid > 0
+    result = simulate(config, workload)
+    assert result.mean_staleness == pytest.approx(result.predicted_staleness, abs=0.1)
+    # Top-ups launched after a later publication sample newer weights.
+    assert result.mean_execution_staleness <= result.mean_staleness
+
+
+@dataclass(frozen=True)
+class _OneGroupFails:
+    """Every execution takes 1000 s; query 0's first N all end without a valid reward."""
+
+    n: int
+    name: str = "one-group-fails"
+
+    def execution(self, query_id: int, index: int) -> ExecutionSpec:
+        fails = query_id == 0 and index < self.n
+        return ExecutionSpec(
+            query_id=query_id,
+            index=index,
+            duration_s=1000.0,
+            outcome=Outcome.OVERALL_TIMEOUT if fails else Outcome.COMPLETED,
+            reward=None if fails else float(index % 2),
+            train_tokens=1000,
+        )
+
+
+def test_colocate_trains_the_other_groups_instead_of_waiting_for_top_ups():
+    """min_valid: group 0's executions all fail, so its shortfall is known only when its
+    last one ends. The pool no longer waits for a top-up round (another 1000 s): it
+    switches as soon as rollout is done, trains the other groups, and the burst ends
+    early; group 0's top-up runs after the publication, and it trains later."""
+    config = load_config(
+        None,
+        [
+            "scheduler.policy=colocate",
+            "scheduler.mu=2",
+            "scheduler.phi=0",
+            "groups.size=2",
+            "groups.min_valid=1",
+            "groups.batch=2",
+            "cells.count=2",
+            "cells.capacity=8",
+            "sim.publish_s=0",
+            "sim.train_step_overhead_s=1",
+            "sim.steps=4",
+        ],
+    )
+    sim = Simulation(
+        SchedulerParams.from_config(config), SimCosts.from_config(config), _OneGroupFails(2), 4
+    )
+    result = sim.run()
+    assert result.step_end_s[0] < 1500  # trained before a top-up round could end
+    assert result.groups_dropped == 0
+    first = {g.group_id: g for g in sim.scheduler.consumed()}[0]
+    assert first.v_d == 0 and first.v_t >= 1  # trained in a later batch

@@ -1,5 +1,16 @@
 """The ``qwengyre`` command: one subcommand per job.
 
+Every command that runs something (``train``, ``simulate``, ``rollout``, ``proxy serve``,
+``engine serve``) reads the same typed config tree: ``[config_file] [overrides ...]``
+(a YAML file, then ``dotted.key=value`` overrides), so a YAML that trains also rolls
+out and serves with the same settings; ``qwengyre config show [COMMAND]`` prints the
+tree a command resolves. Without a config file, ``train``, ``rollout`` and the servers
+start from the bundled ``embedded`` preset (this machine's defaults), ``simulate`` and
+``config show`` from the plain defaults. A few flags remain as shortcuts for keys
+(:data:`SHORTCUTS`, e.g. ``--port`` for ``proxy.port``): a shortcut wins over the config
+file, and a shortcut together with an override of the same key is refused. Flags that
+became keys are refused with a line naming the key (:data:`MOVED`).
+
 User errors (bad config, bad input files, bad arguments) exit non-zero with one line
 on stderr; ``--verbose`` shows the traceback as well. Heavy imports (torch,
 transformers, matplotlib) happen inside the subcommand that needs them.
@@ -12,6 +23,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from qwengyre import __version__
 from qwengyre.config import Config, ConfigError, config_to_yaml, load_config, retarget
@@ -19,7 +31,57 @@ from qwengyre.config import Config, ConfigError, config_to_yaml, load_config, re
 USER_ERRORS = (ConfigError, ValueError, OSError)
 """Exceptions that describe bad input rather than a bug in qwengyre."""
 
-DTYPES = ["float32", "bfloat16", "float16"]  # the embedded engine's weights and KV cache
+SHORTCUTS: dict[str, dict[str, str]] = {
+    "rollout": {
+        "--model": "model.path",
+        "--tasks": "run.tasks",
+        "--harness": "run.harness",
+    },
+    "proxy": {
+        "--model": "model.path",
+        "--store": "proxy.store",
+        "--port": "proxy.port",
+        "--admin-token-file": "proxy.admin_token_file",
+    },
+    "engine": {"--model": "model.path", "--port": "engine.port"},
+}
+"""Each command's shortcut flags and the config key each one sets."""
+
+MOVED: dict[str, dict[str, str]] = {
+    "rollout": {
+        "--executions-per-task": "groups.size",
+        "--oversample": "groups.oversample",
+        "--min-valid": "groups.min_valid",
+        "--concurrency": "cells.capacity",
+        "--harness-timeout": "run.harness_s",
+        "--overall-timeout": "run.overall_s",
+        "--device": "run.device",
+    },
+    "proxy": {
+        "--engine": "proxy.engine",
+        "--script": "proxy.script",
+        "--device": "run.device",
+        "--dtype": "engine.dtype",
+        "--host": "proxy.host",
+        "--max-context": "run.max_context",
+        "--temperature": "trainer.temperature",
+        "--harness-sampling": "proxy.harness_sampling",
+    },
+    "engine": {
+        "--host": "engine.host",
+        "--device": "run.device",
+        "--dtype": "engine.dtype",
+        "--capacity": "cells.capacity",
+    },
+}
+"""Flags that became config keys: given, they are refused with a line naming the key."""
+
+COMMANDS = ("train", "simulate", "rollout", "proxy", "engine")
+"""What ``config show COMMAND`` resolves the tree for."""
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -29,11 +91,71 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _resolve_config(args: argparse.Namespace, preset: str | None = None) -> Config:
+def _add_shortcut(
+    parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup,
+    command: str,
+    flag: str,
+    help: str,
+    **kwargs: Any,
+) -> None:
+    key = SHORTCUTS[command][flag]
+    parser.add_argument(flag, help=f"{help} (shortcut for {key}=...)", **kwargs)
+
+
+class _Moved(argparse.Action):
+    """A flag that became a config key: remembered, then refused by _resolve_config."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(
+            option_strings, "moved_flags", nargs=kwargs.get("nargs"), help=kwargs.get("help")
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = [*(getattr(namespace, "moved_flags", None) or []), (option_string, values)]
+        namespace.moved_flags = given
+
+
+def _add_moved(parser: argparse.ArgumentParser, command: str) -> None:
+    for flag in MOVED[command]:
+        nargs = 0 if flag == "--harness-sampling" else None
+        parser.add_argument(flag, action=_Moved, nargs=nargs, help=argparse.SUPPRESS)
+
+
+def _epilog(command: str) -> str:
+    shortcuts = ", ".join(f"{f} = {k}" for f, k in SHORTCUTS.get(command, {}).items())
+    moved = ", ".join(f"{f} -> {k}" for f, k in MOVED.get(command, {}).items())
+    return (
+        "Settings come from the config tree: [config_file] [dotted.key=value ...]; "
+        "'qwengyre config show "
+        + command
+        + " ...' prints the tree this command resolves. Without a config file it starts "
+        "from the bundled 'embedded' preset. "
+        + (f"Shortcuts: {shortcuts}. " if shortcuts else "")
+        + (f"Flags now keys: {moved}." if moved else "")
+    )
+
+
+def _resolve_config(
+    args: argparse.Namespace, preset: str | None = None, command: str | None = None
+) -> Config:
     """The config file is optional: a first positional holding '=' is an override.
 
-    A ``preset`` (a bundled YAML file) stands in for the config file.
+    A ``preset`` (a bundled YAML file) stands in for the config file. ``command``:
+    whose shortcut flags (:data:`SHORTCUTS`) apply, after the overrides; a shortcut and
+    an override of the same key are refused, as is a flag that became a key.
     """
+    moved = getattr(args, "moved_flags", None)
+    if moved:
+        flag, value = moved[0]
+        key = MOVED[command or ""][flag]
+        shown = "true" if value == [] else (value if value is not None else "VALUE")
+        raise ConfigError(f"{flag} is now the config key {key}: give {key}={shown} instead")
     config_file, overrides = args.config_file, list(args.overrides)
     if config_file is not None and "=" in config_file:
         overrides.insert(0, config_file)
@@ -44,11 +166,40 @@ def _resolve_config(args: argparse.Namespace, preset: str | None = None) -> Conf
         from qwengyre.presets import preset_path
 
         config_file = preset_path(preset)
-    return load_config(config_file, overrides)
+    overridden = {item.partition("=")[0] for item in overrides}
+    values: dict[str, Any] = {}
+    for flag, key in SHORTCUTS.get(command or "", {}).items():
+        value = getattr(args, _dest(flag), None)
+        if value is None:
+            continue
+        if key in overridden:
+            raise ConfigError(f"{flag} and the override {key}=... set the same key; give one")
+        if flag == "--tasks" and value == "example":
+            from qwengyre.rollout.tasks import example_tasks_path
+
+            value = example_tasks_path()
+        values[key] = value
+    return load_config(config_file, overrides, values)
+
+
+def _command_config(args: argparse.Namespace, command: str) -> Config:
+    """The tree ``command`` runs with: without a config file, the 'embedded' preset."""
+    given = args.config_file is not None and "=" not in args.config_file
+    return _resolve_config(args, preset=None if given else "embedded", command=command)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    print(config_to_yaml(_resolve_config(args)), end="")
+    command = args.config_file if args.config_file in COMMANDS else None
+    if command is not None:  # config show COMMAND [serve] [config_file] [overrides ...]
+        rest = list(args.overrides)
+        if command in ("proxy", "engine") and rest[:1] == ["serve"]:
+            rest = rest[1:]
+        args = argparse.Namespace(config_file=rest[0] if rest else None, overrides=rest[1:])
+    if command in (None, "simulate"):
+        config = _resolve_config(args)
+    else:
+        config = _command_config(args, command)
+    print(config_to_yaml(config), end="")
     return 0
 
 
@@ -89,25 +240,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_proxy_serve(args: argparse.Namespace) -> int:
     from qwengyre.proxy.serve import ServeOptions, resolve_admin_token, serve
 
-    token_file = Path(args.admin_token_file) if args.admin_token_file else None
-    admin_token = resolve_admin_token(args.admin_token, token_file)
-    print(f"proxy on http://{args.host}:{args.port} (model {args.model})", flush=True)
-    serve(
-        ServeOptions(
-            model=Path(args.model),
-            store=Path(args.store),
-            engine=args.engine,
-            script=Path(args.script) if args.script else None,
-            device=args.device,
-            dtype=args.dtype,
-            host=args.host,
-            port=args.port,
-            admin_token=admin_token,
-            max_context=args.max_context,
-            temperature=args.temperature,
-            harness_sampling=args.harness_sampling,
-        )
-    )
+    config = _command_config(args, "proxy")
+    admin_token = resolve_admin_token(args.admin_token, config.proxy.admin_token_file)
+    options = ServeOptions.from_config(config, admin_token)
+    print(f"proxy on http://{options.host}:{options.port} (model {options.model})", flush=True)
+    serve(options)
     return 0
 
 
@@ -119,42 +256,59 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
 
     from qwengyre.engines.embedded import EmbeddedEngine
     from qwengyre.engines.server import engine_app
+    from qwengyre.proxy.serve import model_dir, read_secret_file
 
-    if not (Path(args.model) / "config.json").exists():
-        raise ValueError(f"{args.model} is not a HuggingFace model directory (no config.json)")
-    api_key = args.api_key or secrets.token_urlsafe(24)
+    config = _command_config(args, "engine")
+    settings = config.engine
+    if args.api_key is not None and settings.api_key_file is not None:
+        raise ConfigError("give --api-key or engine.api_key_file, not both")
+    api_key = args.api_key
+    if settings.api_key_file is not None:
+        api_key = read_secret_file(settings.api_key_file, "engine API key")
+    model = model_dir(config)
+    if not (model / "config.json").exists():
+        raise ValueError(f"{model} is not a HuggingFace model directory (no config.json)")
     engine = EmbeddedEngine(
-        args.model, capacity=args.capacity, device=args.device, dtype=getattr(torch, args.dtype)
+        model,
+        capacity=config.cells.capacity,
+        device=config.run.device,
+        dtype=getattr(torch, settings.dtype),
+        max_context=config.run.max_context,
     )
-    if args.api_key is None:
+    if api_key is None:
+        api_key = secrets.token_urlsafe(24)
         print(f"api key: {api_key}", flush=True)
-    print(f"engine on http://{args.host}:{args.port} (SGLang HTTP API)", flush=True)
-    web.run_app(engine_app(engine, api_key), host=args.host, port=args.port, print=None)
+    print(f"engine on http://{settings.host}:{settings.port} (SGLang HTTP API)", flush=True)
+    web.run_app(engine_app(engine, api_key), host=settings.host, port=settings.port, print=None)
     return 0
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     import asyncio
 
+    from qwengyre.proxy.serve import model_dir
     from qwengyre.rollout.runner import RolloutOptions, rollout, summary
-    from qwengyre.rollout.tasks import example_tasks_path
+    from qwengyre.rollout.toy_tasks import toy_tasks_path
 
-    tasks = example_tasks_path() if args.tasks == "example" else Path(args.tasks)
+    config = _command_config(args, "rollout")
     options = RolloutOptions(
-        model=Path(args.model),
-        tasks=tasks,
-        harness=args.harness,
+        model=model_dir(config),
+        tasks=config.run.tasks or toy_tasks_path(),
+        harness=config.run.harness,
         run_dir=Path(args.run_dir),
-        executions_per_task=args.executions_per_task,
-        oversample=args.oversample,
-        min_valid=args.min_valid,
-        concurrency=args.concurrency,
-        harness_s=args.harness_timeout,
-        overall_s=args.overall_timeout,
+        executions_per_task=config.groups.size,
+        oversample=config.groups.oversample,
+        min_valid=config.groups.min_valid,
+        concurrency=config.cells.capacity,
+        harness_s=config.run.harness_s,
+        overall_s=config.run.overall_s,
         resume=args.resume,
-        device=args.device,
+        device=config.run.device,
+        dtype=config.engine.dtype,
+        temperature=config.trainer.temperature,
+        max_context=config.run.max_context,
     )
-    rows = asyncio.run(rollout(options))
+    rows = asyncio.run(rollout(options))  # holds the run directory's lock throughout
     print(summary(rows))
     print(f"store {options.run_dir / 'proxy.sqlite'}, traces {options.run_dir / 'traces.jsonl'}")
     return 0
@@ -184,15 +338,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         options = TrainOptions(run_dir, config, display=not args.quiet)
     controller = asyncio.run(train(options))
-    from qwengyre.report.html import write_report
+    from qwengyre.report.html import learning_signal_warning, write_report
 
     records = controller.step_records
     if records:
         first, last = records[0], records[-1]
+        none = sum(not r.learning_signal for r in records)
         print(
             f"{len(records)} steps in {last.time_s:.0f} s; reward {first.reward_mean:.3f} "
-            f"(first step) -> {last.reward_mean:.3f} (last step)"
+            f"(first step) -> {last.reward_mean:.3f} (last step); "
+            f"{none} of {len(records)} steps had no learning signal"
         )
+        warning = learning_signal_warning(records)
+        if warning is not None:
+            print(f"qwengyre: warning: {warning} (in {options.run_dir}).", file=sys.stderr)
     print(f"run {options.run_dir}; report {write_report(options.run_dir)}")
     return 0
 
@@ -223,7 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="inspect the configuration tree")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    show = config_sub.add_parser("show", help="print the resolved config as YAML")
+    show = config_sub.add_parser(
+        "show",
+        help="print the resolved config as YAML",
+        usage="qwengyre config show [COMMAND] [config_file] [overrides ...]",
+        description="Print the resolved config tree as YAML (loadable as a config file). "
+        f"COMMAND ({', '.join(COMMANDS)}): the tree that command resolves; train, rollout, "
+        "proxy and engine start from the bundled 'embedded' preset when no config file is "
+        "given. Without COMMAND: the plain defaults.",
+    )
     _add_config_args(show)
     show.set_defaults(func=cmd_config_show)
 
@@ -245,73 +412,75 @@ def build_parser() -> argparse.ArgumentParser:
 
     proxy = sub.add_parser("proxy", help="the OpenAI/Anthropic-API model proxy")
     proxy_sub = proxy.add_subparsers(dest="proxy_command", required=True, metavar="ACTION")
-    serve = proxy_sub.add_parser("serve", help="serve a model through the proxy")
-    serve.add_argument("--model", required=True, help="HF model directory (tokenizer, template)")
-    serve.add_argument("--engine", choices=["scripted", "embedded"], default="scripted")
-    serve.add_argument("--script", help="JSON replies by request class (scripted engine)")
-    serve.add_argument("--device", default="cpu", help="embedded engine device, e.g. cuda")
-    serve.add_argument("--dtype", default="float32", choices=DTYPES, help="embedded engine")
-    serve.add_argument("--store", required=True, help="directory for the durable store")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
+    serve = proxy_sub.add_parser(
+        "serve",
+        help="serve a model through the proxy (settings: the proxy section)",
+        description="Serve a model through the proxy: the OpenAI and Anthropic APIs and an "
+        "admin API. It binds proxy.host (127.0.0.1) and every admin call needs the admin "
+        "token. The engine is proxy.engine (scripted: proxy.script; embedded: the model on "
+        "run.device, engine.dtype); every call samples at trainer.temperature (see "
+        "proxy.harness_sampling) and is capped at run.max_context tokens.",
+        epilog=_epilog("proxy"),
+    )
+    _add_config_args(serve)
+    _add_shortcut(serve, "proxy", "--model", "HF model directory (default: the tiny model)")
+    _add_shortcut(serve, "proxy", "--store", "directory for the durable store")
+    _add_shortcut(serve, "proxy", "--port", "port to bind", type=int)
     token = serve.add_mutually_exclusive_group()
     token.add_argument(
         "--admin-token",
-        help="admin API token (other users see it in ps: prefer --admin-token-file or "
-        "$QWENGYRE_ADMIN_TOKEN; none of them: generated, printed)",
+        help="admin API token (never a config key; other users see it in ps: prefer "
+        "--admin-token-file or $QWENGYRE_ADMIN_TOKEN; none of them: generated, printed)",
     )
-    token.add_argument(
-        "--admin-token-file", metavar="PATH", help="read the admin API token from PATH"
+    _add_shortcut(
+        token, "proxy", "--admin-token-file", "read the admin API token from PATH", metavar="PATH"
     )
-    serve.add_argument("--max-context", type=int, help="default: the model's limit")
-    serve.add_argument(
-        "--temperature",
-        type=float,
-        default=1.0,
-        help="every call samples at this temperature, without top-k / top-p, whatever the "
-        "harness asks: the recorded log-probs are then those the trainer computes",
-    )
-    serve.add_argument(
-        "--harness-sampling",
-        action="store_true",
-        help="honour the harness's temperature / top_p / top_k instead (the embedded engine "
-        "then records log-probs of the truncated distribution it sampled from)",
-    )
+    _add_moved(serve, "proxy")
     serve.set_defaults(func=cmd_proxy_serve)
 
     roll = sub.add_parser(
-        "rollout", help="run a task set's executions through the proxy (no training)"
+        "rollout",
+        help="run a task set's executions through the proxy (no training)",
+        description="Run every task's group of executions through an in-process proxy and "
+        "the embedded engine, with the settings train uses: groups.size valid executions "
+        "per task (+ groups.oversample, groups.min_valid), cells.capacity at once, "
+        "run.harness within run.harness_s / run.overall_s, on run.device, sampling at "
+        "trainer.temperature.",
+        epilog=_epilog("rollout"),
     )
-    roll.add_argument("--model", required=True, help="HF model directory")
-    roll.add_argument("--tasks", required=True, help="tasks JSONL, or 'example'")
-    roll.add_argument(
-        "--harness", default="toy", help="toy, claude-code, mini-swe-agent, or a command template"
+    _add_config_args(roll)
+    _add_shortcut(roll, "rollout", "--model", "HF model directory (default: the tiny model)")
+    _add_shortcut(roll, "rollout", "--tasks", "tasks JSONL, or 'example' (default: the toy tasks)")
+    _add_shortcut(
+        roll,
+        "rollout",
+        "--harness",
+        "toy, claude-code, mini-swe-agent, or a command template",
     )
-    roll.add_argument("--run-dir", required=True)
-    roll.add_argument("--executions-per-task", type=int, default=4, help="N valid per group")
-    roll.add_argument("--oversample", type=int, default=0, help="extra executions per group")
-    roll.add_argument(
-        "--min-valid", type=int, help="train a short group with at least this many valid rewards"
-    )
-    roll.add_argument("--concurrency", type=int, default=4)
-    roll.add_argument("--harness-timeout", type=float, default=600.0, help="seconds")
-    roll.add_argument("--overall-timeout", type=float, default=900.0, help="seconds")
-    roll.add_argument("--device", default="cpu")
+    roll.add_argument("--run-dir", required=True, help="output directory")
     roll.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    _add_moved(roll, "rollout")
     roll.set_defaults(func=cmd_rollout)
 
     engine = sub.add_parser("engine", help="inference engines")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="ACTION")
     eserve = engine_sub.add_parser(
-        "serve", help="the embedded engine as its own process, behind SGLang's HTTP API"
+        "serve",
+        help="the embedded engine as its own process, behind SGLang's HTTP API",
+        description="The embedded engine behind SGLang's HTTP API, as train's cells run it: "
+        "on run.device with engine.dtype, cells.capacity concurrent requests, run.max_context "
+        "tokens each. It binds engine.host (127.0.0.1) and every call needs the API key.",
+        epilog=_epilog("engine"),
     )
-    eserve.add_argument("--model", required=True, help="HF model directory")
-    eserve.add_argument("--host", default="127.0.0.1")
-    eserve.add_argument("--port", type=int, default=30000)
-    eserve.add_argument("--device", default="cpu")
-    eserve.add_argument("--dtype", default="float32", choices=DTYPES)
-    eserve.add_argument("--capacity", type=int, default=32, help="concurrent requests")
-    eserve.add_argument("--api-key", help="bearer token (default: generated, printed)")
+    _add_config_args(eserve)
+    _add_shortcut(eserve, "engine", "--model", "HF model directory (default: the tiny model)")
+    _add_shortcut(eserve, "engine", "--port", "port to bind", type=int)
+    eserve.add_argument(
+        "--api-key",
+        help="bearer token (never a config key; see engine.api_key_file; default: "
+        "generated, printed)",
+    )
+    _add_moved(eserve, "engine")
     eserve.set_defaults(func=cmd_engine_serve)
 
     model = sub.add_parser("model", help="build and inspect models")
@@ -351,7 +520,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after a flag: argparse leaves them over (no intermixed parsing)
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

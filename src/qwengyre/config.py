@@ -48,13 +48,25 @@ class GroupsConfig(_Section):
         4,
         ge=0,
         description="executions launched beyond size+oversample to replace ones without a"
-        " valid reward; a group that still falls short is dropped and replaced",
+        " valid reward; a group that still falls short is dropped and replaced. Boundary"
+        " dispatch: a short group's top-ups wait for the next weight publication (d(t) stays"
+        " fixed within a burst, as the paper says) unless groups.reserve covers them; a"
+        " dropped group's slot refills there too. Continuous dispatch: both at once",
     )
     min_valid: int | None = Field(
         None,
         ge=1,
         description="fewest valid rewards a group whose executions all ended may be trained"
         " with (advantages over the valid ones only); None = size, all N",
+    )
+    reserve: int = Field(
+        0,
+        ge=0,
+        description="boundary dispatch only (an extension; 0 = the paper, d(t) fixed within a"
+        " burst): executions of quota each burst holds back for top-ups, launched the moment"
+        " a group falls short instead of at the next publication. The held reserve,"
+        " min(reserve left, queued + running), counts in the waterlevel, so Eq 5/6 keep room"
+        " for it and w(t) still never rises within a burst",
     )
 
     @model_validator(mode="after")
@@ -117,6 +129,9 @@ class CellsConfig(_Section):
     count: int = Field(8, ge=1, description="K: elastic cells; cell 0 is the core")
     capacity: int = Field(144, ge=1, description="C_e: concurrent executions per rollout cell")
     standalone_capacity: int = Field(0, ge=0, description="C_s: standalone rollout pool")
+    standalone_device: str | None = Field(
+        None, description="torch device of the standalone pool's engine; None = run.device"
+    )
     rollout_to_training_s: float = Field(8.52, ge=0.0, description="switch cost (paper)")
     training_to_rollout_s: float = Field(3.46, ge=0.0, description="switch cost (paper)")
 
@@ -217,14 +232,28 @@ class RunConfig(_Section):
         description="tiny model only: supervised warm start on the toy task until this "
         "measured episode reward (parity's chance level is 0.5; None: no warm start)",
     )
-    warm_start_max_s: float = Field(300.0, gt=0.0, description="warm start time limit")
-    load_sample_s: float = Field(1.0, gt=0.0, description="seconds between load samples")
+    warm_start_max_steps: int = Field(
+        250,
+        ge=1,
+        description="most warm-start updates; a warm start that has not measured "
+        "warm_start_accuracy by then stops the run with an error (there is no time limit)",
+    )
     restarts: int = Field(
         0,
         ge=0,
         description="times a run that lost a cell resumes itself from its newest checkpoint "
         "(as --resume does) before it gives up",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "warm_start_max_s" in data:
+            raise ValueError(
+                "run.warm_start_max_s was removed: the warm start is bounded by steps, not "
+                "time; use run.warm_start_max_steps (default 250) instead"
+            )
+        return data
 
     @model_validator(mode="after")
     def _budgets(self) -> RunConfig:
@@ -233,6 +262,105 @@ class RunConfig(_Section):
                 f"run.harness_s ({self.harness_s}) must not exceed run.overall_s ({self.overall_s})"
             )
         return self
+
+
+class MetricsConfig(_Section):
+    """Where a live run's metrics go besides ``RUN_DIR/metrics.jsonl``
+    (:mod:`qwengyre.report.sinks` lists the scalars)."""
+
+    tensorboard: bool = Field(
+        True, description="TensorBoard event files in RUN_DIR/tensorboard/ (tensorboard --logdir)"
+    )
+    wandb_project: str | None = Field(
+        None,
+        description="also log to this Weights & Biases project (pip install 'qwengyre[wandb]');"
+        " None: no W&B",
+    )
+    wandb_entity: str | None = Field(None, description="W&B entity (team); None: your default")
+    wandb_name: str | None = Field(None, description="W&B run name; None: the run directory's")
+    wandb_mode: Literal["offline", "online", "disabled"] | None = Field(
+        None,
+        description="wandb.init mode; None: $WANDB_MODE if set, else offline (never needs the"
+        " network; upload later with wandb sync RUN_DIR/wandb)",
+    )
+
+
+class ProxyConfig(_Section):
+    """``qwengyre proxy serve``: the OpenAI/Anthropic-API proxy as a server of its own.
+
+    It samples at ``trainer.temperature`` and caps each call at ``run.max_context``, as
+    the proxy inside ``train`` and ``rollout`` does (that one binds 127.0.0.1 on a free
+    port and takes its other settings from here too where they apply). Its embedded
+    engine runs on ``run.device`` with ``engine.dtype``. The admin token itself is never
+    a config key: ``--admin-token``, ``proxy.admin_token_file``, ``$QWENGYRE_ADMIN_TOKEN``,
+    or generated and printed.
+    """
+
+    host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1: this machine only")
+    port: int = Field(8080, ge=1, le=65535, description="port to bind")
+    engine: Literal["scripted", "embedded"] = Field(
+        "scripted", description="scripted: replies from proxy.script; embedded: the model"
+    )
+    script: Path | None = Field(None, description="JSON replies by request class (scripted)")
+    store: Path | None = Field(
+        None, description="directory of the durable store (proxy.sqlite); proxy serve needs it"
+    )
+    admin_token_file: Path | None = Field(
+        None, description="file holding the admin API token (at least 16 characters)"
+    )
+    harness_sampling: bool = Field(
+        False,
+        description="honour the harness's temperature / top_p / top_k (default: every call "
+        "samples at trainer.temperature without truncation, so the recorded log-probs are "
+        "those the trainer computes)",
+    )
+    max_resident: int = Field(
+        1024, ge=1, description="executions whose trees stay in memory (others: in the store)"
+    )
+    idle_s: float = Field(300.0, gt=0.0, description="an execution idle this long leaves memory")
+    ping_s: float = Field(
+        5.0, gt=0.0, description="a streamed answer pings after this long without output"
+    )
+
+
+class EngineConfig(_Section):
+    """The embedded inference engine: ``qwengyre engine serve`` (SGLang's HTTP API), and
+    the engine of ``proxy serve`` (``proxy.engine=embedded``) and of ``rollout``.
+
+    As in ``train``'s cells, it runs on ``run.device``, serves ``cells.capacity``
+    concurrent requests and caps each at ``run.max_context`` tokens. The API key itself
+    is never a config key: ``--api-key``, ``engine.api_key_file``, or generated and
+    printed.
+    """
+
+    host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1: this machine only")
+    port: int = Field(30000, ge=1, le=65535, description="port to bind")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights and KV cache (train's cells: float32)"
+    )
+    api_key_file: Path | None = Field(None, description="file holding the bearer token")
+
+
+class EvaluationConfig(_Section):
+    """Evaluation of executions (``qwengyre.rollout.evaluation.EvaluationOptions``).
+
+    The paper retries an invalid evaluation "within the execution's overall time
+    budget" (``run.overall_s``): ``max_attempts=None`` is that rule; a number also caps
+    the attempts (frees the slot sooner when an evaluator fails deterministically).
+    """
+
+    retry_delay_s: float = Field(1.0, ge=0.0, description="wait before the first retry")
+    retry_backoff: float = Field(2.0, ge=1.0, description="each later wait is this times longer")
+    max_retry_delay_s: float = Field(30.0, ge=0.0, description="longest wait between attempts")
+    max_attempts: int | None = Field(
+        None, ge=1, description="cap on attempts; None = retry until the overall budget ends"
+    )
+    intermediate_every_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="assess the workspace this often while the harness runs (intermediate"
+        " assessments, kept per artifact version, never the reward); None = off",
+    )
 
 
 class Config(_Section):
@@ -246,6 +374,10 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -312,9 +444,15 @@ def _merge(base: dict[str, Any], extra: dict[str, Any], prefix: str = "") -> dic
     return merged
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    values: dict[str, Any] | None = None,
+) -> Config:
     """Load YAML at ``path`` (or the defaults), apply ``overrides``, validate.
 
+    ``values``: typed values by dotted key (a command's shortcut flags), applied last,
+    as overrides that are not parsed as YAML.
     Raises :class:`ConfigError` with a one-line message on any problem.
     """
     data: dict[str, Any] = {}
@@ -331,6 +469,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
     data = _merge(data, parse_overrides(overrides or []))
+    for key, value in (values or {}).items():
+        *parents, leaf = key.split(".")
+        nested: dict[str, Any] = {leaf: value}
+        for part in reversed(parents):
+            nested = {part: nested}
+        data = _merge(data, nested)
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

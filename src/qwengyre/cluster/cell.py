@@ -10,9 +10,8 @@ when they join training. Every method is synchronous: the placement backend runs
 Start-up: build all ``K`` cells, then call :meth:`Cell.connect` on all of them
 concurrently (creating the torch.distributed groups is collective).
 
-Rollout: :meth:`Cell.start_engine` serves an :class:`~qwengyre.engines.embedded.EmbeddedEngine`
-behind SGLang's HTTP API on 127.0.0.1 (the proxy drives it with
-:class:`~qwengyre.engines.sglang.SGLangEngine`, as it would a real SGLang server).
+Rollout: :meth:`Cell.start_engine` serves an embedded engine behind SGLang's HTTP API
+(:class:`~qwengyre.cluster.engine_host.EngineHost`).
 A move to training is :meth:`release_engine` (after the proxy drained it); the way
 back is :meth:`resume_engine`, which also loads the newest weights from the board.
 Publication is :meth:`update_engine_weights` (from the board). The
@@ -21,25 +20,17 @@ engine keeps its own copy of the weights: on an accelerator they would share one
 
 from __future__ import annotations
 
-import asyncio
 import os
-import secrets
-import threading
-import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
-from aiohttp import web
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from qwengyre.cluster.engine_host import EngineHost
 from qwengyre.cluster.weights import SharedWeights, WeightsBoard, WeightsLayout, layout_of
 from qwengyre.config import TrainerConfig
-from qwengyre.engines.base import WeightsInMemory
-from qwengyre.engines.embedded import EmbeddedEngine
-from qwengyre.engines.server import engine_app
 from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.training.buffers import BatchSummary, MicroStep
 from qwengyre.training.checkpoint import load_checkpoint, save_checkpoint
@@ -47,8 +38,6 @@ from qwengyre.training.distributed import PrefixGroups
 from qwengyre.training.trainer import MicroStepResult, StepResult, Trainer
 
 __all__ = ["Cell", "CellSpec"]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -85,9 +74,8 @@ class Cell:
             )
         self.model = model.to(torch.device(spec.device))  # type: ignore[arg-type]
         self.trainer: Trainer | None = None
-        self.engine: EmbeddedEngine | None = None
+        self.engine: EngineHost | None = None
         self._tokenizer: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def rank(self) -> int:
@@ -141,68 +129,42 @@ class Cell:
 
     # ------------------------------------------------------------------ rollout
 
-    def _on_loop(self, coro: Coroutine[Any, Any, T], timeout_s: float = 120.0) -> T:
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
-
-    def _engine(self) -> EmbeddedEngine:
+    def _engine(self) -> EngineHost:
         if self.engine is None:
             raise RuntimeError(f"cell {self.rank}: start_engine() first")
         return self.engine
+
+    def _board(self) -> WeightsBoard:
+        board = self._trainer().board
+        assert board is not None
+        return board
 
     def start_engine(self) -> tuple[str, str]:
         """Serve rollout; returns the engine's base URL and API key."""
         if self.engine is not None:
             raise RuntimeError(f"cell {self.rank}: the engine is already running")
-        self.engine = EmbeddedEngine(
+        self.engine = EngineHost(
             self.spec.model_dir,
             name=f"cell-{self.rank}",
             capacity=self.spec.engine_capacity,
             device=self.spec.device,
             max_context=self.spec.max_context,
             seed=self.spec.seed + 1000 * self.rank,
+            version=self.spec.version,
         )
-        self.engine.version = self.spec.version
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="engine-http", daemon=True).start()
-        api_key = secrets.token_urlsafe(24)
-
-        async def serve() -> int:
-            assert self.engine is not None
-            runner = web.AppRunner(engine_app(self.engine, api_key), access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            return int(runner.addresses[0][1])
-
-        port = self._on_loop(serve())
-        return f"http://127.0.0.1:{port}", api_key
+        return self.engine.start()
 
     def release_engine(self, timeout_s: float = 60.0) -> None:
         """Free the engine's memory once the requests the proxy aborted have left."""
-        engine = self._engine()
-        deadline = time.monotonic() + timeout_s
-        while engine.load:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"cell {self.rank}: {engine.load} requests did not drain")
-            time.sleep(0.01)
-        self._on_loop(engine.release_memory())
+        self._engine().release(timeout_s)
 
     def resume_engine(self) -> int:
         """Serve rollout again with the newest weights; returns their version."""
-        engine = self._engine()
-        self._on_loop(engine.resume_memory())
-        return self.update_engine_weights()
+        return self._engine().resume(self._board())
 
     def update_engine_weights(self) -> int:
         """Load the board's weights into the engine (between decode steps) if newer."""
-        engine = self._engine()
-        board = self._trainer().board
-        assert board is not None
-        if board.version > engine.version:
-            version, tensors = board.read()
-            self._on_loop(engine.update_weights(WeightsInMemory(tensors), version))
-        return engine.version
+        return self._engine().load_newest(self._board())
 
     # ------------------------------------------------------------------ state
 

@@ -6,19 +6,22 @@ machine (:class:`~qwengyre.cluster.local.ProcessActor`); ``start_cells("ray", ..
 builds them as Ray actors in one placement group (:mod:`qwengyre.cluster.ray`, which
 documents ``RAY_ADDRESS`` and multi-node rendezvous). Either way the handles come back
 in rank order; call ``connect`` on all of them concurrently, and end with
-:func:`stop_cells`.
+:func:`stop_cells`. The standalone rollout pool, when configured, is one more actor
+(:func:`start_standalone`), started once the cells are connected.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from qwengyre.cluster.cell import Cell, CellSpec
 from qwengyre.cluster.local import ProcessActor
+from qwengyre.cluster.standalone import STANDALONE_NAME, StandalonePool, StandaloneSpec
 
-__all__ = ["CellHandle", "start_cells", "stop_cells"]
+__all__ = ["CellHandle", "start_cells", "start_standalone", "stop_cells"]
 
 
 class CellHandle(Protocol):
@@ -62,6 +65,21 @@ def start_cells(
             strategy=strategy,
         )
         return list(cells.handles)
+    raise ValueError(f"unknown placement backend {backend!r}")
+
+
+def start_standalone(
+    backend: Literal["local", "ray"], spec: StandaloneSpec, *, gpus: float = 0.0
+) -> CellHandle:
+    """The standalone pool's actor (a process, or a Ray actor outside the cells'
+    placement group, on any node with room); start it after the cells connected."""
+    if backend == "local":
+        return ProcessActor(StandalonePool, spec, name=STANDALONE_NAME)
+    if backend == "ray":
+        from qwengyre.cluster.ray import RayActor
+
+        spec = replace(spec, board_kind="ray")
+        return RayActor(StandalonePool, spec, name=STANDALONE_NAME, num_gpus=gpus)
     raise ValueError(f"unknown placement backend {backend!r}")
 
 

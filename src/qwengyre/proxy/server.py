@@ -8,6 +8,13 @@ because they cannot send custom headers):
 - both: ``GET /v1/models``, ``HEAD /`` and ``HEAD`` on an execution's base URL
 - admin (``Authorization: Bearer <admin token>``): ``POST /admin/executions``,
   ``DELETE /admin/executions/{id}``, ``GET /admin/executions/{id}/tree``
+- harness (the execution's own key): ``POST /x/{id}/assess`` asks the execution's
+  runner to assess its workspace now (an intermediate assessment) through the callback
+  the runner registered (:meth:`ProxyServer.register_assessor`); the answer is the
+  callback's JSON object (``score``, ``valid``, ``critique``, ``artifact_version``,
+  ``digest``, ...). Another execution's key is a ``permission_error`` (403), an unknown
+  execution or one with no callback (its harness is not running) a ``not_found_error``
+  (404), as is a callback's ``LookupError`` (it cannot assess now: its message)
 
 Every client error is a 4xx in the API's own error shape (the admin API answers in
 Anthropic's, ``{"type": "error", "error": {"type", "message"}}``), logged as one line;
@@ -64,6 +71,10 @@ log = logging.getLogger(__name__)
 Api = Literal["anthropic", "openai"]
 _EXECUTION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Assessor = Callable[[int | None], Awaitable[Mapping[str, Any]]]
+"""An execution's intermediate-assessment callback: the branch reference (the id of its
+latest recorded call, None before any) -> a JSON-ready answer; raises ``LookupError``
+when it cannot assess now."""
 
 
 @dataclass
@@ -131,6 +142,7 @@ class ProxyServer:
         self._by_key: dict[str, str] = {}
         self._resident: OrderedDict[str, ExecutionState] = OrderedDict()  # least recent first
         self.base_url = ""
+        self._assessors: dict[str, Assessor] = {}
         for stored in self.store.executions():  # credentials only: trees load on demand
             self._new_state(stored.id, stored.key_hash).revoked = stored.revoked
 
@@ -237,6 +249,7 @@ class ProxyServer:
         app.router.add_route("POST", "/admin/executions", self._admin_create)
         app.router.add_route("DELETE", "/admin/executions/{execution_id}", self._admin_delete)
         app.router.add_route("GET", "/admin/executions/{execution_id}/tree", self._admin_tree)
+        app.router.add_route("POST", "/x/{execution_id}/assess", self._assess)
         return app
 
     async def _root(self, request: web.Request) -> web.Response:
@@ -586,6 +599,48 @@ class ProxyServer:
         return web.json_response(
             {"data": [model], "has_more": False, "first_id": self.model, "last_id": self.model}
         )
+
+    # ------------------------------------------------------------ assessments
+
+    def register_assessor(self, execution_id: str, assessor: Assessor) -> None:
+        """Serve ``POST /x/{execution_id}/assess`` with ``assessor`` (replacing one)."""
+        self._assessors[execution_id] = assessor
+
+    def unregister_assessor(self, execution_id: str) -> None:
+        """Stop serving the execution's assessments (404 from now on)."""
+        self._assessors.pop(execution_id, None)
+
+    async def _assess(self, http: web.Request) -> web.Response:
+        """An intermediate assessment for the harness that presents the execution's key."""
+        key = http.headers.get("x-api-key", "").strip()
+        key = key or _bearer(http.headers.get("authorization", ""))
+        owner_id = self._by_key.get(hash_key(key)) if key else None
+        owner = self.executions.get(owner_id) if owner_id else None
+        if owner is None or owner.revoked:
+            raise ApiError("authentication_error", "invalid x-api-key or bearer token")
+        state = self._execution(http)
+        if state.id != owner.id:
+            raise ApiError(
+                "permission_error",
+                f"this key belongs to another execution; it cannot assess {state.id}",
+            )
+        assessor = self._assessors.get(state.id)
+        if assessor is None:
+            raise ApiError(
+                "not_found_error",
+                f"execution {state.id} has no evaluator to ask now (its harness is not "
+                "running under a runner that assesses it)",
+            )
+        try:  # the branch reference: the execution's latest recorded call
+            nodes = (await self.tree(state.id)).nodes
+            branch = nodes[-1].id if nodes else None
+        except DamagedRecord:
+            branch = None
+        try:
+            answer = await assessor(branch)
+        except LookupError as exc:
+            raise ApiError("not_found_error", f"no assessment of {state.id} now: {exc}") from None
+        return web.json_response(dict(answer))
 
     # ------------------------------------------------------------ admin
 

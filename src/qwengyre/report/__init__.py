@@ -14,6 +14,7 @@ from qwengyre.report.metrics import (
     LoadRecord,
     MetricsError,
     MetricsWriter,
+    PublicationRecord,
     Record,
     RoleRecord,
     RunMetrics,
@@ -26,9 +27,15 @@ from qwengyre.report.metrics import (
 )
 
 if TYPE_CHECKING:
-    from qwengyre.report.html import Summary, role_spans, summarize, write_report
+    from qwengyre.report.html import (
+        Summary,
+        learning_signal_warning,
+        role_spans,
+        summarize,
+        write_report,
+    )
 
-_REPORT_NAMES = ("Summary", "role_spans", "summarize", "write_report")
+_REPORT_NAMES = ("Summary", "learning_signal_warning", "role_spans", "summarize", "write_report")
 
 __all__ = [
     "METRICS_FILE",
@@ -36,6 +43,7 @@ __all__ = [
     "LoadRecord",
     "MetricsError",
     "MetricsWriter",
+    "PublicationRecord",
     "Record",
     "RoleRecord",
     "RunMetrics",
@@ -44,6 +52,7 @@ __all__ = [
     "Summary",
     "SwitchRecord",
     "UsageRecord",
+    "learning_signal_warning",
     "parse_record",
     "read_metrics",
     "role_spans",

@@ -2,7 +2,8 @@
 
 Built from ``RUN_DIR/metrics.jsonl`` alone (see :mod:`qwengyre.report.metrics`):
 
-- ``reward.png``: mean reward per step with a ± one standard deviation band;
+- ``reward.png``: mean reward per step with a ± one standard deviation band, steps with
+  no learning signal (nothing packed: every advantage zero) marked;
 - ``timeline.png``: each cell's role over time (like the paper's Figure 6a), drawn
   by :mod:`qwengyre.sim.plots` from spans built out of the ``role`` records;
 - ``load.png``: running and queued executions and rollout capacity over time;
@@ -10,7 +11,10 @@ Built from ``RUN_DIR/metrics.jsonl`` alone (see :mod:`qwengyre.report.metrics`):
 - ``switches.png``: each measured switch's duration, by direction.
 
 The page is self-contained apart from those images (relative links); a figure whose
-records are missing (no switches under async, say) is replaced by a short note.
+records are missing (no switches under async, say) is replaced by a short note. A run
+that learned nothing -- the reward never moved, or no step had a learning signal -- gets
+a warning at the top (:func:`learning_signal_warning`, also printed by ``qwengyre train``),
+and the summary counts the steps with no learning signal.
 Matplotlib's object-oriented API only, as in :mod:`qwengyre.sim.plots`.
 """
 
@@ -36,7 +40,10 @@ from qwengyre.report.metrics import (
     SwitchRecord,
     read_metrics,
 )
+from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentRecord, read_assessments
+from qwengyre.rollout.evaluation import Assessment
 from qwengyre.scheduler.events import Role
+from qwengyre.scheduler.staleness import warmup_steps
 from qwengyre.sim.plots import (
     QUEUED_COLOUR,
     ROLE_COLOURS,
@@ -52,6 +59,7 @@ from qwengyre.sim.simulator import LoadSample, RoleSpan
 REPORT_DIR = "report"
 INDEX_FILE = "index.html"
 PREDICTION_COLOUR = "#333333"
+NO_SIGNAL_COLOUR = "#d62728"
 SWITCH_COLOURS: dict[str, str] = {
     "training": ROLE_COLOURS[Role.TO_TRAINING],
     "rollout": ROLE_COLOURS[Role.TO_ROLLOUT],
@@ -117,6 +125,8 @@ class Summary:
     reward_first_fifth: float
     reward_last_fifth: float
     mean_staleness: float
+    steady_staleness: float
+    """Over the groups trained from :func:`warmup_steps` on: what Eq 2 predicts."""
     predicted_staleness: float
     mean_switch_s: dict[str, float] = field(default_factory=dict)
     """Mean measured switch seconds by direction (``training``, ``rollout``)."""
@@ -127,6 +137,8 @@ class Summary:
     """Each cell's fraction of its time idle (see :class:`UsageRecord`)."""
     steps_by_cells: dict[int, int] = field(default_factory=dict)
     """How many steps were trained by how many cells (satellites joining show here)."""
+    no_signal_steps: list[int] = field(default_factory=list)
+    """The steps with no learning signal (nothing packed: every advantage was zero)."""
 
 
 def cell_count(metrics: RunMetrics) -> int:
@@ -134,6 +146,16 @@ def cell_count(metrics: RunMetrics) -> int:
     named = [r.cell for r in metrics.roles] + [s.cell for s in metrics.switches]
     seen = max(named, default=-1) + 1
     return max(metrics.run.cells if metrics.run is not None else 0, seen)
+
+
+def steady_staleness(metrics: RunMetrics) -> float:
+    """Mean staleness of the groups trained once the initial dispatch is consumed
+    (:func:`~qwengyre.scheduler.staleness.warmup_steps`), as the simulator measures it."""
+    run = metrics.run
+    if run is None:
+        return math.nan
+    warmup = warmup_steps(run.mu, run.phi)
+    return _mean([g.staleness for g in metrics.groups if g.step >= warmup])
 
 
 def summarize(metrics: RunMetrics) -> Summary:
@@ -153,6 +175,7 @@ def summarize(metrics: RunMetrics) -> Summary:
         reward_first_fifth=_mean(rewards[:fifth]),
         reward_last_fifth=_mean(rewards[-fifth:] if fifth else []),
         mean_staleness=_mean([g.staleness for g in metrics.groups]),
+        steady_staleness=steady_staleness(metrics),
         predicted_staleness=run.predicted_staleness if run is not None else math.nan,
         mean_switch_s={
             d: _mean([s.seconds for s in metrics.switches if s.to == d]) for d in SWITCH_DIRECTIONS
@@ -161,6 +184,43 @@ def summarize(metrics: RunMetrics) -> Summary:
         training_fraction=training_fractions(spans, cells, end_s) if metrics.roles else [],
         idle_fraction=idle_fractions(metrics),
         steps_by_cells=dict(sorted(Counter(s.cells for s in metrics.steps).items())),
+        no_signal_steps=[s.step for s in metrics.steps if not s.learning_signal],
+    )
+
+
+def _step_list(steps: Sequence[int], most: int = 12) -> str:
+    shown = ", ".join(str(s) for s in steps[:most])
+    return shown + (f", … ({len(steps) - most} more)" if len(steps) > most else "")
+
+
+def learning_signal_warning(steps: Sequence[StepRecord]) -> str | None:
+    """One line when a run learned nothing -- the reward never moved (two steps or more),
+    or no step had a learning signal -- naming how many steps had none and what to
+    check; None otherwise (some steps without a signal alone is no warning)."""
+    if not steps:
+        return None
+    none = [s.step for s in steps if not s.learning_signal]
+    rewards = [s.reward_mean for s in steps]
+    still = len(steps) > 1 and max(rewards) == min(rewards)
+    if not (still or len(none) == len(steps)):
+        return None
+    if still:
+        head = f"the reward never moved ({rewards[0]:.3f} in all {len(steps)} steps)"
+        head += f"; {len(none)} of {len(steps)} steps had no learning signal"
+    else:
+        head = f"no step had a learning signal (none of {len(steps)})"
+    if none and len(none) < len(steps):
+        head += f" (steps {_step_list(none)})"
+    if none:
+        head += (
+            " -- nothing was packed: every group's rewards were equal, so every advantage"
+            " was zero and the policy did not change"
+        )
+    return (
+        f"{head}. Check that the starting policy scores neither always 0 nor always 1 on "
+        "the tasks (the warm start: warm_start/warm_start.json and run.warm_start_accuracy, "
+        "or model.path), that executions end with valid rewards (logs/, traces.jsonl), and "
+        "the tasks' evaluator"
     )
 
 
@@ -188,12 +248,23 @@ def reward_figure(steps: Sequence[StepRecord]) -> Figure:
     high = [s.reward_mean + s.reward_std for s in steps]
     ax.fill_between(xs, low, high, color=RUNNING_COLOUR, alpha=0.2, linewidth=0, label="± std")
     ax.plot(xs, mean, color=RUNNING_COLOUR, linewidth=1.6, marker="o", markersize=3, label="mean")
+    none = [s for s in steps if not s.learning_signal]
+    if none:
+        ax.scatter(
+            [s.step for s in none],
+            [s.reward_mean for s in none],
+            color=NO_SIGNAL_COLOUR,
+            marker="x",
+            s=40,
+            zorder=3,
+            label=f"no learning signal ({len(none)} steps)",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(axis="y", alpha=0.3)
     _tidy(ax)
     ax.set_title(f"Reward per step ({len(steps)} steps)")
-    fig.legend(loc="outside lower center", ncol=2, frameon=False)
+    fig.legend(loc="outside lower center", ncol=3 if none else 2, frameon=False)
     return fig
 
 
@@ -280,6 +351,7 @@ def _rows(summary: Summary) -> list[tuple[str, str]]:
         ("mean reward, first fifth of steps", _num(summary.reward_first_fifth)),
         ("mean reward, last fifth of steps", _num(summary.reward_last_fifth)),
         ("mean staleness (measured)", _num(summary.mean_staleness)),
+        ("mean staleness, steady state (measured)", _num(summary.steady_staleness)),
         ("mean staleness (Eq 2 prediction)", _num(summary.predicted_staleness)),
     ]
     for direction in SWITCH_DIRECTIONS:
@@ -287,6 +359,15 @@ def _rows(summary: Summary) -> list[tuple[str, str]]:
         mean = summary.mean_switch_s.get(direction, math.nan)
         rows.append(
             (f"mean switch time to {direction}", f"{_num(mean, 2, ' s')} ({count} switches)")
+        )
+    if summary.steps:
+        none = summary.no_signal_steps
+        rows.append(
+            (
+                "steps with no learning signal",
+                f"{len(none)} of {summary.steps}"
+                + (f" (steps {_step_list(none)})" if 0 < len(none) < summary.steps else ""),
+            )
         )
     if summary.steps_by_cells:
         rows.append(
@@ -310,6 +391,7 @@ th, td { border-bottom: 1px solid #ddd; padding: 0.3em 1em; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 img { max-width: 100%; }
 p.none { color: #777; font-style: italic; }
+p.warning { background: #fdecea; border-left: 4px solid #d62728; padding: 0.6em 1em; }
 """
 
 
@@ -318,9 +400,45 @@ class _Section:
     title: str
     image: str | None = None
     note: str = ""
+    table: list[tuple[str, str]] | None = None
 
 
-def _page(title: str, subtitle: str, summary: Summary, sections: Sequence[_Section]) -> str:
+def assessment_rows(records: Sequence[AssessmentRecord]) -> list[tuple[str, str]]:
+    """The assessments table: what the evaluators said about the run's executions
+    (``assessments.jsonl``), final attempts, placeholders and intermediate ones apart."""
+    executions = {r.execution_id for r in records}
+    final = [r.assessment for r in records if r.assessment.kind == "final"]
+    by_execution: dict[str, list[Assessment]] = {}
+    for r in records:
+        if r.assessment.kind == "final":
+            by_execution.setdefault(r.execution_id, []).append(r.assessment)
+    resolved = sum(1 for attempts in by_execution.values() if any(a.valid for a in attempts))
+    retried = sum(1 for attempts in by_execution.values() if len(attempts) > 1)
+    intermediate = [r for r in records if r.assessment.kind == "intermediate"]
+    return [
+        ("executions with an assessment", str(len(executions))),
+        ("evaluated: a valid reward", f"{resolved} of {len(by_execution)}"),
+        ("evaluated: no valid reward (not trained)", str(len(by_execution) - resolved)),
+        ("evaluation attempts (retried executions)", f"{len(final)} ({retried})"),
+        (
+            "infrastructure failures (zero-reward placeholder)",
+            str(sum(1 for r in records if r.assessment.kind == "placeholder")),
+        ),
+        (
+            "intermediate assessments (artifact versions)",
+            f"{len(intermediate)}"
+            f" ({len({(r.execution_id, r.assessment.version) for r in intermediate})})",
+        ),
+    ]
+
+
+def _page(
+    title: str,
+    subtitle: str,
+    summary: Summary,
+    sections: Sequence[_Section],
+    warning: str | None = None,
+) -> str:
     e = html.escape
     rows = "\n".join(
         f"<tr><th>{e(name)}</th><td class='num'>{e(value)}</td></tr>"
@@ -337,12 +455,23 @@ def _page(title: str, subtitle: str, summary: Summary, sections: Sequence[_Secti
         "<body>",
         f"<h1>{e(title)}</h1>",
         f"<p>{e(subtitle)}</p>",
+        *(
+            [f"<p class='warning' id='no-learning-signal'>Warning: {e(warning)}.</p>"]
+            if warning
+            else []
+        ),
         "<h2>Summary</h2>",
         f"<table id='summary'>\n{rows}\n</table>",
     ]
     for section in sections:
         parts.append(f"<h2>{e(section.title)}</h2>")
-        if section.image is not None:
+        if section.table is not None:
+            table = "\n".join(
+                f"<tr><th>{e(name)}</th><td class='num'>{e(value)}</td></tr>"
+                for name, value in section.table
+            )
+            parts.append(f"<table>\n{table}\n</table>")
+        elif section.image is not None:
             parts.append(f"<img src='{e(section.image)}' alt='{e(section.title)}'>")
         else:
             parts.append(f"<p class='none'>{e(section.note)}</p>")
@@ -360,8 +489,9 @@ def _describe(metrics: RunMetrics) -> str:
     run = metrics.run
     if run is None:
         return "run shape not recorded"
+    pool = f", standalone pool C_s={run.standalone_capacity}" if run.standalone_capacity else ""
     return (
-        f"policy {describe_policy(metrics)}, K={run.cells} cells,"
+        f"policy {describe_policy(metrics)}, K={run.cells} cells{pool},"
         f" batch {run.batch} groups of {run.group_size}"
     )
 
@@ -425,6 +555,7 @@ def write_report(
             cells=max(cell_count(metrics), 1),
             step_end_s=[s.time_s for s in metrics.steps],
             title=f"Cell roles — {describe}: {summary.steps} steps in {_duration(end_s)}",
+            standalone_capacity=metrics.run.standalone_capacity if metrics.run else 0,
         )
         if spans
         else None,
@@ -453,7 +584,14 @@ def write_report(
         switch_figure(metrics.switches) if metrics.switches else None,
         "No switches recorded (an async run never switches cells).",
     )
+    assessments = read_assessments(run_dir / ASSESSMENTS_FILE)
+    sections.append(
+        _Section("Assessments", table=assessment_rows(assessments))
+        if assessments
+        else _Section("Assessments", note=f"No {ASSESSMENTS_FILE} in the run directory.")
+    )
     index = out / INDEX_FILE
     title = f"qwengyre run report: {run_dir.resolve().name}"
-    index.write_text(_page(title, describe, summary, sections), encoding="utf-8")
+    warning = learning_signal_warning(metrics.steps)
+    index.write_text(_page(title, describe, summary, sections, warning), encoding="utf-8")
     return index

@@ -8,22 +8,28 @@ One JSON object per line, each with a ``kind`` naming its record type:
   loss, clipping, gradient norm, tokens, micro-steps, cells, seconds, staleness).
 - ``role``: a cell entered a role (:class:`~qwengyre.scheduler.events.Role` values).
 - ``switch``: a cell finished switching to ``training`` or ``rollout`` in ``seconds``.
-- ``load``: running and queued executions and rollout capacity from ``time_s`` on.
+- ``load``: running, queued and reserved executions and rollout capacity from ``time_s``
+  on (written whenever they change).
 - ``group``: a group trained in ``step`` that was dispatched at ``dispatch_version``.
+- ``publication``: a version reached every rollout engine (a burst boundary).
 
 Times (``time_s``) are seconds since the run's start. :class:`MetricsWriter` appends
 records (one flushed line each, so a crash loses at most the line being written) and
-mirrors the numeric step metrics to TensorBoard when the ``tensorboard`` package is
-installed. :func:`read_metrics` reads a log back, ignoring a truncated last line.
+hands each record to its sinks (TensorBoard event files in ``RUN_DIR/tensorboard/``,
+Weights & Biases when configured: :mod:`qwengyre.report.sinks`).
+:func:`read_metrics` reads a log back, ignoring a truncated last line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import math
 import os
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -50,16 +56,21 @@ class MetricsError(JsonlError):
 
 
 def _check_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    """The dataclass fields of ``cls`` from ``data``, type-checked; extra keys are ignored.
+    """The dataclass fields of ``cls`` from ``data``, type-checked; extra keys are ignored
+    and fields with a default may be absent (logs written before they existed).
 
     ``int`` fields take JSON integers, ``float`` fields any JSON number (NaN allowed,
     as Python's ``json`` writes it), ``str`` fields strings; bools are never numbers.
     """
     values: dict[str, Any] = {}
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+    fields = dataclasses.fields(cls)
+    required = [f for f in fields if f.default is dataclasses.MISSING]
+    missing = [f.name for f in required if f.name not in data]
     if missing:
         raise ValueError(f"missing field(s) {', '.join(map(repr, missing))}")
-    for f in dataclasses.fields(cls):
+    for f in fields:
+        if f.name not in data:
+            continue  # a field added later, with its default, absent from older logs
         value = data[f.name]
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if kind == "int":
@@ -122,6 +133,8 @@ class RunRecord(_Record):
     """Eq 2: ``phi + (mu - 1) / 2``."""
     group_size: int
     batch: int
+    standalone_capacity: int = 0
+    """C_s, the standalone rollout pool's capacity (0: no pool)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +160,13 @@ class StepRecord(_Record):
     """How many cells trained this step."""
     train_s: float
     staleness_mean: float
+
+    @property
+    def learning_signal(self) -> bool:
+        """Did the step learn from anything? False ("no learning signal") when nothing was
+        packed -- no tokens, no micro-steps: every execution's advantage was zero (each
+        group's rewards all equal, e.g. all 0) -- so the update changed nothing."""
+        return self.tokens > 0 and self.micro_steps > 0
 
 
 @dataclass(frozen=True)
@@ -194,6 +214,25 @@ class LoadRecord(_Record):
     running: int
     queued: int
     capacity: int
+    reserved: int = 0
+    """Quota held for top-ups (``groups.reserve``), counted in the waterlevel."""
+
+    @property
+    def waterlevel(self) -> int:
+        """w = d - f (+ the held reserve): never rises within a burst (DESIGN.md §4)."""
+        return self.running + self.queued + self.reserved
+
+
+@dataclass(frozen=True)
+class PublicationRecord(_Record):
+    """The core's weights ``version`` reached every rollout engine, in ``seconds``; the
+    next burst's dispatch follows (a burst boundary)."""
+
+    KIND: ClassVar[str] = "publication"
+
+    time_s: float
+    version: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -207,7 +246,10 @@ class GroupRecord(_Record):
     dispatch_version: int
     step: int
     staleness: int
-    """``step - dispatch_version``."""
+    """``step - dispatch_version``: the group's scheduling staleness (Eq 2's quantity)."""
+    execution_staleness: float = math.nan
+    """The mean of ``step - v`` over the group's trained executions, ``v`` the version
+    each launched with: a top-up launched after a publication samples newer weights."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +269,14 @@ class UsageRecord(_Record):
 
 
 Record: TypeAlias = (
-    RunRecord | StepRecord | RoleRecord | SwitchRecord | LoadRecord | GroupRecord | UsageRecord
+    RunRecord
+    | StepRecord
+    | RoleRecord
+    | SwitchRecord
+    | LoadRecord
+    | GroupRecord
+    | UsageRecord
+    | PublicationRecord
 )
 RECORD_TYPES: dict[str, type[Record]] = {
     cls.KIND: cls
@@ -239,6 +288,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
         LoadRecord,
         GroupRecord,
         UsageRecord,
+        PublicationRecord,
     )
 }
 """Record class by ``kind``."""
@@ -273,6 +323,7 @@ class RunMetrics:
     loads: list[LoadRecord] = field(default_factory=list)
     groups: list[GroupRecord] = field(default_factory=list)
     usage: list[UsageRecord] = field(default_factory=list)
+    publications: list[PublicationRecord] = field(default_factory=list)
 
     def add(self, record: Record) -> None:
         match record:
@@ -290,6 +341,8 @@ class RunMetrics:
                 self.groups.append(record)
             case UsageRecord():
                 self.usage.append(record)
+            case PublicationRecord():
+                self.publications.append(record)
 
     @property
     def run(self) -> RunRecord | None:
@@ -344,85 +397,141 @@ def read_metrics(path: Path) -> RunMetrics:
 # ---------------------------------------------------------------- writing
 
 
+class MetricsSink(Protocol):
+    """Somewhere records go besides ``metrics.jsonl``: TensorBoard, Weights & Biases
+    (:mod:`qwengyre.report.sinks`). ``write`` gets every record, in log order."""
+
+    name: str
+
+    def write(self, record: Record) -> None: ...
+    def close(self) -> None: ...
+
+
 class _ScalarWriter(Protocol):
-    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
+    def add_scalar(
+        self, tag: str, scalar_value: float, global_step: int, walltime: float | None = None
+    ) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
 
 def tensorboard_available() -> bool:
-    """Whether TensorBoard mirroring can work: ``tensorboard`` and ``torch`` installed."""
+    """Whether TensorBoard event files can be written: ``tensorboard`` and ``torch``."""
     return (
         importlib.util.find_spec("tensorboard") is not None
         and importlib.util.find_spec("torch") is not None
     )
 
 
-def open_tensorboard(log_dir: Path) -> _ScalarWriter | None:
-    """A TensorBoard ``SummaryWriter`` on ``log_dir``, or None when it is not installed."""
+def open_tensorboard(log_dir: Path, purge_step: int | None = None) -> _ScalarWriter | None:
+    """A TensorBoard ``SummaryWriter`` on ``log_dir``, or None when it is not installed.
+
+    ``purge_step``: a resumed run's first step; TensorBoard hides what an earlier
+    process logged at or after it (those steps are trained again).
+    """
     if not tensorboard_available():
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    writer: _ScalarWriter = SummaryWriter(log_dir=str(log_dir))
+    writer: _ScalarWriter = SummaryWriter(
+        log_dir=str(log_dir), purge_step=purge_step or None, flush_secs=10
+    )
     return writer
 
 
-#: Step fields mirrored to TensorBoard (as ``step/<name>``), all but the step index.
+#: Step fields written to TensorBoard (as ``step/<name>``), all but the step index.
 STEP_SCALARS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(StepRecord) if f.name != "step"
 )
 
 
 class MetricsWriter:
-    """Appends records to a metrics log, one flushed line each.
+    """Appends records to a metrics log, one flushed line each, and hands every record
+    to its sinks (:mod:`qwengyre.report.sinks` says what each one logs).
 
-    ``tensorboard``: where to mirror the step metrics (default ``<log's dir>/tensorboard``),
-    or False for no mirror; the mirror is skipped silently when TensorBoard is not
-    installed. ``fsync``: also fsync after every line (durable across power loss).
+    ``tensorboard``: where to write TensorBoard event files (default
+    ``<log's dir>/tensorboard``), or False for none; skipped silently when TensorBoard
+    is not installed (:func:`qwengyre.report.sinks.open_metrics`, which a live run
+    uses, refuses to start without it instead). ``sinks``: further sinks, e.g. W&B.
+    ``step``: the step a resumed run continues from (records before its first step
+    are logged at it). ``fsync``: also fsync after every line (durable across power
+    loss). A sink that raises is reported once on stderr and dropped; the log itself
+    stays complete.
     """
 
-    def __init__(self, path: Path, *, tensorboard: Path | bool = True, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        tensorboard: Path | bool = True,
+        fsync: bool = False,
+        sinks: Sequence[MetricsSink] = (),
+        step: int = 0,
+    ) -> None:
+        from qwengyre.report.sinks import TensorBoardSink
+
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self._file = self.path.open("a", encoding="utf-8")
-        self._tb: _ScalarWriter | None = None
+        self._sinks: list[MetricsSink] = []
         if tensorboard is not False:
             log_dir = (
                 self.path.parent / TENSORBOARD_DIR if tensorboard is True else Path(tensorboard)
             )
-            self._tb = open_tensorboard(log_dir)
+            writer = open_tensorboard(log_dir, step) if step else open_tensorboard(log_dir)
+            if writer is not None:
+                self._sinks.append(TensorBoardSink(writer, step=step))
+        self._sinks.extend(sinks)
+
+    @property
+    def sinks(self) -> tuple[MetricsSink, ...]:
+        """The sinks still receiving records (a failed one is dropped)."""
+        return tuple(self._sinks)
 
     @property
     def mirrors_tensorboard(self) -> bool:
-        return self._tb is not None
+        return any(sink.name == "tensorboard" for sink in self._sinks)
 
     @property
     def closed(self) -> bool:
         return self._file.closed
 
     def write(self, record: Record) -> None:
-        """Append ``record`` as one line and flush it (and fsync when asked)."""
+        """Append ``record`` as one line and flush it (and fsync when asked), then hand
+        it to every sink."""
         if self._file.closed:
             raise ValueError(f"metrics log {self.path} is closed")
         self._file.write(record.to_json() + "\n")
         self._file.flush()
         if self._fsync:
             os.fsync(self._file.fileno())
-        if self._tb is not None and isinstance(record, StepRecord):
-            for name in STEP_SCALARS:
-                value = float(getattr(record, name))
-                if math.isfinite(value):
-                    self._tb.add_scalar(f"step/{name}", value, global_step=record.step)
-            self._tb.flush()
+        for sink in list(self._sinks):
+            try:
+                sink.write(record)
+            except Exception as exc:
+                self._drop(sink, exc)
+
+    def _drop(self, sink: MetricsSink, exc: BaseException) -> None:
+        self._sinks.remove(sink)
+        print(
+            f"qwengyre: metrics sink {sink.name} failed ({type(exc).__name__}: {exc}); "
+            f"it gets no more records ({self.path} still does)",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(Exception):
+            sink.close()
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                print(f"qwengyre: closing metrics sink {sink.name} failed: {exc}", file=sys.stderr)
 
     def __enter__(self) -> Self:
         return self

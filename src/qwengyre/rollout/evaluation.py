@@ -1,29 +1,50 @@
-"""Evaluation: score a terminated execution's preserved workspace, with retries.
+"""Evaluation: score an execution's preserved workspace, with retries; every assessment kept.
 
 An evaluator (see :mod:`qwengyre.rollout.tasks`) runs after the harness terminated --
 also after a harness timeout -- on the workspace as the harness left it.  One run is an
-*attempt* and yields an :class:`Assessment`: a score, whether it is valid, and the
-digest of the workspace it assessed (:func:`artifact_digest`, "the reference to the
-assessed artifact state").
+*attempt* and yields an :class:`Assessment`: a score, whether it is valid, the digest
+of the workspace it assessed (:func:`artifact_digest`, "the reference to the assessed
+artifact state"), which evaluator made it, when, and its *kind*:
+
+- ``final``: an attempt of the designated task assessment after the harness ended; the
+  valid one (:func:`final`) supplies the execution's one reward;
+- ``intermediate``: an assessment of the workspace *while the harness runs*
+  (:mod:`qwengyre.rollout.assessments`), tagged with its artifact ``version``; it is
+  kept with the execution but never supplies the reward;
+- ``placeholder``: the zero-reward stand-in for a complete failure (:func:`placeholder`).
 
 Invariants (DESIGN.md §4):
 
 - an invalid or missing assessment is never a reward of 0: an invalid
   :class:`Assessment` has ``score=None``, and :func:`final` returns ``None`` (not 0)
-  when no attempt was valid -- the execution has no reward;
+  when no final attempt was valid -- the execution has no reward;
 - attempts never overwrite each other: :func:`assess` returns every attempt, in order,
   each tagged with its number and the artifact digest it assessed;
+- retries are bounded by the execution's overall budget, not by a count (PAPER:
+  "evaluation may be retried against the same preserved state within the execution's
+  overall time budget"): :func:`assess` retries an invalid attempt, after a delay that
+  grows geometrically (``retry_delay_s``, times ``retry_backoff`` per retry, at most
+  ``max_retry_delay_s``), until one is valid or the deadline comes.  ``max_attempts``
+  is an optional extra cap (default ``None``: the budget alone), for users who would
+  rather free an execution slot early than keep retrying an evaluator that fails
+  deterministically;
 - retries assess the same preserved state: :func:`assess` re-digests the workspace
   before each retry and stops if it changed;
-- only a complete failure with nothing assessable (the workspace never came up) gets a
-  zero reward, and only as an explicit :func:`placeholder` (``placeholder=True``), which
-  the caller creates deliberately; nothing here turns a failure into one.
+- only a complete failure with nothing assessable (the workspace never came up, the
+  harness never started: :mod:`qwengyre.rollout.execution`) gets a zero reward, and
+  only as an explicit :func:`placeholder` (``kind="placeholder"``), which the caller
+  creates deliberately; nothing here turns a failure into one;
+- intermediate assessments never supply the reward: :func:`final` ignores them.
 
 Caveat: an evaluator that writes into the workspace (``__pycache__``, ``.pytest_cache``,
 a report file) changes its digest, so after an invalid attempt by such an evaluator
 :func:`assess` stops retrying (the state is no longer the preserved one).  Evaluators
 that are to be retried should write outside the workspace (e.g. run Python with
 ``PYTHONDONTWRITEBYTECODE=1`` and ``-p no:cacheprovider``).
+
+A result object (a command's last stdout line, a Python evaluator's dict) may carry an
+optional ``"critique"`` string: feedback kept in :attr:`Assessment.critique` and, for an
+intermediate assessment, returned to the harness that asked for it.
 """
 
 from __future__ import annotations
@@ -48,10 +69,13 @@ from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, Python
 
 __all__ = [
     "DEFAULT_PYTHON_TIMEOUT_S",
+    "KINDS",
     "Assessment",
+    "EvaluationOptions",
     "artifact_digest",
     "assess",
     "evaluate_once",
+    "evaluator_name",
     "final",
     "placeholder",
 ]
@@ -60,6 +84,9 @@ DEFAULT_PYTHON_TIMEOUT_S = 600.0
 """Timeout of one Python-evaluator attempt (the spec has no timeout field)."""
 
 Evaluator = CommandEvaluator | PythonEvaluator | ExactMatchEvaluator
+
+#: The kinds of assessment (see the module docstring).
+KINDS: tuple[str, ...] = ("final", "intermediate", "placeholder")
 
 _CHUNK = 1 << 20
 _DETAIL_TAIL = 500  # characters of stderr/stdout quoted in a failure's detail
@@ -141,22 +168,37 @@ def artifact_digest(workspace: Path | str) -> str:
 
 @dataclass(frozen=True)
 class Assessment:
-    """One evaluation attempt's result.
+    """One assessment: an evaluation attempt's result, kept with its execution.
 
     - ``score``: a finite float when ``valid``, else ``None`` (an invalid assessment has
       no score -- in particular it is not 0);
     - ``artifact``: the :func:`artifact_digest` of the workspace state assessed (``""``
       only for a placeholder, or an attempt that could not read the workspace at all);
-    - ``attempt``: 1-based attempt number (0 for a placeholder);
+    - ``attempt``: 1-based attempt number (0 for a placeholder); for intermediate
+      assessments, their 1-based sequence number within the execution;
     - ``evaluator``: the evaluator kind (``command``, ``python``, ``exact_match``,
-      ``placeholder``);
+      ``placeholder``); ``evaluator_name`` names it (:func:`evaluator_name`);
     - ``detail``: ``"ok"`` or why the attempt is invalid (timeout, bad output,
-      exception, ...), plus why retrying stopped where that applies;
-    - ``placeholder``: the zero-reward stand-in for a complete failure (:func:`placeholder`).
+      exception, ...), plus why retrying stopped where that applies; for a placeholder,
+      the reason for the failure;
+    - ``placeholder``: the zero-reward stand-in for a complete failure (:func:`placeholder`);
+    - ``kind``: ``final`` | ``intermediate`` | ``placeholder`` (:data:`KINDS`);
+      ``placeholder`` <=> ``kind == "placeholder"`` (either one sets the other);
+    - ``version``: the artifact version (1-based, one per distinct digest within the
+      execution: :class:`qwengyre.rollout.assessments.ArtifactVersions`); always set on
+      intermediate assessments, set on final ones by :func:`run_execution
+      <qwengyre.rollout.execution.run_execution>`, ``None`` where unknown;
+    - ``branch``: the available branch reference -- the id of the execution's latest
+      recorded model call (trajectory-tree node) when the harness asked for the
+      assessment through the proxy -- else ``None``;
+    - ``critique``: feedback text the evaluator returned (``""`` if none);
+    - ``time_s``: wall-clock time (:func:`time.time`) the assessment finished;
+      ``duration_s``: how long it took.
 
     ``__post_init__`` enforces: ``valid`` <=> ``score`` is a finite float (an ``int`` is
     converted, a ``bool`` refused); a valid non-placeholder names its artifact;
-    ``placeholder`` => valid, ``score == 0.0`` and ``artifact == ""``.
+    ``placeholder`` => valid, ``score == 0.0`` and ``artifact == ""``; an intermediate
+    assessment has a version.
     """
 
     score: float | None
@@ -166,10 +208,25 @@ class Assessment:
     evaluator: str
     detail: str
     placeholder: bool = False
+    kind: str = "final"
+    version: int | None = None
+    evaluator_name: str = ""
+    branch: int | None = None
+    critique: str = ""
+    time_s: float = 0.0
+    duration_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.valid, bool) or not isinstance(self.placeholder, bool):
             raise TypeError("valid and placeholder must be bools")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.placeholder and self.kind == "final":
+            object.__setattr__(self, "kind", "placeholder")
+        elif self.kind == "placeholder" and not self.placeholder:
+            object.__setattr__(self, "placeholder", True)
+        if self.placeholder and self.kind != "placeholder":
+            raise ValueError(f"a placeholder has kind 'placeholder', not {self.kind!r}")
         score = self.score
         if isinstance(score, bool):
             raise TypeError("score must be a float or None, not a bool")
@@ -185,12 +242,21 @@ class Assessment:
             raise ValueError(
                 f"an invalid assessment has no score (got {score!r}); it is never a number"
             )
-        if not isinstance(self.attempt, int) or isinstance(self.attempt, bool):
-            raise TypeError("attempt must be an int")
+        for name in ("attempt", "version", "branch"):
+            value = getattr(self, name)
+            if value is None and name != "attempt":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int")
         if self.attempt < 0:
             raise ValueError(f"attempt must be >= 0, got {self.attempt}")
-        if not isinstance(self.artifact, str) or not isinstance(self.detail, str):
-            raise TypeError("artifact and detail must be strings")
+        if self.version is not None and self.version < 1:
+            raise ValueError(f"version must be >= 1, got {self.version}")
+        if self.kind == "intermediate" and self.version is None:
+            raise ValueError("an intermediate assessment needs its artifact version")
+        for name in ("artifact", "detail", "evaluator", "evaluator_name", "critique"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a string")
         if self.placeholder:
             if not self.valid or score != 0.0:
                 raise ValueError("a placeholder is valid with score 0.0")
@@ -203,13 +269,18 @@ class Assessment:
         """The assessment as a JSON-ready dict (for durable records)."""
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Assessment:
+        """The inverse of :meth:`to_dict`; unknown keys are refused (``TypeError``)."""
+        return cls(**data)
+
 
 def placeholder(reason: str) -> Assessment:
     """The zero-reward placeholder for a complete failure that left nothing assessable.
 
-    Use it only when there is no artifact at all (e.g. the workspace never came up);
-    an execution whose evaluation merely failed has no reward instead (:func:`final`
-    returns ``None``).
+    Use it only when there is no artifact at all (the workspace never came up, the
+    harness could not start); an execution whose evaluation merely failed has no reward
+    instead (:func:`final` returns ``None``).
     """
     if not reason.strip():
         raise ValueError("a placeholder needs a reason")
@@ -221,18 +292,78 @@ def placeholder(reason: str) -> Assessment:
         evaluator="placeholder",
         detail=reason,
         placeholder=True,
+        kind="placeholder",
+        time_s=time.time(),
     )
 
 
 def final(assessments: Sequence[Assessment]) -> Assessment | None:
-    """The valid assessment among ``assessments`` (the last one if several), else ``None``.
+    """The valid final (or placeholder) assessment, the last one if several; else ``None``.
 
-    ``None`` means unresolved: the execution has no reward -- never a zero.
+    Intermediate assessments are skipped: they never supply the reward.  ``None`` means
+    unresolved: the execution has no reward -- never a zero.
     """
     for assessment in reversed(assessments):
-        if assessment.valid:
+        if assessment.valid and assessment.kind != "intermediate":
             return assessment
     return None
+
+
+def evaluator_name(spec: Evaluator) -> str:
+    """A short human-readable name of an evaluator: its command (at most 200 characters),
+    its callable, or ``exact_match:<file>``."""
+    if isinstance(spec, CommandEvaluator):
+        text = spec.command if isinstance(spec.command, str) else " ".join(spec.command)
+        return text if len(text) <= 200 else text[:197] + "..."
+    if isinstance(spec, PythonEvaluator):
+        return spec.callable
+    return f"exact_match:{spec.file}"
+
+
+@dataclass(frozen=True)
+class EvaluationOptions:
+    """How evaluation retries, and whether intermediate assessments are scheduled.
+
+    - ``retry_delay_s``: the wait before the first retry of an invalid attempt;
+    - ``retry_backoff``: each further wait is this many times the previous one;
+    - ``max_retry_delay_s``: the longest wait between two attempts;
+    - ``max_attempts``: ``None`` (the default, the paper's rule): retry until a valid
+      attempt or the execution's overall budget ends; an int caps the attempts too;
+    - ``intermediate_every_s``: ``None`` (off), or the period at which the workspace is
+      assessed while the harness runs (:mod:`qwengyre.rollout.assessments`).
+
+    :meth:`from_config` reads the same names from a config section
+    (``qwengyre.config.EvaluationConfig``).
+    """
+
+    retry_delay_s: float = 1.0
+    retry_backoff: float = 2.0
+    max_retry_delay_s: float = 30.0
+    max_attempts: int | None = None
+    intermediate_every_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.retry_delay_s) and self.retry_delay_s >= 0):
+            raise ValueError(f"retry_delay_s must be >= 0, got {self.retry_delay_s!r}")
+        if not (math.isfinite(self.retry_backoff) and self.retry_backoff >= 1):
+            raise ValueError(f"retry_backoff must be >= 1, got {self.retry_backoff!r}")
+        if not (math.isfinite(self.max_retry_delay_s) and self.max_retry_delay_s >= 0):
+            raise ValueError(f"max_retry_delay_s must be >= 0, got {self.max_retry_delay_s!r}")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 or None, got {self.max_attempts}")
+        every = self.intermediate_every_s
+        if every is not None and not (math.isfinite(every) and every > 0):
+            raise ValueError(f"intermediate_every_s must be > 0 or None, got {every!r}")
+
+    @classmethod
+    def from_config(cls, section: Any) -> EvaluationOptions:
+        """The options of a config section with these field names (missing: defaults)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(section, n) for n in names if hasattr(section, n)})
+
+    def delay(self, retry: int) -> float:
+        """The wait before retry number ``retry`` (1: the first retry)."""
+        return min(self.max_retry_delay_s, self.retry_delay_s * self.retry_backoff ** (retry - 1))
 
 
 # --------------------------------------------------------------------------- parsing
@@ -266,21 +397,32 @@ def _as_score(score: Any, where: str) -> tuple[float | None, str]:
     return score, "ok"
 
 
+_CRITIQUE_CHARS = 4000  # longest critique kept
+
+
+def _critique(value: Any) -> str:
+    """The optional ``"critique"`` string of a result object (cut to 4000 characters)."""
+    if isinstance(value, dict) and isinstance(value.get("critique"), str):
+        return value["critique"][:_CRITIQUE_CHARS]
+    return ""
+
+
 def _tail(text: str) -> str:
     text = text.strip()
     return text if len(text) <= _DETAIL_TAIL else "..." + text[-_DETAIL_TAIL:]
 
 
-def _parse_command_output(stdout: str) -> tuple[float | None, str]:
+def _parse_command_output(stdout: str) -> tuple[float | None, str, str]:
+    """(score, detail, critique) of a command evaluator's stdout."""
     lines = [line for line in stdout.splitlines() if line.strip()]
     if not lines:
-        return None, "no output: stdout has no non-blank line"
+        return None, "no output: stdout has no non-blank line", ""
     last = lines[-1].strip()
     try:
         value = json.loads(last)
     except json.JSONDecodeError:
-        return None, f"bad output: last stdout line is not JSON: {_tail(last)!r}"
-    return _interpret(value, "last stdout line")
+        return None, f"bad output: last stdout line is not JSON: {_tail(last)!r}", ""
+    return (*_interpret(value, "last stdout line"), _critique(value))
 
 
 # --------------------------------------------------------------------------- attempts
@@ -288,7 +430,7 @@ def _parse_command_output(stdout: str) -> tuple[float | None, str]:
 
 async def _run_command(
     spec: CommandEvaluator, workspace: Path, timeout_s: float
-) -> tuple[float | None, str]:
+) -> tuple[float | None, str, str]:
     try:
         if isinstance(spec.command, str):
             proc = await asyncio.create_subprocess_shell(
@@ -309,14 +451,14 @@ async def _run_command(
                 start_new_session=True,
             )
     except OSError as error:
-        return None, f"cannot start evaluator command: {error}"
+        return None, f"cannot start evaluator command: {error}", ""
     try:
         try:
             stdout_b, stderr_b = await asyncio.wait_for(proc.communicate(), timeout_s)
         except TimeoutError:
             kill_group(proc.pid)
             await proc.wait()
-            return None, f"timeout: evaluator command killed after {timeout_s:.3g} s"
+            return None, f"timeout: evaluator command killed after {timeout_s:.3g} s", ""
     finally:
         # Cancellation, or grandchildren left behind by a command that exited: the
         # command leads its own process group (start_new_session), kill all of it.
@@ -326,7 +468,8 @@ async def _run_command(
     stdout = stdout_b.decode("utf-8", errors="replace")
     stderr = stderr_b.decode("utf-8", errors="replace")
     if proc.returncode != 0:
-        return None, f"evaluator command exited with status {proc.returncode}: {_tail(stderr)}"
+        status = f"evaluator command exited with status {proc.returncode}: {_tail(stderr)}"
+        return None, status, ""
     return _parse_command_output(stdout)
 
 
@@ -353,7 +496,7 @@ def _interpret_python(value: Any) -> tuple[float | None, str]:
 
 async def _run_python(
     spec: PythonEvaluator, workspace: Path, metadata: dict[str, Any], timeout_s: float
-) -> tuple[float | None, str]:
+) -> tuple[float | None, str, str]:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
 
@@ -384,13 +527,15 @@ async def _run_python(
     try:
         result = await asyncio.wait_for(future, timeout_s)
     except TimeoutError:
-        return None, (
+        return (
+            None,
             f"timeout: python evaluator {spec.callable} did not return within "
-            f"{timeout_s:.3g} s (its thread is abandoned)"
+            f"{timeout_s:.3g} s (its thread is abandoned)",
+            "",
         )
     except Exception as error:
-        return None, f"exception in python evaluator {spec.callable}: {error!r}"
-    return _interpret_python(result)
+        return None, f"exception in python evaluator {spec.callable}: {error!r}", ""
+    return (*_interpret_python(result), _critique(result))
 
 
 async def evaluate_once(
@@ -401,12 +546,16 @@ async def evaluate_once(
     timeout_s: float | None = None,
     attempt: int = 1,
     artifact: str | None = None,
+    kind: str = "final",
+    version: int | None = None,
+    branch: int | None = None,
 ) -> Assessment:
     """Run one evaluation attempt of ``spec`` on ``workspace``.
 
     - command: run in the workspace in its own process group, killed (the whole group)
       after ``min(spec.timeout_s, timeout_s)``; the last non-blank stdout line must be
-      ``{"score": <finite number>, "valid": true}``;
+      ``{"score": <finite number>, "valid": true}`` (an optional ``"critique"`` string
+      is kept);
     - python: ``fn(workspace: Path, task_metadata: dict)`` called in a thread (the
       working directory is *not* changed; use the path), with timeout ``timeout_s``
       (default :data:`DEFAULT_PYTHON_TIMEOUT_S`); see :func:`_interpret_python` for the
@@ -416,22 +565,39 @@ async def evaluate_once(
     Any failure (non-zero exit, timeout, unparsable or incomplete result, non-finite
     score, ``valid: false``, an exception) gives ``valid=False, score=None`` with the
     reason in ``detail``.  ``artifact`` is the digest of the state assessed; when not
-    given it is computed before the attempt.
+    given it is computed before the attempt.  ``kind``, ``version`` and ``branch`` are
+    recorded as given (see :class:`Assessment`).
     """
     workspace = Path(workspace)
+    began_s = time.monotonic()
+    tags: dict[str, Any] = {
+        "kind": kind,
+        "version": version,
+        "branch": branch,
+        "evaluator_name": evaluator_name(spec),
+    }
     if artifact is None:
         try:
             artifact = await asyncio.to_thread(artifact_digest, workspace)
         except OSError as error:
             return Assessment(
-                None, False, "", attempt, spec.type, f"workspace cannot be read: {error}"
+                None,
+                False,
+                "",
+                attempt,
+                spec.type,
+                f"workspace cannot be read: {error}",
+                time_s=time.time(),
+                duration_s=time.monotonic() - began_s,
+                **tags,
             )
+    critique = ""
     if isinstance(spec, CommandEvaluator):
         limit = spec.timeout_s if timeout_s is None else min(spec.timeout_s, timeout_s)
-        score, detail = await _run_command(spec, workspace, limit)
+        score, detail, critique = await _run_command(spec, workspace, limit)
     elif isinstance(spec, PythonEvaluator):
         limit = DEFAULT_PYTHON_TIMEOUT_S if timeout_s is None else timeout_s
-        score, detail = await _run_python(spec, workspace, metadata or {}, limit)
+        score, detail, critique = await _run_python(spec, workspace, metadata or {}, limit)
     elif isinstance(spec, ExactMatchEvaluator):
         score, detail = await asyncio.to_thread(spec.score, workspace), "ok"
     else:  # pragma: no cover - guarded by the type
@@ -443,6 +609,10 @@ async def evaluate_once(
         attempt=attempt,
         evaluator=spec.type,
         detail=detail,
+        critique=critique,
+        time_s=time.time(),
+        duration_s=time.monotonic() - began_s,
+        **tags,
     )
 
 
@@ -455,38 +625,74 @@ async def assess(
     workspace: Path | str,
     *,
     deadline: float,
-    max_attempts: int = 5,
+    max_attempts: int | None = None,
     retry_delay_s: float = 1.0,
+    retry_backoff: float = 2.0,
+    max_retry_delay_s: float = 30.0,
     metadata: dict[str, Any] | None = None,
+    reference: str | None = None,
+    version: int | None = None,
 ) -> list[Assessment]:
     """Evaluate ``workspace`` until one attempt is valid; return every attempt, in order.
 
     ``deadline`` is a :func:`time.monotonic` value, the end of the execution's overall
     budget: no attempt starts at or after it, and each attempt's timeout is cut to the
-    time left.  Invalid attempts are retried (after ``retry_delay_s``) up to
-    ``max_attempts`` in all, against the same preserved state: the workspace digest is
-    taken before the first attempt and checked before each retry; if it changed (or can
-    no longer be read), retrying stops and the last attempt's ``detail`` says so.  Why
-    retrying stopped at the deadline is also noted there.
+    time left.  Invalid attempts are retried until the deadline (PAPER: "within the
+    execution's overall time budget"); the wait before retry ``r`` is
+    ``min(max_retry_delay_s, retry_delay_s * retry_backoff ** (r - 1))`` (cut to the
+    time left).  ``max_attempts`` (default ``None``: no cap) optionally caps the
+    attempts too.  Every retry assesses the same preserved state: the workspace digest
+    is taken before the first attempt (or given as ``reference``, when the caller has
+    just taken it) and checked before each retry; if it changed (or can no longer be
+    read), retrying stops and the last attempt's ``detail`` says so.  Why retrying
+    stopped at the deadline or the cap is also noted there.  ``version`` is recorded on
+    every attempt (the artifact version of the preserved state).
 
     The result is empty when the deadline had passed before the first attempt.  Use
     :func:`final` for the outcome: ``None`` (unresolved) is never a zero reward.
     """
-    if max_attempts < 1:
-        raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+    if max_attempts is not None and max_attempts < 1:
+        raise ValueError(f"max_attempts must be >= 1 or None, got {max_attempts}")
+    pacing = EvaluationOptions(
+        retry_delay_s=retry_delay_s,
+        retry_backoff=retry_backoff,
+        max_retry_delay_s=max_retry_delay_s,
+        max_attempts=max_attempts,
+    )
     workspace = Path(workspace)
     attempts: list[Assessment] = []
     if time.monotonic() >= deadline:
         return attempts
-    try:
-        reference = await asyncio.to_thread(artifact_digest, workspace)
-    except OSError as error:
-        return [Assessment(None, False, "", 1, spec.type, f"workspace cannot be read: {error}")]
-    for number in range(1, max_attempts + 1):
+    if reference is None:
+        try:
+            reference = await asyncio.to_thread(artifact_digest, workspace)
+        except OSError as error:
+            unreadable = f"workspace cannot be read: {error}"
+            return [
+                Assessment(
+                    None,
+                    False,
+                    "",
+                    1,
+                    spec.type,
+                    unreadable,
+                    evaluator_name=evaluator_name(spec),
+                    time_s=time.time(),
+                )
+            ]
+    number = 0
+    while True:
+        number += 1
         if number > 1:
+            if max_attempts is not None and number > max_attempts:
+                attempts[-1] = _note(
+                    attempts[-1], f"stopped retrying: {max_attempts} attempts (max_attempts)"
+                )
+                break
             remaining = deadline - time.monotonic()
-            if remaining > 0 and retry_delay_s > 0:
-                await asyncio.sleep(min(retry_delay_s, remaining))
+            wait = pacing.delay(number - 1)
+            if remaining > 0 and wait > 0:
+                await asyncio.sleep(min(wait, remaining))
             if time.monotonic() >= deadline:
                 attempts[-1] = _note(attempts[-1], "stopped retrying: overall deadline reached")
                 break
@@ -516,6 +722,7 @@ async def assess(
             timeout_s=remaining,
             attempt=number,
             artifact=reference,
+            version=version,
         )
         attempts.append(result)
         if result.valid:

@@ -4,29 +4,56 @@ Two budgets, both from the execution's launch:
 
 - the *harness deadline*: the harness is stopped (its whole process group) and its work
   is still evaluated — outcome ``harness_timeout`` with a reward;
-- the *overall budget*: evaluation retries included; if it ends before a valid
-  assessment exists the outcome is ``overall_timeout`` and the execution has no reward
-  (it is excluded from training, never scored 0).
+- the *overall budget*: evaluation retries included (retried until a valid attempt or
+  the budget's end, :func:`~qwengyre.rollout.evaluation.assess`); if it ends before a
+  valid assessment exists the outcome is ``overall_timeout`` and the execution has no
+  reward (it is excluded from training, never scored 0).
 
-A workspace that never comes up (the template cannot be copied, the setup command
-fails) leaves nothing assessable: outcome ``failed`` with the zero-reward placeholder.
-An evaluation that gives up before the overall budget ends (every attempt invalid)
-is ``failed`` with no reward. A cancelled execution (surplus under oversampling) is
-``cancelled``, not evaluated. Every execution ends with exactly one outcome.
+Complete failures that leave nothing assessable get outcome ``failed`` with the
+zero-reward :func:`~qwengyre.rollout.evaluation.placeholder`, its reason in ``detail``:
+
+- the workspace never comes up (the template cannot be copied, the setup command fails);
+- an *infrastructure failure* of the harness (:func:`infrastructure_failure`): it could
+  not be spawned, or it exited non-zero by itself without having touched the workspace
+  or called the model.
+
+An evaluation that gives up before the overall budget ends (the workspace changed
+under a retry, or the optional attempt cap) is ``failed`` with no reward. A cancelled
+execution (surplus under oversampling) is ``cancelled``, not evaluated. Every execution
+ends with exactly one outcome.
+
+Every assessment is kept in :attr:`ExecutionResult.assessments`, in the order made:
+intermediate ones (made while the harness ran, :mod:`qwengyre.rollout.assessments`),
+then the final attempts or the placeholder. Only the final assessment gives the reward.
+With a ``hub`` (the proxy), the execution registers its intermediate assessor for the
+proxy's ``POST /x/{execution_id}/assess`` while its harness runs, and the proxy's record
+of its model calls informs :func:`infrastructure_failure`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from qwengyre.rollout.evaluation import Assessment, assess, final, placeholder
+from qwengyre.rollout.assessments import ArtifactVersions, AssessmentHub, IntermediateAssessor
+from qwengyre.rollout.evaluation import (
+    Assessment,
+    EvaluationOptions,
+    artifact_digest,
+    assess,
+    final,
+    placeholder,
+)
 from qwengyre.rollout.harness import HarnessRun, HarnessSpec, run_harness
 from qwengyre.rollout.tasks import Task
 from qwengyre.types import Outcome
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,7 +73,12 @@ class Budgets:
 
 @dataclass(frozen=True)
 class ExecutionResult:
-    """How one execution ended; ``reward`` is None exactly when no valid assessment exists."""
+    """How one execution ended; ``reward`` is None exactly when no valid assessment exists.
+
+    ``assessments``: every assessment of the execution, in the order made (intermediate,
+    then final attempts or the placeholder); write them with
+    :class:`~qwengyre.rollout.assessments.AssessmentLog`.
+    """
 
     execution_id: str
     task_id: str
@@ -88,6 +120,64 @@ async def _prepare_workspace(task: Task, workspace: Path, timeout_s: float) -> s
         return f"workspace could not be created: {exc}"
 
 
+def infrastructure_failure(
+    run: HarnessRun,
+    setup_digest: str,
+    after_digest: str | None,
+    model_calls: int | None,
+) -> str | None:
+    """Why ``run`` is an infrastructure failure (the harness never really ran), or None.
+
+    It is one exactly when either
+
+    1. the harness process could not be spawned (:attr:`HarnessRun.spawned` is False:
+       missing binary, exec failure, a working directory that vanished); or
+    2. it ended by itself -- not timed out, not cancelled -- with a non-zero status (or
+       a signal, or a Python harness that raised) *and* the workspace digest after it
+       (``after_digest``) equals the one taken right after setup (``setup_digest``)
+       *and* it made no model call (``model_calls == 0``, from the proxy's records).
+
+    Without the proxy's records (``model_calls is None``: no hub was given) rule 2 rests
+    on the exit status and the digest alone. The model-call condition is what separates
+    a crash at start-up from a policy that talked for an hour, touched nothing and then
+    made its harness fail: the latter's trajectories are the policy's own doing, so its
+    untouched workspace is evaluated like any other result. Not infrastructure failures,
+    and so evaluated: a harness that exited 0 (even having changed nothing), one that
+    changed the workspace or called the model before crashing, and a harness timeout.
+    """
+    if not run.spawned:
+        return f"infrastructure failure: {run.error or 'the harness could not be spawned'}"
+    if run.timed_out or run.cancelled or run.exit_code == 0:
+        return None
+    if after_digest is None or after_digest != setup_digest or model_calls not in (0, None):
+        return None
+    status = "raised" if run.exit_code is None else f"exited with status {run.exit_code}"
+    calls = "" if model_calls is None else " and made no model call"
+    reason = f" ({run.error})" if run.error else ""
+    return (
+        f"infrastructure failure: the harness {status}{reason} without touching the "
+        f"workspace{calls}"
+    )
+
+
+async def _digest(workspace: Path) -> str | None:
+    try:
+        return await asyncio.to_thread(artifact_digest, workspace)
+    except OSError:
+        return None
+
+
+async def _model_calls(hub: AssessmentHub | None, execution_id: str) -> int | None:
+    """How many model calls the proxy recorded for the execution (None: unknown)."""
+    if hub is None:
+        return None
+    try:
+        return len((await hub.tree(execution_id)).nodes)
+    except Exception:  # an unknown execution, a damaged store: not known
+        log.warning("cannot count the model calls of %s", execution_id, exc_info=True)
+        return None
+
+
 async def run_execution(
     task: Task,
     harness: HarnessSpec,
@@ -98,10 +188,25 @@ async def run_execution(
     base_url: str,
     api_key: str,
     cancel: asyncio.Event | None = None,
-    evaluation_attempts: int = 5,
-    retry_delay_s: float = 1.0,
+    evaluation: EvaluationOptions | None = None,
+    hub: AssessmentHub | None = None,
+    evaluation_attempts: int | None = None,
+    retry_delay_s: float | None = None,
 ) -> ExecutionResult:
-    """Run ``task`` once with ``harness``; workspaces and logs go under ``run_dir``."""
+    """Run ``task`` once with ``harness``; workspaces and logs go under ``run_dir``.
+
+    ``evaluation`` sets the retry pacing, the optional attempt cap and the intermediate
+    schedule (default :class:`EvaluationOptions()`: retries until the overall budget,
+    no schedule); ``evaluation_attempts`` / ``retry_delay_s``, when given, override its
+    ``max_attempts`` / ``retry_delay_s``. ``hub`` (the proxy serving ``base_url``; its
+    ``execution_id`` must be this one) receives the intermediate assessor while the
+    harness runs and is asked for the model-call count (:func:`infrastructure_failure`).
+    """
+    options = evaluation or EvaluationOptions()
+    if evaluation_attempts is not None:
+        options = replace(options, max_attempts=evaluation_attempts)
+    if retry_delay_s is not None:
+        options = replace(options, retry_delay_s=retry_delay_s)
     started = time.monotonic()
     overall_deadline = started + budgets.overall_s
     workspace = run_dir / "workspaces" / execution_id
@@ -128,42 +233,80 @@ async def run_execution(
         )
 
     problem = await _prepare_workspace(task, workspace, budgets.harness_s)
-    if problem is not None:
-        nothing = placeholder(problem)
-        return result(Outcome.FAILED, 0.0, None, (nothing,), problem)
+    setup_digest = await _digest(workspace) if problem is None else None
+    if problem is not None or setup_digest is None:
+        problem = problem or "the workspace cannot be read after setup"
+        return result(Outcome.FAILED, 0.0, None, (placeholder(problem),), problem)
     logs.mkdir(parents=True, exist_ok=True)
-    run = await run_harness(
-        replace(harness, deadline_s=budgets.harness_s),
-        workspace=workspace,
-        logs_dir=logs,
-        execution_id=execution_id,
-        base_url=base_url,
-        api_key=api_key,
-        instructions=task.instructions,
-        cancel=cancel,
+    versions = ArtifactVersions()
+    intermediate = IntermediateAssessor(
+        task.evaluator,
+        workspace,
+        deadline=overall_deadline,
+        versions=versions,
+        metadata=dict(task.metadata),
     )
+    if hub is not None:
+        hub.register_assessor(execution_id, intermediate.answer)
+    schedule: asyncio.Future[None] | None = None
+    if options.intermediate_every_s is not None:
+        schedule = asyncio.ensure_future(intermediate.periodic(options.intermediate_every_s))
+    try:
+        run = await run_harness(
+            replace(harness, deadline_s=budgets.harness_s),
+            workspace=workspace,
+            logs_dir=logs,
+            execution_id=execution_id,
+            base_url=base_url,
+            api_key=api_key,
+            instructions=task.instructions,
+            cancel=cancel,
+        )
+    finally:
+        if hub is not None:
+            hub.unregister_assessor(execution_id)
+        if schedule is not None:
+            schedule.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await schedule
+        await intermediate.close()
+    made = tuple(intermediate.assessments)
     if run.cancelled:
-        return result(Outcome.CANCELLED, None, run, detail="cancelled")
+        return result(Outcome.CANCELLED, None, run, made, detail="cancelled")
     if run.timed_out:
         outcome = Outcome.HARNESS_TIMEOUT
     elif run.exit_code == 0 and run.error is None:
         outcome = Outcome.COMPLETED
     else:
         outcome = Outcome.FAILED
+    after = await _digest(workspace)
+    calls: int | None = None
+    if run.spawned and not run.timed_out and run.exit_code != 0 and after == setup_digest:
+        calls = await _model_calls(hub, execution_id)
+    infrastructure = infrastructure_failure(run, setup_digest, after, calls)
+    if infrastructure is not None:
+        nothing = placeholder(infrastructure)
+        return result(Outcome.FAILED, 0.0, run, (*made, nothing), infrastructure)
     attempts = tuple(
         await assess(
             task.evaluator,
             workspace,
             deadline=overall_deadline,
-            max_attempts=evaluation_attempts,
-            retry_delay_s=retry_delay_s,
+            max_attempts=options.max_attempts,
+            retry_delay_s=options.retry_delay_s,
+            retry_backoff=options.retry_backoff,
+            max_retry_delay_s=options.max_retry_delay_s,
             metadata=dict(task.metadata),
+            reference=after,
+            version=versions.version_of(after) if after else None,
         )
     )
+    everything = (*made, *attempts)
     valid = final(attempts)
     if valid is not None:
-        return result(outcome, valid.score, run, attempts)
+        return result(outcome, valid.score, run, everything)
     if time.monotonic() >= overall_deadline:
         ended = "the overall budget ended before a valid assessment"
-        return result(Outcome.OVERALL_TIMEOUT, None, run, attempts, ended)
-    return result(Outcome.FAILED, None, run, attempts, "every evaluation attempt was invalid")
+        return result(Outcome.OVERALL_TIMEOUT, None, run, everything, ended)
+    why = attempts[-1].detail if attempts else "no evaluation attempt was made"
+    return result(Outcome.FAILED, None, run, everything, f"no valid evaluation attempt: {why}")

@@ -136,7 +136,9 @@ class HarnessRun:
     ``exit_code`` is the child's return code (negative: killed by that signal), or None
     when a Python harness did not finish. ``timed_out`` / ``cancelled`` say why qwengyre
     stopped it (never both). Times are ``time.monotonic()`` readings. ``error`` is a short
-    reason when the harness could not run or raised.
+    reason when the harness could not run or raised. ``spawned`` is False only when the
+    harness process could not be created at all (missing binary, exec failure, bad
+    working directory): nothing of the harness ever ran.
     """
 
     exit_code: int | None
@@ -147,6 +149,7 @@ class HarnessRun:
     stdout_path: Path | None
     stderr_path: Path | None
     error: str | None = None
+    spawned: bool = True
 
     @property
     def duration_s(self) -> float:
@@ -342,6 +345,7 @@ async def run_harness(
                 stdout_path=stdout_path,
                 stderr_path=stderr_path,
                 error=f"could not start harness: {exc}",
+                spawned=False,
             )
 
     # The process group's id, so a restarted runner can stop a harness it orphaned.

@@ -4,10 +4,15 @@
 N executions run (bounded concurrency) with a harness that reaches the model only
 through an in-process proxy (embedded engine). Each finished execution is committed to
 the run's SQLite store (the same file as the proxy's TITO records) before it counts,
-and appends one line to ``traces.jsonl`` in the simulator's replay format. With
+appends every one of its assessments (final attempts, intermediate ones, placeholders)
+to ``assessments.jsonl`` (:class:`~qwengyre.rollout.assessments.AssessmentLog`) and
+one line to ``traces.jsonl`` in the simulator's replay format. The in-process proxy
+serves each running execution's intermediate assessments (``POST /x/{id}/assess``). With
 ``resume`` a restarted run skips executions already committed, stops the harnesses a
 killed runner orphaned, and re-runs the rest (an execution whose runner died has no
-result, so it runs again, under a new id).
+result, so it runs again, under a new id). An execution's assessments are written just
+before its result is committed, so a runner killed between the two leaves log lines of
+an execution with no committed result: readers join the log with the committed results.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import sqlite3
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,8 @@ import aiohttp
 from aiohttp import web
 
 from qwengyre.proxy.serve import ServeOptions, build_proxy
+from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
+from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import (
@@ -36,6 +43,8 @@ from qwengyre.rollout.harness import (
     mini_swe_agent_spec,
 )
 from qwengyre.rollout.tasks import Task, load_tasks
+from qwengyre.rollout.toy_harness import CRITIQUE_ENV
+from qwengyre.runtime.lock import lock_run_dir
 from qwengyre.sim.trace import TraceCall, TraceRecord, TraceWriter
 
 _SCHEMA = """
@@ -63,6 +72,10 @@ class RolloutOptions:
     overall_s: float = 900.0
     resume: bool = False
     device: str = "cpu"
+    dtype: str = "float32"  # the embedded engine's weights and KV cache
+    temperature: float = 1.0  # what every call samples at (trainer.temperature)
+    max_context: int | None = None  # tokens per model call; None: the model's limit
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)  # retries, schedule
 
 
 #: Environment variable naming the Claude Code binary (default: ``claude`` on PATH).
@@ -72,14 +85,20 @@ CLAUDE_BIN_ENV = "QWENGYRE_CLAUDE_BIN"
 def harness_spec(name: str, deadline_s: float) -> HarnessSpec:
     """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec).
 
+    ``toy-critique`` / ``toy-critique-assistant`` run the toy harness in critique mode
+    (it asks for an intermediate assessment after each tool turn and feeds the critique
+    back as a user / assistant message: :mod:`qwengyre.rollout.toy_harness`).
+
     ``claude-code`` runs Claude Code with ``--tools Bash,Read,Edit,Write``;
     ``claude-code-bare`` runs it with ``--bare`` (3 tools, a far shorter prompt: the one
     that fits a tiny model's window). The binary is ``$QWENGYRE_CLAUDE_BIN`` if set, else
     ``claude`` looked up on the PATH the harness inherits.
     """
-    if name == "toy":
+    if name in ("toy", "toy-critique", "toy-critique-assistant"):
         command = (sys.executable, "-m", "qwengyre.rollout.toy_harness", "{instructions}")
-        return HarnessSpec(command=command, deadline_s=deadline_s)
+        role = {"toy-critique": "user", "toy-critique-assistant": "assistant"}.get(name)
+        env = {CRITIQUE_ENV: role} if role else {}
+        return HarnessSpec(command=command, deadline_s=deadline_s, env=env)
     if name in ("claude-code", "claude-code-bare"):
         binary = os.environ.get(CLAUDE_BIN_ENV) or "claude"
         binary = binary.replace("{", "{{").replace("}", "}}")  # a literal, not a template
@@ -90,8 +109,8 @@ def harness_spec(name: str, deadline_s: float) -> HarnessSpec:
         return mini_swe_agent_spec(deadline_s=deadline_s)
     if "{instructions}" not in name:
         raise ValueError(
-            f"harness {name!r}: use toy, claude-code, claude-code-bare, mini-swe-agent or a"
-            " command template containing {instructions}"
+            f"harness {name!r}: use toy, toy-critique, toy-critique-assistant, claude-code,"
+            " claude-code-bare, mini-swe-agent or a command template containing {instructions}"
         )
     return HarnessSpec(command=tuple(name.split()), deadline_s=deadline_s)
 
@@ -155,16 +174,30 @@ class ResultStore:
 
 
 async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | None]]:
-    """Run every (task, index) not yet committed; returns all committed results."""
+    """Run every (task, index) not yet committed; returns all committed results.
+
+    Holds the run directory's lock throughout: a directory another run uses is refused
+    with one line naming it, and a new run's directory must be empty (bar the lock file).
+    Resuming an empty one runs everything, as a new run does."""
+    with lock_run_dir(options.run_dir, new=not options.resume):
+        return await _rollout(options)
+
+
+async def _rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | None]]:
     tasks = load_tasks(options.tasks)
     spec = harness_spec(options.harness, options.harness_s)
     budgets = Budgets(options.harness_s, options.overall_s)
     run_dir = options.run_dir
-    if run_dir.exists() and any(run_dir.iterdir()) and not options.resume:
-        raise ValueError(f"{run_dir} is not empty; pass --resume to continue that run")
-    run_dir.mkdir(parents=True, exist_ok=True)
     server = build_proxy(
-        ServeOptions(model=options.model, store=run_dir, engine="embedded", device=options.device)
+        ServeOptions(
+            model=options.model,
+            store=run_dir,
+            engine="embedded",
+            device=options.device,
+            dtype=options.dtype,
+            temperature=options.temperature,
+            max_context=options.max_context,
+        )
     )
     results = ResultStore(run_dir / "proxy.sqlite")
     runner = web.AppRunner(server.app(), access_log=None)
@@ -181,6 +214,7 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
                 kill_orphaned_harness(logs, logs.name)
     start_wall = time.time()
     limit = asyncio.Semaphore(options.concurrency)
+    assessments = AssessmentLog(run_dir / ASSESSMENTS_FILE)
     try:
         async with aiohttp.ClientSession() as http:
             with TraceWriter(run_dir / "traces.jsonl", fsync=True) as traces:
@@ -201,10 +235,19 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
                             base_url=execution["base_url"],
                             api_key=execution["key"],
                             cancel=cancel,
+                            evaluation=options.evaluation,
+                            hub=server,
                         )
                         tree_url = f"{url}/admin/executions/{execution['id']}/tree"
                         async with http.get(tree_url, headers=admin) as r:
                             nodes = (await r.json())["nodes"]
+                        assessments.write(
+                            result.execution_id,
+                            group,
+                            index,
+                            result.assessments,
+                            task_id=task.id,
+                        )
                         results.add(index, result)  # durable before it counts
                         traces.write(
                             trace_record(task, group, index, result, began, nodes, start_wall)
@@ -243,10 +286,11 @@ def trace_record(
     began: float,
     nodes: list[dict[str, Any]],
     start_wall: float,
+    version: int | None = None,
 ) -> TraceRecord:
     """The execution's trace line; its calls' timings and token counts come from its tree.
     A call whose answer never reached the harness is not one of its calls (the harness
-    retried it, and the retry is)."""
+    retried it, and the retry is). ``version``: the policy version it launched with."""
     calls = [
         TraceCall(
             start_s=max(0.0, n["started_s"] - start_wall),
@@ -268,6 +312,7 @@ def trace_record(
         reward=result.reward,
         train_tokens=sum(c.output_tokens for c in calls),
         calls=calls,
+        version=version,
     )
 
 

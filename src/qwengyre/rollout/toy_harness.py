@@ -18,6 +18,15 @@ from ``[system, user: "This session is being continued ... Summary: ..."]``. So 
 execution records ``main.task``, ``sub.task`` and ``main.summary`` calls, and a tree
 with several roots (main, sub-agent, post-compaction main).
 
+Opt-in critique mode (intermediate assessments, :mod:`qwengyre.rollout.assessments`):
+with ``critique="user"`` or ``"assistant"`` (``QWENGYRE_TOY_CRITIQUE`` when run as a
+program), after each main-agent turn that used tools the agent asks the proxy to assess
+the workspace now (``POST <execution base URL>/assess`` with its own key) and puts the
+answer's ``critique`` into its next request, as a message of that role starting
+:data:`CRITIQUE_PREFIX`. An assessment that cannot be had (no evaluator registered, an
+error) is skipped. The critique is text the harness injects, so the proxy records it as
+input, never as a training target.
+
 Run as ``python -m qwengyre.rollout.toy_harness "<instructions>"`` with
 ``OPENAI_BASE_URL`` (ending in ``/v1``) and ``OPENAI_API_KEY`` set; the workspace is
 the current directory. Exit status 0 when the model finished (answered without tool
@@ -31,6 +40,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +49,8 @@ import aiohttp
 
 __all__ = [
     "COMPACTION_PROMPT",
+    "CRITIQUE_ENV",
+    "CRITIQUE_PREFIX",
     "ModelCallError",
     "ModelClient",
     "ToyResult",
@@ -64,6 +76,11 @@ CONTINUATION = (
     "This session is being continued from a previous conversation. "
     "Summary: {summary}\n\nTask: {task}"
 )
+CRITIQUE_PREFIX = "Reviewer feedback on the current workspace: "
+"""How a critique starts in the message that carries it (critique mode)."""
+CRITIQUE_ENV = "QWENGYRE_TOY_CRITIQUE"
+"""Environment variable turning critique mode on when run as a program: user | assistant."""
+CRITIQUE_ROLES = ("user", "assistant")
 SUBAGENT_HEADER = "x-claude-code-agent-id"
 COMPACT_AFTER = 4
 """Messages after the first user turn that trigger the (single) compaction."""
@@ -131,6 +148,8 @@ class ToyResult:
     """True when the model ended with an answer without tool calls (exit status 0)."""
     retries: int = 0
     """Model calls sent again after a 5xx, a 429 or a connection error (HTTP client)."""
+    critiques: int = 0
+    """Critiques put into a request (critique mode)."""
 
 
 def write_file(workspace: Path, path: Any, content: Any) -> str:
@@ -284,6 +303,32 @@ class _Agent:
         return f"(the sub-agent stopped after {SUBAGENT_MAX_TURNS} turns) {last}".rstrip()
 
 
+def assess_url(base_url: str) -> str:
+    """The proxy's assessment endpoint for an execution's OpenAI base URL
+    (``http://host/x/ex_1/v1`` -> ``http://host/x/ex_1/assess``)."""
+    return base_url.rstrip("/").removesuffix("/v1") + "/assess"
+
+
+def _assess_caller(
+    session: aiohttp.ClientSession, url: str, api_key: str
+) -> Callable[[], Awaitable[str | None]]:
+    async def ask() -> str | None:
+        headers = {"authorization": f"Bearer {api_key}"}
+        try:
+            async with session.post(url, json={}, headers=headers) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    print(f"toy harness: no assessment: HTTP {resp.status}", file=sys.stderr)
+                    return None
+                critique = json.loads(text).get("critique")
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            print(f"toy harness: no assessment: {exc!r}", file=sys.stderr)
+            return None
+        return critique if isinstance(critique, str) and critique.strip() else None
+
+    return ask
+
+
 async def run_toy_agent(
     base_url: str,
     api_key: str,
@@ -294,24 +339,45 @@ async def run_toy_agent(
     model: str = "qwengyre",
     retry_backoff_s: float = 0.5,
     timeout_s: float = 300.0,
+    critique: str | None = None,
 ) -> ToyResult:
     """Run the toy agent against an OpenAI-compatible ``base_url`` (ending in ``/v1``).
 
-    Raises :class:`ModelCallError` when a model call fails for good.
+    ``critique`` (``"user"`` or ``"assistant"``) turns critique mode on (module
+    docstring). Raises :class:`ModelCallError` when a model call fails for good.
     """
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         client = _Client(session, base_url, api_key, model, retry_backoff_s)
-        result = await run_episode(client, instructions, Path(workspace), max_turns=max_turns)
+        ask = _assess_caller(session, assess_url(base_url), api_key) if critique else None
+        result = await run_episode(
+            client,
+            instructions,
+            Path(workspace),
+            max_turns=max_turns,
+            assess=ask,
+            critique_role=critique or "user",
+        )
         return dataclasses.replace(result, retries=client.retries)
 
 
 async def run_episode(
-    client: ModelClient, instructions: str, workspace: Path, *, max_turns: int = 8
+    client: ModelClient,
+    instructions: str,
+    workspace: Path,
+    *,
+    max_turns: int = 8,
+    assess: Callable[[], Awaitable[str | None]] | None = None,
+    critique_role: str = "user",
 ) -> ToyResult:
     """The agent's loop over any :class:`ModelClient` (the HTTP one, or an in-process
     stand-in such as :mod:`qwengyre.training.warm_start`'s, which drives the proxy's
-    recorder directly and must see exactly the requests the HTTP client would send)."""
+    recorder directly and must see exactly the requests the HTTP client would send).
+
+    ``assess`` (critique mode): called after each main-agent tool turn; the critique it
+    returns (None: none) goes into the next request as a ``critique_role`` message."""
+    if critique_role not in CRITIQUE_ROLES:
+        raise ValueError(f"critique_role must be one of {CRITIQUE_ROLES}, got {critique_role!r}")
     agent = _Agent(client, workspace)
     tools = [WRITE_FILE_TOOL, DELEGATE_TOOL]
     messages: list[dict[str, Any]] = [
@@ -319,7 +385,7 @@ async def run_episode(
         {"role": "user", "content": instructions},
     ]
     compacted = finished = False
-    turns = 0
+    turns = critiques = 0
     final = ""
     while turns < max_turns:
         if not compacted and len(messages) - 2 >= COMPACT_AFTER:
@@ -343,6 +409,10 @@ async def run_episode(
             break
         messages.append(_assistant_message(reply))
         messages += await agent.tool_results(reply, allow_delegate=True)
+        critique = await assess() if assess is not None else None
+        if critique is not None:
+            messages.append({"role": critique_role, "content": CRITIQUE_PREFIX + critique})
+            critiques += 1
     return ToyResult(
         turns=turns,
         calls=client.calls,
@@ -350,6 +420,7 @@ async def run_episode(
         subagent_calls=agent.subagent_calls,
         final_text=final,
         finished=finished,
+        critiques=critiques,
     )
 
 
@@ -357,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     base_url = os.environ.get("OPENAI_BASE_URL", "")
     api_key = os.environ.get("OPENAI_API_KEY", "")
+    critique = os.environ.get(CRITIQUE_ENV, "").strip() or None
+    if critique is not None and critique not in CRITIQUE_ROLES:
+        print(f"{CRITIQUE_ENV} must be one of {', '.join(CRITIQUE_ROLES)}", file=sys.stderr)
+        return 1
     if not args or not base_url or not api_key:
         print(
             "usage: OPENAI_BASE_URL=... OPENAI_API_KEY=... "
@@ -365,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     try:
-        result = asyncio.run(run_toy_agent(base_url, api_key, args[0], Path.cwd()))
+        result = asyncio.run(
+            run_toy_agent(base_url, api_key, args[0], Path.cwd(), critique=critique)
+        )
     except ModelCallError as exc:
         print(f"toy harness: giving up: {exc}", file=sys.stderr)
         return 1
@@ -373,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"toy harness: turns={result.turns} calls={result.calls} compacted={result.compacted} "
         f"subagent_calls={result.subagent_calls} finished={result.finished} "
-        f"retries={result.retries}",
+        f"retries={result.retries} critiques={result.critiques}",
         file=sys.stderr,
     )
     return 0 if result.finished else 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 import statistics
 import time
@@ -37,17 +38,21 @@ from typing import Any
 
 from qwengyre.cluster.local import ActorDied
 from qwengyre.cluster.placement import CellHandle
+from qwengyre.cluster.standalone import STANDALONE_NAME
 from qwengyre.config import Config
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.report.metrics import (
     GroupRecord,
     LoadRecord,
     MetricsWriter,
+    PublicationRecord,
     RoleRecord,
     StepRecord,
     SwitchRecord,
     UsageRecord,
 )
+from qwengyre.rollout.assessments import AssessmentLog
+from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, run_execution
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec
@@ -97,17 +102,18 @@ CELL_WATCH_S = 1.0
 
 def engine_name(engine: int) -> str:
     """The proxy's name for the scheduler's engine id."""
-    return "standalone" if engine == STANDALONE else f"cell-{engine}"
+    return STANDALONE_NAME if engine == STANDALONE else f"cell-{engine}"
 
 
 @dataclass
 class RunOutputs:
-    """Where the controller writes: metrics, traces, the ledger, checkpoints."""
+    """Where the controller writes: metrics, traces, the ledger, assessments, checkpoints."""
 
     run_dir: Path
     metrics: MetricsWriter
     traces: TraceWriter
     ledger: Ledger
+    assessments: AssessmentLog  # every assessment of every execution, durable
 
     @property
     def checkpoints(self) -> Path:
@@ -122,6 +128,7 @@ class _Execution:
     proxy_id: str
     cancel: asyncio.Event
     started_s: float
+    version: int  # the policy version published when it launched
 
 
 @dataclass
@@ -150,15 +157,18 @@ class Controller:
         *,
         trajectories: TrajectoryBuffer | None = None,
         trained: Sequence[int] = (),
+        standalone: CellHandle | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
         self.proxy = proxy
         self.cells = list(cells)
+        self.standalone = standalone  # the standalone pool's actor: rollout only
         self.tasks = list(tasks)
         self.harness = harness
         self.outputs = outputs
         self.budgets = Budgets(config.run.harness_s, config.run.overall_s)
+        self.evaluation = EvaluationOptions.from_config(config.evaluation)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.trajectories = trajectories or TrajectoryBuffer()
         self.packing = PackingBuffer(self.trajectories, config.trainer.micro_step_tokens)
@@ -176,7 +186,7 @@ class Controller:
         self._roles = list(scheduler.roles)
         self._t0 = time.monotonic()
         self._wall0 = time.time()
-        self._last_load = (-1, -1, -1)
+        self._last_load = (-1, -1, -1, -1)
         self._busy_s = [0.0] * len(self._roles)  # per cell, see UsageRecord
         self._serving = [False] * len(self._roles)  # rollout with executions routed to it
         self._accounted_at = 0.0
@@ -214,7 +224,6 @@ class Controller:
             if role is Role.TRAINING:
                 await self.proxy.router.drain(engine_name(cell))
                 await self.cells[cell].call("release_engine")
-        self._spawn(self._sample_load())
         self._spawn(self._watch_cells())
         while not self.finished:
             event = await self.events.get()
@@ -243,6 +252,7 @@ class Controller:
             for cell, role in enumerate(self.scheduler.roles)
         ]
         self._observe_roles()
+        self._record_load()
         self._maybe_pull()
 
     async def execute(self, action: Action) -> None:
@@ -282,6 +292,7 @@ class Controller:
             info["id"],
             asyncio.Event(),
             self.now(),
+            action.version,
         )
         self._executions[ex.id] = ex
         self._spawn(self._run_execution(ex, info), name="execution")
@@ -297,11 +308,23 @@ class Controller:
             base_url=info["base_url"],
             api_key=info["key"],
             cancel=ex.cancel,
+            evaluation=self.evaluation,
+            hub=self.proxy,  # intermediate assessments; its call count tells crashes apart
+        )
+        await asyncio.to_thread(  # durable before the execution counts
+            self.outputs.assessments.write,
+            ex.proxy_id,
+            ex.group,
+            ex.index,
+            result.assessments,
+            task_id=task.id,
         )
         await self.proxy.revoke_execution(ex.proxy_id)
         nodes = (await self.proxy.tree(ex.proxy_id)).to_json()["nodes"]
         self.outputs.traces.write(
-            trace_record(task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0)
+            trace_record(
+                task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0, ex.version
+            )
         )
         self._emit(lambda t: ExecutionFinished(t, ex.id, result.outcome, result.reward))
 
@@ -353,8 +376,14 @@ class Controller:
                 self._start_worker(cell)
 
     async def _publish(self, version: int) -> None:
-        rollout = [c for c, r in enumerate(self.scheduler.roles) if r is Role.ROLLOUT]
-        await asyncio.gather(*(self.cells[c].call("update_engine_weights") for c in rollout))
+        """The core's weights reach every rollout engine: the rollout cells and the
+        standalone pool (PAPER: publication after the burst's final update)."""
+        rollout = [self.cells[c] for c, r in enumerate(self.scheduler.roles) if r is Role.ROLLOUT]
+        if self.standalone is not None:
+            rollout.append(self.standalone)
+        start = self.now()
+        await asyncio.gather(*(engine.call("update_engine_weights") for engine in rollout))
+        self.outputs.metrics.write(PublicationRecord(self.now(), version, self.now() - start))
         self._emit(lambda t: PublicationDone(t, version))
 
     # ------------------------------------------------------------------ training
@@ -427,9 +456,17 @@ class Controller:
             ),
         )
         for gid in summary.group_ids:  # trained in this step
-            v_d = self.scheduler.groups[gid].v_d
+            group = self.scheduler.groups[gid]
+            launched = [self._executions[e].version for e in group.valid]
             self.outputs.metrics.write(
-                GroupRecord(self.now(), gid, v_d, step.step, step.step - v_d)
+                GroupRecord(
+                    self.now(),
+                    gid,
+                    group.v_d,
+                    step.step,
+                    step.step - group.v_d,
+                    statistics.fmean(step.step - v for v in launched) if launched else math.nan,
+                )
             )
         self.outputs.metrics.write(record)
         self.write_usage()
@@ -477,14 +514,13 @@ class Controller:
         for cell, busy in enumerate(self._busy_s):
             self.outputs.metrics.write(UsageRecord(now, cell, busy, max(0.0, now - busy)))
 
-    async def _sample_load(self) -> None:
-        while True:
-            c, s = self.scheduler.counters, self.scheduler
-            sample = (c.running, c.queued, s.capacity)
-            if sample != self._last_load:
-                self._last_load = sample
-                self.outputs.metrics.write(LoadRecord(self.now(), *sample))
-            await asyncio.sleep(self.config.run.load_sample_s)
+    def _record_load(self) -> None:
+        """A load record whenever the counters changed: the waterlevel's every step."""
+        c, s = self.scheduler.counters, self.scheduler
+        sample = (c.running, c.queued, s.capacity, c.reserved)
+        if sample != self._last_load:
+            self._last_load = sample
+            self.outputs.metrics.write(LoadRecord(self.now(), *sample))
 
     async def _watch_cells(self) -> None:
         """A cell that dies stops the run at once, not at the next call it gets (a
@@ -494,9 +530,9 @@ class Controller:
             await asyncio.sleep(CELL_WATCH_S)
 
     async def _check_cells(self) -> None:
-        """Raise ``ActorDied`` for the first cell that is gone."""
-        for cell in self.cells:
-            await cell.check_alive()
+        """Raise ``ActorDied`` for the first cell (or the standalone pool) that is gone."""
+        for actor in [*self.cells, *([self.standalone] if self.standalone else [])]:
+            await actor.check_alive()
 
     async def _root_cause(self, failure: BaseException) -> BaseException:
         """A dead cell, if any: it explains the failure of the calls to it and of its

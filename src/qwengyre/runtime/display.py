@@ -1,14 +1,20 @@
 """The live ``rich`` view of a training run: step, reward, each cell's role,
-running/queued executions and staleness, redrawn twice a second."""
+running/queued executions and staleness, redrawn twice a second.
+
+A step with no learning signal (nothing packed: every advantage zero, see
+:attr:`~qwengyre.report.metrics.StepRecord.learning_signal`) is marked as such, in the
+view and in the one-line-per-step log, with how many steps so far had none."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from qwengyre.report.metrics import StepRecord
 from qwengyre.runtime.controller import Controller
 from qwengyre.scheduler.events import Role
 
@@ -18,6 +24,34 @@ ROLE_STYLE = {
     Role.TO_TRAINING: "yellow",
     Role.TO_ROLLOUT: "green",
 }
+
+
+NO_SIGNAL = "no learning signal"
+
+
+def signal_text(records: Sequence[StepRecord]) -> str:
+    """The view's "learning signal" row: the last step's, and how many steps had none."""
+    last = records[-1]
+    none = sum(not r.learning_signal for r in records)
+    so_far = f"{none} of {len(records)} steps had none so far" if none else "every step so far"
+    if last.learning_signal:
+        return f"{last.tokens} tokens, {last.micro_steps} micro-steps ({so_far})"
+    return f"[bold red]{NO_SIGNAL}[/bold red]: nothing packed, all advantages zero ({so_far})"
+
+
+def step_line(record: StepRecord) -> str:
+    """One step as the log prints it (``NO LEARNING SIGNAL`` when nothing was trained)."""
+    line = (
+        f"step {record.step}: reward {record.reward_mean:.3f} ± {record.reward_std:.3f}"
+        f" over {record.rewards}, staleness {record.staleness_mean:.2f},"
+        f" {record.cells} cells, {record.train_s:.1f} s training, t={record.time_s:.0f}s"
+    )
+    if not record.learning_signal:
+        line += (
+            f"; {NO_SIGNAL.upper()} ({record.tokens} tokens, {record.micro_steps} micro-steps:"
+            " every advantage was zero)"
+        )
+    return line
 
 
 def render(controller: Controller) -> Table:
@@ -32,6 +66,7 @@ def render(controller: Controller) -> Table:
     if last is not None:
         table.add_row("reward (last step)", f"{last.reward_mean:.3f} ± {last.reward_std:.3f}")
         table.add_row("staleness (last step)", f"{last.staleness_mean:.2f}")
+        table.add_row("learning signal", signal_text(controller.step_records))
     cells = " ".join(
         f"[{ROLE_STYLE[r]}]{i}:{r.value}[/{ROLE_STYLE[r]}]" for i, r in enumerate(s.roles)
     )
@@ -53,9 +88,5 @@ async def show(controller: Controller, console: Console | None = None) -> None:
     while True:
         await asyncio.sleep(1.0)
         for record in controller.step_records[printed:]:
-            console.print(
-                f"step {record.step}: reward {record.reward_mean:.3f} ± {record.reward_std:.3f}"
-                f" over {record.rewards}, staleness {record.staleness_mean:.2f},"
-                f" {record.cells} cells, {record.train_s:.1f} s training, t={record.time_s:.0f}s"
-            )
+            console.print(step_line(record), markup=False)
         printed = len(controller.step_records)

@@ -6,6 +6,7 @@ Everything lives under the run directory::
     warm_start/        the tiny model after its supervised warm start
     proxy.sqlite       every model call (TITO records) and execution
     ledger.jsonl       every group that finished its rollout (admitted trajectories)
+    assessments.jsonl  every assessment of every execution (final, intermediate, placeholder)
     metrics.jsonl      steps, roles, switches, load, groups (qwengyre.report.metrics)
     traces.jsonl       one line per execution, in the simulator's trace format
     checkpoints/       model + optimizer + what a resumed run needs (every step)
@@ -33,22 +34,26 @@ from aiohttp import web
 
 from qwengyre.cluster.cell import CellSpec
 from qwengyre.cluster.local import ActorDied
-from qwengyre.cluster.placement import CellHandle, start_cells, stop_cells
+from qwengyre.cluster.placement import CellHandle, start_cells, start_standalone, stop_cells
+from qwengyre.cluster.standalone import StandaloneSpec
 from qwengyre.config import Config, config_to_yaml, load_config
 from qwengyre.engines.sglang import SGLangEngine
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.proxy.store import Store
-from qwengyre.report.metrics import MetricsWriter, RunRecord
+from qwengyre.report.metrics import RunRecord
+from qwengyre.report.sinks import check_metrics, open_metrics
+from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.rollout.harness import kill_orphaned_harness
 from qwengyre.rollout.runner import harness_spec
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.runtime.controller import Controller, RunOutputs, engine_name
 from qwengyre.runtime.display import show
 from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.lock import lock_run_dir
 from qwengyre.scheduler.core import Scheduler, SchedulerParams
-from qwengyre.scheduler.events import Start
+from qwengyre.scheduler.events import STANDALONE, Start
 from qwengyre.scheduler.staleness import predicted_staleness
 from qwengyre.sim.trace import TraceWriter
 from qwengyre.training.buffers import TrajectoryBuffer
@@ -90,17 +95,14 @@ def free_port() -> int:
 
 
 def prepare_run_dir(options: TrainOptions) -> Config:
-    """Create (or, resuming, reopen) the run directory; returns the run's config."""
-    run_dir, path = options.run_dir, options.run_dir / CONFIG_FILE
+    """Write (or, resuming, read) the run's config.yaml; returns the run's config. The
+    caller holds the run directory's lock (``train`` does), which checked that a new
+    run's directory is empty."""
+    path = options.run_dir / CONFIG_FILE
     if options.resume:
-        if not path.exists():
-            raise ValueError(f"{run_dir} is not a training run (no {CONFIG_FILE}) to resume")
         return load_config(path)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ValueError(f"{run_dir} is not empty; pick a new --run-dir or pass --resume")
     if options.config is None:
         raise ValueError("a new run needs a config")
-    run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(config_to_yaml(options.config))
     return options.config
 
@@ -112,25 +114,33 @@ def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Pat
     from qwengyre.models import cached_tiny_model
 
     tiny = cached_tiny_model(config.model.tiny_size)
-    if config.run.warm_start_accuracy is None:
+    run, target = config.run, config.run.warm_start_accuracy
+    if target is None:
         return tiny
     out = run_dir / "warm_start"
     if (out / "config.json").exists():
         return out
     from qwengyre.training.warm_start import warm_start
 
-    log(f"warm start: supervised, until accuracy >= {config.run.warm_start_accuracy:.2f}")
-    result = warm_start(
+    log(
+        f"warm start: supervised, until accuracy >= {target:.2f} "
+        f"(at most {run.warm_start_max_steps} steps, {run.torch_threads} torch threads)"
+    )
+    result = warm_start(  # raises WarmStartError (a ValueError) short of the target
         tiny,
         out,
-        target_accuracy=config.run.warm_start_accuracy,
-        max_seconds=config.run.warm_start_max_s,
+        target_accuracy=target,
+        max_steps=run.warm_start_max_steps,
         seed=config.seed,
         log=log,
+        threads=run.torch_threads,
+        advice=f"raise run.warm_start_max_steps (now {run.warm_start_max_steps}), lower "
+        f"run.warm_start_accuracy (now {target:g}), or start from a trained "
+        "model with model.path=DIR",
     )
     log(
         f"warm start: accuracy {result.accuracy:.2f} after {result.steps} steps, "
-        f"{result.seconds:.0f} s" + ("" if result.reached else " (time limit reached)")
+        f"{result.seconds:.0f} s"
     )
     return out
 
@@ -188,6 +198,10 @@ async def _start_proxy(
         max_context=config.run.max_context,
         admin_token=secrets.token_urlsafe(24),
         temperature=config.trainer.temperature,
+        force_sampling=not config.proxy.harness_sampling,
+        max_resident=config.proxy.max_resident,
+        idle_s=config.proxy.idle_s,
+        ping_s=config.proxy.ping_s,
     )
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
@@ -196,9 +210,32 @@ async def _start_proxy(
     return server, runner
 
 
-async def _start_cells(
+@dataclass
+class Engines:
+    """The actors that serve rollout and train: the K cells, and the standalone pool
+    when ``cells.standalone_capacity > 0``."""
+
+    cells: list[CellHandle]
+    standalone: CellHandle | None = None
+
+    def stop(self) -> None:
+        stop_cells([*self.cells, *([self.standalone] if self.standalone else [])])
+
+
+async def _register(
+    proxy: ProxyServer, handle: CellHandle, name: str, capacity: int, version: int, preference: int
+) -> None:
+    url, key = await handle.call("start_engine")
+    engine = SGLangEngine(url, name, capacity=capacity, api_key=key, policy_version=version)
+    proxy.router.register(engine, preference=preference)
+
+
+async def _start_engines(
     config: Config, resumed: Resumed, run_dir: Path, proxy: ProxyServer
-) -> list[CellHandle]:
+) -> Engines:
+    """Start the cells (and the standalone pool) and register their engines with the
+    proxy. Routing preference follows the paper: the standalone pool first, then the
+    rollout cells in descending index."""
     port, board = free_port(), f"qg-{uuid.uuid4().hex[:16]}"
     specs = [
         CellSpec(
@@ -218,23 +255,37 @@ async def _start_cells(
         )
         for rank in range(config.cells.count)
     ]
-    cells = start_cells(config.run.placement, specs, run_dir=run_dir)
+    engines = Engines(start_cells(config.run.placement, specs, run_dir=run_dir))
     try:
-        await asyncio.gather(*(cell.call("connect") for cell in cells))
-        for rank, cell in enumerate(cells):
-            url, key = await cell.call("start_engine")
-            engine = SGLangEngine(
-                url,
-                engine_name(rank),
-                capacity=config.cells.capacity,
-                api_key=key,
-                policy_version=resumed.version,
+        await asyncio.gather(*(cell.call("connect") for cell in engines.cells))
+        for rank, cell in enumerate(engines.cells):
+            await _register(
+                proxy, cell, engine_name(rank), config.cells.capacity, resumed.version, rank
             )
-            proxy.router.register(engine, preference=rank)
+        if config.cells.standalone_capacity > 0:  # the core's board exists now
+            spec = StandaloneSpec(
+                model_dir=str(resumed.model_dir),
+                capacity=config.cells.standalone_capacity,
+                board=board,
+                device=config.cells.standalone_device or config.run.device,
+                torch_threads=config.run.torch_threads,
+                seed=config.seed,
+                max_context=config.run.max_context,
+                version=resumed.version,
+            )
+            engines.standalone = start_standalone(config.run.placement, spec)
+            await _register(
+                proxy,
+                engines.standalone,
+                engine_name(STANDALONE),
+                spec.capacity,
+                resumed.version,
+                preference=config.cells.count,
+            )
     except BaseException:
-        stop_cells(cells)
+        engines.stop()
         raise
-    return cells
+    return engines
 
 
 async def train(options: TrainOptions) -> Controller:
@@ -244,21 +295,28 @@ async def train(options: TrainOptions) -> Controller:
     left, the run then resumes itself from its newest checkpoint, as ``--resume`` does:
     the groups that finished are kept, the executions that were running are lost.
     """
-    restarts = 0
-    while True:
-        try:
-            return await _train_once(options)
-        except ActorDied as died:
-            allowed = load_config(options.run_dir / CONFIG_FILE).run.restarts
-            if restarts >= allowed:
-                raise
-            restarts += 1
-            options.log(f"{died}; restart {restarts} of {allowed}: resuming the run")
-            options = replace(options, resume=True, config=None)
+    run_dir = options.run_dir
+    if options.resume and not (run_dir / CONFIG_FILE).exists():  # before any lock file
+        raise ValueError(f"{run_dir} is not a training run (no {CONFIG_FILE}) to resume")
+    # One hold for the whole run, restarts included: no other run gets in between. A
+    # directory another run uses is refused with one line naming that run.
+    with lock_run_dir(run_dir, new=not options.resume):
+        restarts = 0
+        while True:
+            try:
+                return await _train_once(options)
+            except ActorDied as died:
+                allowed = load_config(run_dir / CONFIG_FILE).run.restarts
+                if restarts >= allowed:
+                    raise
+                restarts += 1
+                options.log(f"{died}; restart {restarts} of {allowed}: resuming the run")
+                options = replace(options, resume=True, config=None)
 
 
 async def _train_once(options: TrainOptions) -> Controller:
     config = prepare_run_dir(options)
+    check_metrics(config)  # a sink that cannot work fails before the warm start
     run_dir, log = options.run_dir, options.log
     if options.resume:
         log(f"resume: stopped {stop_orphans(run_dir)} orphaned harness process groups")
@@ -284,7 +342,7 @@ async def _train_once(options: TrainOptions) -> Controller:
             f"{len(resumed.trajectories)} ready groups back"
         )
     proxy, site = await _start_proxy(config, resumed.model_dir, run_dir)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    metrics = open_metrics(run_dir, config, step=resumed.version)
     traces = TraceWriter(run_dir / "traces.jsonl", fsync=True)
     s = config.scheduler
     metrics.write(
@@ -297,21 +355,29 @@ async def _train_once(options: TrainOptions) -> Controller:
             predicted_staleness(s.mu, s.phi),
             config.groups.size,
             config.groups.batch,
+            config.cells.standalone_capacity,
         )
     )
-    cells: list[CellHandle] = []
+    engines = Engines([])
     try:
-        cells = await _start_cells(config, resumed, run_dir, proxy)
+        engines = await _start_engines(config, resumed, run_dir, proxy)
         controller = Controller(
             config,
             scheduler,
             proxy,
-            cells,
+            engines.cells,
             load_task_set(config),
             harness_spec(config.run.harness, config.run.harness_s),
-            RunOutputs(run_dir, metrics, traces, Ledger(run_dir / "ledger.jsonl")),
+            RunOutputs(
+                run_dir,
+                metrics,
+                traces,
+                Ledger(run_dir / "ledger.jsonl"),
+                AssessmentLog(run_dir / ASSESSMENTS_FILE),
+            ),
             trajectories=resumed.trajectories,
             trained=resumed.trained,
+            standalone=engines.standalone,
         )
         view = asyncio.create_task(show(controller)) if options.display else None
         try:
@@ -323,7 +389,7 @@ async def _train_once(options: TrainOptions) -> Controller:
         return controller
     finally:
         await site.cleanup()  # no new calls reach the cells while they stop
-        stop_cells(cells)
+        engines.stop()
         proxy.store.close()
         metrics.close()
         traces.close()

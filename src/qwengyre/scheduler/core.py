@@ -9,7 +9,43 @@ the simulator (virtual clock) and the live runtime (real clock) drive the same c
 
 Counters (in executions): ``d`` dispatched (minus surplus withdrawn before launch),
 ``p`` launched, ``f`` terminated; ``0 <= f <= p <= d``; queued = d - p,
-running = p - f, waterlevel w = d - f.
+running = p - f. The waterlevel is ``w = d - f + reserved`` (:class:`Counters`), where
+``reserved`` is the replacement reserve still held (0 unless ``groups.reserve`` > 0).
+
+Boundary dispatch keeps d(t) fixed within a burst (the paper: "the launches in
+Equation 4 use the existing quota, so d(t) remains fixed within the burst"), so that
+w(t) never rises between publications and a cell that joined by Eq 5 keeps its room:
+
+- A group that falls short (valid + pending < needed: N, or ``min_valid``) dispatches
+  nothing mid-burst. Its top-ups are *owed* and dispatched at the next boundary, right
+  after :class:`PublicationDone` and ahead of the new groups (so they sample the newly
+  published weights). Until then the group waits in rollout; the burst trains other
+  groups (oldest version first), so a Colocate pool no longer waits for top-up rounds.
+- A group past its ``max_topups`` allowance is dropped at once (pending executions
+  cancelled, :class:`DropGroup`); the ordinary Eq 1 refill replaces it at the boundary.
+- The replacement reserve (``groups.reserve`` = R, an extension; 0 is the paper): each
+  boundary grants R executions of extra quota, and a short group's top-ups launch at
+  once out of what is left of it (the rest is owed as above). The held reserve,
+  ``min(reserve left, d - f)``, counts in the waterlevel: a failure followed by a
+  top-up from the reserve turns ``w = r + min(R, r)`` into ``r + min(R - 1, r)``, so
+  w(t) still never rises, Eqs 5 and 6 keep room for the reserve, and w reaches 0 when
+  rollout ends (a Colocate pool can switch).
+- A burst the held groups can no longer fill (ready + non-short groups in rollout <
+  what the current step still needs) would wait forever for a boundary. If it has
+  trained a step and the current step has no group yet, the boundary comes early: the
+  burst ends (:class:`Publish`) after fewer than mu steps. Otherwise (the first step of
+  the burst, or a step already partly assigned) the owed top-ups and a new group per
+  drop are dispatched at once: the one case where d(t) and w(t) rise within a burst,
+  only reachable when more groups fall short than the phi*B extra groups cover.
+
+Continuous dispatch keeps its slot rule: top-ups, and a new group for a dropped one,
+are dispatched at once. It has no bursts in which d(t) could stay fixed: a group frees
+its slot when it is ready and is replaced at once anyway.
+
+Staleness stays Eq 2's quantity, one value per group: v_t - v_d, with v_d the version
+published when the group was first dispatched. A top-up dispatched later samples newer
+weights; :class:`Launch` carries the version each execution starts with (also kept on
+:class:`Execution`), so drivers can report the version each execution actually used.
 
 Policies share everything but the grouping of cells into *units* that move together:
 
@@ -82,6 +118,7 @@ class SchedulerParams:
     tau_s: float = 30.0
     streaming: bool = True
     async_training_cells: int = 2
+    reserve: int = 0  # executions of quota held back per burst for top-ups (boundary)
 
     def __post_init__(self) -> None:
         """Refuse combinations that could never train; messages name the config keys."""
@@ -93,6 +130,13 @@ class SchedulerParams:
             raise ValueError(
                 f"scheduler.async_training_cells={self.async_training_cells} must be in"
                 f" [1, cells.count - 1 = {self.cells - 1}] (async needs a rollout cell)"
+            )
+        if self.reserve < 0:
+            raise ValueError(f"groups.reserve={self.reserve} must be >= 0")
+        if self.reserve and self.dispatch != "boundary":
+            raise ValueError(
+                f"groups.reserve={self.reserve} applies to dispatch boundary only: continuous"
+                " dispatch launches top-ups at once anyway"
             )
         if self.min_valid is not None and not 1 <= self.min_valid <= self.group_size:
             raise ValueError(
@@ -158,11 +202,12 @@ class SchedulerParams:
             tau_s=s.tau_s,
             streaming=s.streaming,
             async_training_cells=s.async_training_cells,
+            reserve=g.reserve,
         )
 
 
 class GroupState(StrEnum):
-    ROLLOUT = "rollout"  # waiting for N valid rewards
+    ROLLOUT = "rollout"  # waiting for N valid rewards (or for owed top-ups)
     READY = "ready"  # N valid rewards, not yet in a batch
     ASSIGNED = "assigned"  # in the batch of step ``v_t``
     TRAINED = "trained"  # its step is done
@@ -180,6 +225,7 @@ class Group:
     pending: set[int] = field(default_factory=set)  # queued or running, not cancelled
     valid: dict[int, float] = field(default_factory=dict)  # execution id -> reward, first N
     v_t: int | None = None  # the version before the step that consumes it
+    owed: int = 0  # top-ups due at the next boundary (boundary dispatch)
 
 
 @dataclass(frozen=True)
@@ -198,18 +244,30 @@ class Consumed:
 
 @dataclass
 class Execution:
+    """One execution; ``version`` is the published version it launched with (a top-up
+    launched after a publication samples newer weights than its group's v_d)."""
+
     id: int
     group: int
     index: int
     engine: int | None = None  # None while queued
     finished: bool = False
+    version: int | None = None  # None while queued
 
 
 @dataclass(frozen=True)
 class Counters:
+    """d, p, f (DESIGN.md §2) and the replacement reserve held, all in executions.
+
+    ``reserved`` = min(reserve left in this burst, d - f): quota that top-ups may still
+    take within the burst, never more than the executions outstanding (so it is 0 when
+    rollout is done). It is part of the waterlevel that Eqs 5 and 6 compare with room.
+    """
+
     dispatched: int
     launched: int
     finished: int
+    reserved: int = 0
 
     @property
     def queued(self) -> int:
@@ -221,7 +279,8 @@ class Counters:
 
     @property
     def waterlevel(self) -> int:
-        return self.dispatched - self.finished
+        """w = d - f + reserved; never rises within a burst under boundary dispatch."""
+        return self.dispatched - self.finished + self.reserved
 
 
 class Scheduler:
@@ -244,8 +303,12 @@ class Scheduler:
         self._load: dict[int, set[int]] = {e: set() for e in [STANDALONE, *range(k)]}
         self._ready: list[tuple[int, int, int]] = []  # heap of (v_d, ready seq, group id)
         self._ready_seq = 0
+        self._rollout: set[int] = set()  # groups in ROLLOUT
+        self._owing: set[int] = set()  # groups in ROLLOUT with top-ups owed
+        self._dropped_in_burst = 0  # boundary: drops whose slots wait for the boundary
         self._next_group = self._next_execution = 0
         self._d = self._p = self._f = 0
+        self._reserve_left = 0  # of the burst's replacement reserve (boundary dispatch)
         self.version = 0  # optimizer steps done
         self.published = 0  # latest published version
         self._step_assigned = 0  # groups in the current step's batch
@@ -262,7 +325,13 @@ class Scheduler:
 
     @property
     def counters(self) -> Counters:
-        return Counters(self._d, self._p, self._f)
+        held = min(self._reserve_left, self._d - self._f)
+        return Counters(self._d, self._p, self._f, held)
+
+    @property
+    def reserve_left(self) -> int:
+        """Executions of this burst's replacement reserve not yet dispatched."""
+        return self._reserve_left
 
     @property
     def capacity(self) -> int:
@@ -392,7 +461,7 @@ class Scheduler:
         if self.params.policy == "async":
             for cell in range(self.params.async_training_cells):
                 self.roles[cell] = Role.TRAINING
-        self._refill()
+        self._boundary()
 
     def _on_finished(self, event: ExecutionFinished) -> None:
         ex = self.executions.get(event.execution_id)
@@ -448,11 +517,14 @@ class Scheduler:
         self._steps_in_burst += 1
         self._step_assigned = self._wanted = 0
         self._supply_since = None  # the timer resets at each batch start
-        if self._steps_in_burst < self.params.mu:
-            return
+        if self._steps_in_burst == self.params.mu:
+            self._end_burst()
+
+    def _end_burst(self) -> None:
+        """After the burst's last optimizer update: satellites return, the core publishes."""
         self._steps_in_burst = 0
         self._publishing = True
-        for unit in self.units[1:]:  # satellites return; the core publishes
+        for unit in self.units[1:]:
             for cell in unit:
                 self._move(cell, Role.ROLLOUT)
         self._out.append(Publish(self.version))
@@ -462,17 +534,61 @@ class Scheduler:
             raise SchedulerError(f"PublicationDone({version}) was not asked for")
         self._publishing = False
         self.published = version
-        self._refill()
+        self._boundary()
         if self.units and self.roles[self.units[0][0]] is not Role.ROLLOUT:
             self._core_stays_or_returns()
 
     # ------------------------------------------------------------ rules
 
     def _settle(self) -> None:
-        """After every event: assign ready groups, move cells, launch (Eqs 4-5)."""
+        """After every event: assign ready groups, unblock a stalled burst, move cells,
+        launch (Eqs 4-5)."""
         self._assign_ready()
+        self._unstall()
         self._maybe_join()
         self._launch()
+
+    def _boundary(self) -> None:
+        """At Start and after each publication: owed top-ups first, then Eq 1 (or the
+        continuous slot rule) refills the queue depth; the burst's reserve is renewed."""
+        self._dispatch_owed()
+        self._refill()
+        self._dropped_in_burst = 0
+        self._reserve_left = self.params.reserve
+
+    def _dispatch_owed(self) -> None:
+        """Owed top-ups enter the queue ahead of everything, oldest group first."""
+        ids: list[int] = []
+        for gid in sorted(self._owing):
+            group = self.groups[gid]
+            n, group.owed = group.owed, 0
+            ids += self._dispatch(group, n, topup=True)
+        self._owing.clear()
+        # Each group's top-ups jumped ahead of the previous group's: restore id order.
+        for _ in ids:
+            self._queue.popleft()
+        self._queue.extendleft(reversed(ids))
+
+    def _stalled(self) -> bool:
+        """Boundary dispatch: the groups this burst holds can no longer fill the current
+        step (ready + non-short groups in rollout < what the step still needs)."""
+        if self.params.dispatch != "boundary":
+            return False
+        supply = len(self._ready) + len(self._rollout) - len(self._owing)
+        return supply < self.batch_needs
+
+    def _unstall(self) -> None:
+        """A stalled burst ends early if it trained a step and the current step holds no
+        group yet; otherwise the owed top-ups and the dropped slots are dispatched now."""
+        if not self._stalled():
+            return
+        if self._steps_in_burst and not self._step_assigned:
+            self._end_burst()
+            return
+        self._dispatch_owed()
+        for _ in range(self._dropped_in_burst):
+            self._dispatch_group()
+        self._dropped_in_burst = 0
 
     def _refill(self) -> None:
         """Eq 1 (boundary) or the continuous slot rule: dispatch up to the queue depth."""
@@ -490,9 +606,12 @@ class Scheduler:
         group = Group(id=self._next_group, v_d=self.published)
         self._next_group += 1
         self.groups[group.id] = group
+        self._rollout.add(group.id)
         self._dispatch(group, self.params.executions_per_group, topup=False)
 
-    def _dispatch(self, group: Group, n: int, topup: bool) -> None:
+    def _dispatch(self, group: Group, n: int, topup: bool) -> list[int]:
+        """Dispatch ``n`` executions of ``group``: a new group's join the back of the
+        queue; top-ups jump it (their group is already waiting on them)."""
         ids = []
         for _ in range(n):
             ex = Execution(id=self._next_execution, group=group.id, index=len(group.executions))
@@ -501,17 +620,18 @@ class Scheduler:
             group.executions.append(ex.id)
             group.pending.add(ex.id)
             ids.append(ex.id)
-        # Top-ups jump the queue: their group is already waiting on them.
         if topup:
             self._queue.extendleft(reversed(ids))
         else:
             self._queue.extend(ids)
         self._d += n
         self._out.append(Dispatch(group.id, tuple(ids), self.published, topup=topup))
+        return ids
 
     def _make_ready(self, group: Group) -> None:
         """N valid rewards: the group is ready; its surplus executions are cancelled."""
         group.state = GroupState.READY
+        self._rollout.discard(group.id)
         heapq.heappush(self._ready, (group.v_d, self._ready_seq, group.id))
         self._ready_seq += 1
         self._cancel_pending(group)
@@ -519,19 +639,41 @@ class Scheduler:
             self._dispatch_group()
 
     def _top_up_or_drop(self, group: Group) -> None:
-        """Replace executions without a valid reward; drop the group past the allowance."""
+        """Replace executions without a valid reward; drop the group past the allowance.
+
+        Continuous dispatch: top-ups, or the dropped group's replacement, at once.
+        Boundary dispatch: top-ups out of the burst's reserve at once, the rest owed to
+        the next boundary; a dropped group's slot waits for the boundary's refill.
+        """
         p = self.params
-        shortfall = p.valid_needed - len(group.valid) - len(group.pending)
+        shortfall = p.valid_needed - len(group.valid) - len(group.pending) - group.owed
         if shortfall <= 0:
             return
-        allowance = p.executions_per_group + p.max_topups - len(group.executions)
-        if shortfall <= allowance:
+        allowance = p.executions_per_group + p.max_topups - len(group.executions) - group.owed
+        if shortfall > allowance:
+            self._drop(group)
+        elif p.dispatch == "continuous":
             self._dispatch(group, shortfall, topup=True)
-            return
+        else:
+            now = min(shortfall, self._reserve_left)
+            self._reserve_left -= now
+            if now:
+                self._dispatch(group, now, topup=True)
+            if shortfall > now:
+                group.owed += shortfall - now
+                self._owing.add(group.id)
+
+    def _drop(self, group: Group) -> None:
         group.state = GroupState.DROPPED
+        group.owed = 0
+        self._rollout.discard(group.id)
+        self._owing.discard(group.id)
         self._cancel_pending(group)
         self._out.append(DropGroup(group.id))
-        self._dispatch_group()  # the dropped group's slot is refilled at once
+        if self.params.dispatch == "continuous":
+            self._dispatch_group()
+        else:
+            self._dropped_in_burst += 1
 
     def _cancel_pending(self, group: Group) -> None:
         for eid in sorted(group.pending):
@@ -669,6 +811,7 @@ class Scheduler:
                 ex = self.executions[self._queue.popleft()]
                 ex.engine = engine
                 self._load[engine].add(ex.id)
+                ex.version = self.published
                 self._p += 1
                 free -= 1
-                self._out.append(Launch(ex.id, ex.group, ex.index, engine))
+                self._out.append(Launch(ex.id, ex.group, ex.index, engine, self.published))

@@ -101,8 +101,10 @@ Event = Start | ExecutionFinished | CellMoved | StepDone | PublicationDone | Pul
 class Dispatch:
     """New executions of rollout group ``group_id`` enter the queue.
 
-    ``version`` is the published policy version at admission (v_d). A group's first
-    dispatch has ``topup=False``; later ones replace executions without valid rewards.
+    ``version`` is the published policy version at this dispatch: the group's v_d on
+    its first dispatch (``topup=False``); later ones (``topup=True``) replace executions
+    without valid rewards and may come after a publication (boundary dispatch owes them
+    to the next boundary), when ``version`` is newer than v_d.
     """
 
     group_id: int
@@ -113,12 +115,18 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Launch:
-    """Start execution ``execution_id`` (index ``index`` in its group) on ``engine``."""
+    """Start execution ``execution_id`` (index ``index`` in its group) on ``engine``.
+
+    ``version`` is the policy version published when it launches: the weights it
+    samples from (until a later publication updates its engine in place). A top-up's
+    is newer than its group's v_d; the group's staleness stays v_t - v_d (Eq 2).
+    """
 
     execution_id: int
     group_id: int
     index: int
     engine: int
+    version: int
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,8 @@ class AssignGroups:
 
 @dataclass(frozen=True)
 class DropGroup:
-    """The group cannot reach N valid rewards; it is never trained (and is replaced)."""
+    """The group cannot reach N valid rewards; it is never trained. Its slot refills at
+    once (continuous dispatch) or at the next boundary (boundary dispatch)."""
 
     group_id: int
 

@@ -19,6 +19,13 @@ def predicted_staleness(mu: int, phi: float) -> float:
     return phi + (mu - 1) / 2
 
 
+def warmup_steps(mu: int, phi: float) -> int:
+    """Steps before the steady state Eq 2 describes: ``ceil(phi + mu)``. The first
+    batches consume the initial dispatch, whose groups all share version 0, so
+    measured staleness is compared with Eq 2 from this step on."""
+    return math.ceil(phi + mu)
+
+
 ELASTIC_MAX_MU = 3
 ELASTIC_MIN_PHI = 0.5
 """Elastic keeps half a batch of extra dispatch when the target allows it (the paper's

@@ -140,12 +140,14 @@ def spans_timeline_figure(
     cells: int | None = None,
     step_end_s: Sequence[float] = (),
     title: str = "Cell roles",
+    standalone_capacity: int = 0,
 ) -> Figure:
     """The role timeline drawn from plain spans: one lane per cell, time on x
     (:func:`time_unit` of ``end_s``).
 
     ``cells`` defaults to one more than the highest cell in ``spans`` (at least 1);
-    ``step_end_s`` draws a thin vertical line at each step's end.
+    ``step_end_s`` draws a thin vertical line at each step's end; a standalone pool
+    (``standalone_capacity`` > 0) gets its own lane at the bottom, in rollout throughout.
     """
     fig = _new_figure()
     ax = fig.add_subplot()
@@ -172,12 +174,22 @@ def spans_timeline_figure(
                     edgecolor="none",
                     linewidth=0,
                 )
+    labels = ["cell 0 (core)", *(f"cell {c}" for c in range(1, cells))]
+    if standalone_capacity > 0:
+        ax.broken_barh(
+            [(0.0, unit.of(end_s))],
+            (cells - lane_height / 2, lane_height),
+            facecolors=ROLE_COLOURS[Role.ROLLOUT],
+            edgecolor="none",
+            linewidth=0,
+        )
+        labels.append(f"standalone ({standalone_capacity})")
     for step_end in step_end_s:
         ax.axvline(unit.of(step_end), color=STEP_LINE_COLOUR, linewidth=0.6, alpha=0.6, zorder=3)
 
-    ax.set_ylim(cells - 0.5, -0.5)  # cell 0 at the top
-    ax.set_yticks(range(cells))
-    ax.set_yticklabels(["cell 0 (core)", *(f"cell {c}" for c in range(1, cells))])
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # cell 0 at the top
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels)
     if cells > 16:  # keep labels legible on big clusters
         for i, label in enumerate(ax.get_yticklabels()):
             label.set_visible(i == 0 or i % max(1, cells // 8) == 0)

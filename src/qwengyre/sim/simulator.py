@@ -48,7 +48,7 @@ from qwengyre.scheduler.events import (
     Tick,
     WakeAt,
 )
-from qwengyre.scheduler.staleness import predicted_staleness
+from qwengyre.scheduler.staleness import predicted_staleness, warmup_steps
 from qwengyre.sim.workload import ExecutionSpec, Workload
 from qwengyre.types import Outcome
 
@@ -100,7 +100,13 @@ class LoadSample:
 
 @dataclass
 class SimResult:
-    """What one simulated run measured."""
+    """What one simulated run measured.
+
+    ``mean_staleness`` is Eq 2's quantity over the steady-state steps: v_t - v_d, each
+    consumed group counted once. ``mean_execution_staleness`` averages, over the counted
+    executions of the same groups, v_t minus the version the execution launched with
+    (:attr:`Launch.version`): lower when top-ups launched after a later publication.
+    """
 
     policy: str
     mu: int
@@ -111,6 +117,7 @@ class SimResult:
     mean_staleness: float
     mean_staleness_all: float
     predicted_staleness: float
+    mean_execution_staleness: float
     lower_bound_s: float
     cell_training_share: list[float]
     rollout_utilisation: float
@@ -138,6 +145,7 @@ class SimResult:
             "mean_staleness": self.mean_staleness,
             "mean_staleness_all_steps": self.mean_staleness_all,
             "predicted_staleness": self.predicted_staleness,
+            "mean_execution_staleness": self.mean_execution_staleness,
             "lower_bound_s": self.lower_bound_s,
             "cell_training_share": self.cell_training_share,
             "rollout_utilisation": self.rollout_utilisation,
@@ -165,6 +173,7 @@ class Simulation:
         self._timers: list[tuple[float, int, int, int]] = []  # (time, kind, seq, payload)
         self._seq = 0
         self._specs: dict[int, ExecutionSpec] = {}
+        self._launch_version: dict[int, int] = {}  # execution -> version it launched with
         self._finish_timer: dict[int, int] = {}  # execution -> seq of its live finish timer
         self._cancelled: set[int] = set()
         self._micro: deque[float] = deque()  # token counts of unclaimed micro-steps
@@ -271,6 +280,7 @@ class Simulation:
     def _launch(self, action: Launch) -> None:
         spec = self.workload.execution(action.group_id, action.index)
         self._specs[action.execution_id] = spec
+        self._launch_version[action.execution_id] = action.version
         self.launched += 1
         self._finish_timer[action.execution_id] = self._after(
             spec.duration_s, _FINISH, action.execution_id
@@ -336,8 +346,15 @@ class Simulation:
             if span.role is Role.TRAINING:
                 training[span.cell] += min(span.end_s, end) - min(span.start_s, end)
         consumed = [g for g in self.scheduler.consumed() if g.v_t < self.steps]
-        warmup = math.ceil(self.params.phi + self.params.mu)
+        warmup = warmup_steps(self.params.mu, self.params.phi)
         steady = [g.staleness for g in consumed if g.v_t >= warmup]
+        groups = self.scheduler.groups
+        per_execution = [
+            g.v_t - self._launch_version[eid]
+            for g in consumed
+            if g.v_t >= warmup
+            for eid in groups[g.group_id].valid
+        ]
         return SimResult(
             policy=self.params.policy,
             mu=self.params.mu,
@@ -348,6 +365,7 @@ class Simulation:
             mean_staleness=_mean(steady),
             mean_staleness_all=_mean([g.staleness for g in consumed]),
             predicted_staleness=predicted_staleness(self.params.mu, self.params.phi),
+            mean_execution_staleness=_mean(per_execution),
             lower_bound_s=lower_bound_s(self.params, self.costs, self.workload, self.steps),
             cell_training_share=[t / end for t in training],
             rollout_utilisation=_utilisation(self.load, end),

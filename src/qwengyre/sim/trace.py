@@ -16,7 +16,10 @@ The live runtime writes it (with :class:`TraceWriter`) and the simulator replays
 - ``train_tokens`` (optional, default 0): target tokens contributed to training after
   trajectory selection; 0 also means "not recorded";
 - ``calls`` (optional, default ``[]``): the model calls, each with its own times and
-  token counts.
+  token counts;
+- ``version`` (optional, default ``null``): the policy version published when the
+  execution launched (the scheduler's ``Launch.version``); a top-up launched after a
+  publication has a newer one than its group.
 
 Unknown fields are rejected, times and counts are non-negative and finite, and an end
 never precedes its start.  :func:`read_trace` reports the file, line and field of the
@@ -87,6 +90,7 @@ class TraceRecord(BaseModel):
     reward: Annotated[float, Field(allow_inf_nan=False)] | None
     train_tokens: Count = 0
     calls: list[TraceCall] = Field(default_factory=list)
+    version: Count | None = None
 
     @field_validator("end_s")
     @classmethod

@@ -1,0 +1,104 @@
+"""A rollout engine served from inside a cell or standalone process (DESIGN.md §3).
+
+:class:`EngineHost` runs an :class:`~qwengyre.engines.embedded.EmbeddedEngine` behind
+SGLang's HTTP API on 127.0.0.1 (the proxy drives it with
+:class:`~qwengyre.engines.sglang.SGLangEngine`, as it would a real SGLang server), in an
+event loop on its own thread, so the process's synchronous actor methods can call it.
+Elastic cells (:class:`~qwengyre.cluster.cell.Cell`) and the standalone pool
+(:class:`~qwengyre.cluster.standalone.StandalonePool`) both host their engine with it:
+weights come from the core's weights board either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from qwengyre.cluster.weights import WeightsBoard
+from qwengyre.engines.base import WeightsInMemory
+from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.engines.server import engine_app
+
+__all__ = ["EngineHost"]
+
+T = TypeVar("T")
+
+
+class EngineHost:
+    """One engine and its HTTP server; see the module docstring.
+
+    ``start`` serves and returns ``(base_url, api_key)``; ``release`` frees the
+    engine's memory once the proxy drained it; ``resume`` serves again; ``load_newest``
+    loads the board's weights if they are newer than the engine's.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        name: str,
+        capacity: int,
+        device: str,
+        max_context: int | None,
+        seed: int,
+        version: int,
+    ) -> None:
+        self.engine = EmbeddedEngine(
+            model_dir,
+            name=name,
+            capacity=capacity,
+            device=device,
+            max_context=max_context,
+            seed=seed,
+        )
+        self.engine.version = version
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="engine-http", daemon=True).start()
+
+    def _on_loop(self, coro: Coroutine[Any, Any, T], timeout_s: float = 120.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def start(self) -> tuple[str, str]:
+        """Serve on 127.0.0.1 with a fresh API key; returns the base URL and the key."""
+        api_key = secrets.token_urlsafe(24)
+
+        async def serve() -> int:
+            runner = web.AppRunner(engine_app(self.engine, api_key), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            return int(runner.addresses[0][1])
+
+        port = self._on_loop(serve())
+        return f"http://127.0.0.1:{port}", api_key
+
+    def release(self, timeout_s: float = 60.0) -> None:
+        """Free the engine's memory once the requests the proxy aborted have left."""
+        deadline = time.monotonic() + timeout_s
+        while self.engine.load:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.engine.name}: {self.engine.load} requests did not drain")
+            time.sleep(0.01)
+        self._on_loop(self.engine.release_memory())
+
+    def resume(self, board: WeightsBoard) -> int:
+        """Serve again with the board's newest weights; returns their version."""
+        self._on_loop(self.engine.resume_memory())
+        return self.load_newest(board)
+
+    def load_newest(self, board: WeightsBoard) -> int:
+        """Load the board's weights (between decode steps) if newer; the engine's version."""
+        if board.version > self.engine.version:
+            version, tensors = board.read()
+            self._on_loop(self.engine.update_weights(WeightsInMemory(tensors), version))
+        return self.engine.version
+
+    def close(self) -> None:
+        self.engine.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,0 +1,85 @@
+"""The standalone rollout pool: engines that never train (PAPER: "an optional
+standalone pool remains in rollout"; DESIGN.md §2, C_s in Eq 3).
+
+:class:`StandalonePool` is an actor like :class:`~qwengyre.cluster.cell.Cell` (a local
+process, or a Ray actor) that holds no trainer: it serves one engine
+(:class:`~qwengyre.cluster.engine_host.EngineHost`) on its own device for the whole
+run. It reads weights from the core's weights board, so the cells must be connected
+(the core opened the board) before :meth:`StandalonePool.start_engine`. The core's
+publication after each burst reaches it through :meth:`update_engine_weights`, as it
+reaches the rollout cells; the scheduler routes launches and reroutes to it first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from qwengyre.cluster.engine_host import EngineHost
+from qwengyre.cluster.weights import SharedWeights, WeightsBoard, layout_of
+
+__all__ = ["STANDALONE_NAME", "StandalonePool", "StandaloneSpec"]
+
+STANDALONE_NAME = "standalone"
+"""The proxy's name for the pool's engine."""
+
+
+@dataclass(frozen=True)
+class StandaloneSpec:
+    """Everything the pool's process needs to start (picklable)."""
+
+    model_dir: str
+    capacity: int  # C_s
+    board: str  # the core's weights board
+    board_kind: Literal["shared_memory", "ray"] = "shared_memory"
+    device: str = "cpu"
+    torch_threads: int = 1
+    seed: int = 0
+    max_context: int | None = None
+    version: int = 0  # policy version of the weights in model_dir
+
+
+class StandalonePool:
+    """The standalone pool's process-side state; see the module docstring."""
+
+    def __init__(self, spec: StandaloneSpec) -> None:
+        torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.host = EngineHost(
+            spec.model_dir,
+            name=STANDALONE_NAME,
+            capacity=spec.capacity,
+            device=spec.device,
+            max_context=spec.max_context,
+            seed=spec.seed + 999_983,  # sampling streams apart from every cell's
+            version=spec.version,
+        )
+        self.board: WeightsBoard | None = None
+
+    def start_engine(self) -> tuple[str, str]:
+        """Open the core's board (it must exist) and serve; returns (base URL, API key)."""
+        if self.spec.board_kind == "ray":
+            from qwengyre.cluster.ray import RayWeights
+
+            self.board = RayWeights(self.spec.board)
+        else:
+            layout = layout_of(self.host.engine.model.named_parameters())
+            self.board = SharedWeights(self.spec.board, layout)
+        return self.host.start()
+
+    def update_engine_weights(self) -> int:
+        """Load the board's weights if newer (the core's publication); their version."""
+        if self.board is None:
+            raise RuntimeError("standalone pool: start_engine() first")
+        return self.host.load_newest(self.board)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        self.host.close()
+        if self.board is not None:
+            self.board.close()

@@ -1,0 +1,166 @@
+"""One config tree for every command: rollout, proxy serve and engine serve read the
+same YAML + overrides as train; shortcuts, moved flags, ``config show COMMAND``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from qwengyre import cli
+from qwengyre.proxy.serve import ServeOptions
+from qwengyre.rollout.runner import RolloutOptions
+from qwengyre.rollout.tasks import example_tasks_path
+
+SHARED = """
+groups: {size: 3, oversample: 1, batch: 2, min_valid: 2}
+cells: {count: 2, capacity: 5}
+trainer: {temperature: 0.7}
+model: {path: MODEL}
+run: {harness: toy, harness_s: 30, overall_s: 40, device: cpu, max_context: 1024}
+proxy: {port: 8181, engine: embedded, store: STORE, harness_sampling: true, max_resident: 7}
+engine: {port: 30301, dtype: bfloat16}
+"""
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    path = tmp_path / "shared.yaml"
+    path.write_text(SHARED.replace("MODEL", str(model)).replace("STORE", str(tmp_path / "st")))
+    return path
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Stand-ins for what the commands would start: they record their options."""
+    seen: dict[str, Any] = {}
+
+    async def rollout(options: RolloutOptions) -> list[Any]:
+        seen["rollout"] = options
+        return []
+
+    class Engine:
+        def __init__(self, model: Any, **kwargs: Any) -> None:
+            seen["engine"] = {"model": model, **kwargs}
+
+    def run_app(app: Any, **kwargs: Any) -> None:
+        seen["bind"] = kwargs
+
+    monkeypatch.setattr("qwengyre.rollout.runner.rollout", rollout)
+    monkeypatch.setattr("qwengyre.proxy.serve.serve", lambda options: seen.update(proxy=options))
+    monkeypatch.setattr("qwengyre.engines.embedded.EmbeddedEngine", Engine)
+    monkeypatch.setattr("aiohttp.web.run_app", run_app)
+    return seen
+
+
+def test_one_yaml_configures_rollout_proxy_and_engine(
+    shared: Path, tmp_path: Path, captured: dict[str, Any]
+):
+    model = tmp_path / "model"
+    assert cli.main(["rollout", str(shared), "--run-dir", str(tmp_path / "r")]) == 0
+    options: RolloutOptions = captured["rollout"]
+    assert (options.model, options.harness, options.device) == (model, "toy", "cpu")
+    assert (options.executions_per_task, options.oversample, options.min_valid) == (3, 1, 2)
+    assert (options.concurrency, options.harness_s, options.overall_s) == (5, 30.0, 40.0)
+    assert (options.temperature, options.max_context, options.dtype) == (0.7, 1024, "bfloat16")
+    assert options.tasks.name == "toy_tasks.jsonl"  # run.tasks unset: train's toy tasks
+
+    assert cli.main(["proxy", "serve", str(shared), "--admin-token", "a" * 16]) == 0
+    proxy: ServeOptions = captured["proxy"]
+    assert (proxy.model, proxy.store, proxy.engine) == (model, tmp_path / "st", "embedded")
+    assert (proxy.host, proxy.port, proxy.admin_token) == ("127.0.0.1", 8181, "a" * 16)
+    assert (proxy.temperature, proxy.max_context, proxy.harness_sampling) == (0.7, 1024, True)
+    assert (proxy.capacity, proxy.dtype, proxy.max_resident) == (5, "bfloat16", 7)
+
+    assert cli.main(["engine", "serve", str(shared), "--api-key", "k"]) == 0
+    engine = captured["engine"]
+    assert (engine["model"], engine["capacity"], engine["max_context"]) == (model, 5, 1024)
+    assert str(engine["dtype"]) == "torch.bfloat16" and engine["device"] == "cpu"
+    assert captured["bind"]["host"] == "127.0.0.1" and captured["bind"]["port"] == 30301
+
+
+def test_servers_bind_localhost_by_default_and_generate_credentials(
+    tmp_path: Path, captured: dict[str, Any], capsys: pytest.CaptureFixture[str]
+):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert cli.main(["engine", "serve", "--model", str(model)]) == 0
+    assert captured["bind"] == {"host": "127.0.0.1", "port": 30000, "print": None}
+    assert "api key: " in capsys.readouterr().out
+    args = ["proxy", "serve", "--model", str(model), "--store", str(tmp_path / "s")]
+    assert cli.main(args) == 0
+    assert (captured["proxy"].host, captured["proxy"].port) == ("127.0.0.1", 8080)
+    assert captured["proxy"].admin_token is None  # serve() generates and prints one
+
+
+def test_shortcuts_win_over_the_file_and_clash_with_overrides(
+    shared: Path, tmp_path: Path, captured: dict[str, Any], capsys: pytest.CaptureFixture[str]
+):
+    assert cli.main(["proxy", "serve", str(shared), "--port", "9001"]) == 0
+    assert captured["proxy"].port == 9001
+    assert cli.main(["proxy", "serve", str(shared), "proxy.port=9002"]) == 0
+    assert captured["proxy"].port == 9002
+    assert cli.main(["proxy", "serve", str(shared), "--port", "9003", "proxy.port=9004"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--port and the override proxy.port=... set the same" in err
+    # Overrides may come after flags; --tasks example is the bundled example set.
+    run = ["rollout", "--run-dir", str(tmp_path / "r"), str(shared), "--tasks", "example"]
+    assert cli.main([*run, "groups.size=2", "groups.min_valid=null"]) == 0
+    assert captured["rollout"].executions_per_task == 2
+    assert captured["rollout"].tasks == example_tasks_path()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["proxy", "serve", "--engine", "embedded"], "give proxy.engine=embedded instead"),
+        (["proxy", "serve", "--harness-sampling"], "give proxy.harness_sampling=true instead"),
+        (["rollout", "--run-dir", "r", "--concurrency", "3"], "config key cells.capacity"),
+        (["engine", "serve", "--capacity", "3"], "config key cells.capacity"),
+        (["proxy", "serve", "--model", "m"], "--store DIR or proxy.store=DIR"),
+        (["engine", "serve", "--api-key", "k", "engine.api_key_file=f"], "not both"),
+    ],
+)
+def test_moved_flags_and_missing_settings_are_one_line_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+):
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def _show(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert cli.main(["config", "show", *args]) == 0
+    shown: dict[str, Any] = yaml.safe_load(capsys.readouterr().out)
+    return shown
+
+
+def test_config_show_prints_the_tree_each_command_resolves(
+    shared: Path, capsys: pytest.CaptureFixture[str]
+):
+    plain = _show(capsys)
+    assert plain["groups"]["size"] == 16 and plain["proxy"]["host"] == "127.0.0.1"
+    assert set(plain) >= {"run", "metrics", "proxy", "engine"}
+    for command in ("train", "rollout", "proxy", "engine"):  # the embedded preset
+        assert _show(capsys, command)["cells"]["count"] == 3, command
+    assert _show(capsys, "simulate")["cells"]["count"] == 8
+    served = _show(capsys, "proxy", "serve", str(shared), "proxy.port=1234")
+    assert served["proxy"]["port"] == 1234 and served["trainer"]["temperature"] == 0.7
+    assert _show(capsys, "engine", "engine.port=31000")["engine"]["port"] == 31000
+
+
+def test_metrics_section_defaults_offline_safe(capsys: pytest.CaptureFixture[str]):
+    metrics = _show(capsys, "metrics.wandb_project=demo")["metrics"]
+    assert metrics == {
+        "tensorboard": True,
+        "wandb_project": "demo",
+        "wandb_entity": None,
+        "wandb_name": None,
+        "wandb_mode": None,
+    }
