@@ -370,7 +370,14 @@ class Driver:
         if p.dispatch == "continuous":
             assert c.reserved == 0 and s.reserve_left == 0
         else:
-            assert c.reserved == min(s.reserve_left, c.dispatched - c.finished)
+            # The reserve held is what top-ups could still take: never more than the
+            # groups in rollout may still get under their max_topups allowance.
+            could_need = sum(
+                max(0, p.executions_per_group + p.max_topups - len(g.executions) - g.owed)
+                for g in s.groups.values()
+                if g.state is GroupState.ROLLOUT
+            )
+            assert c.reserved == min(s.reserve_left, could_need)
             assert 0 <= s.reserve_left <= p.reserve
         self._check_groups()
         self._check_training()

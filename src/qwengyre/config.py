@@ -65,7 +65,8 @@ class GroupsConfig(_Section):
         description="boundary dispatch only (an extension; 0 = the paper, d(t) fixed within a"
         " burst): executions of quota each burst holds back for top-ups, launched the moment"
         " a group falls short instead of at the next publication. The held reserve,"
-        " min(reserve left, queued + running), counts in the waterlevel, so Eq 5/6 keep room"
+        " min(reserve left, top-ups the groups in rollout may still get), counts in the"
+        " waterlevel, so Eq 5/6 keep room"
         " for it and w(t) still never rises within a burst",
     )
 

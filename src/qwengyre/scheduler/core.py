@@ -26,10 +26,12 @@ w(t) never rises between publications and a cell that joined by Eq 5 keeps its r
 - The replacement reserve (``groups.reserve`` = R, an extension; 0 is the paper): each
   boundary grants R executions of extra quota, and a short group's top-ups launch at
   once out of what is left of it (the rest is owed as above). The held reserve,
-  ``min(reserve left, d - f)``, counts in the waterlevel: a failure followed by a
-  top-up from the reserve turns ``w = r + min(R, r)`` into ``r + min(R - 1, r)``, so
-  w(t) still never rises, Eqs 5 and 6 keep room for the reserve, and w reaches 0 when
-  rollout ends (a Colocate pool can switch).
+  ``min(reserve left, top-ups the groups in rollout may still get)``, counts in the
+  waterlevel. A top-up of k executions raises d - f by k and lowers both terms of the
+  minimum by k; a finished execution lowers d - f and raises neither term; a group that
+  leaves rollout only lowers the second. So w(t) never rises within a burst, Eqs 5 and
+  6 keep room for the reserve, and w reaches 0 when rollout ends (a Colocate pool can
+  switch).
 - A burst the held groups can no longer fill (ready + non-short groups in rollout <
   what the current step still needs) would wait forever for a boundary. If it has
   trained a step and the current step has no group yet, the boundary comes early: the
@@ -259,9 +261,9 @@ class Execution:
 class Counters:
     """d, p, f (DESIGN.md §2) and the replacement reserve held, all in executions.
 
-    ``reserved`` = min(reserve left in this burst, d - f): quota that top-ups may still
-    take within the burst, never more than the executions outstanding (so it is 0 when
-    rollout is done). It is part of the waterlevel that Eqs 5 and 6 compare with room.
+    ``reserved`` = min(reserve left in this burst, top-ups the groups in rollout may still
+    get): quota that top-ups may still take within the burst (0 once rollout is done).
+    It is part of the waterlevel that Eqs 5 and 6 compare with room.
     """
 
     dispatched: int
@@ -325,7 +327,8 @@ class Scheduler:
 
     @property
     def counters(self) -> Counters:
-        held = min(self._reserve_left, self._d - self._f)
+        could_need = sum(self._topups_left(self.groups[g]) for g in self._rollout)
+        held = min(self._reserve_left, could_need)
         return Counters(self._d, self._p, self._f, held)
 
     @property
@@ -638,6 +641,11 @@ class Scheduler:
         if self.params.dispatch == "continuous":
             self._dispatch_group()
 
+    def _topups_left(self, group: Group) -> int:
+        """Top-ups ``group`` may still get (its ``max_topups`` allowance, owed ones spent)."""
+        p = self.params
+        return max(0, p.executions_per_group + p.max_topups - len(group.executions) - group.owed)
+
     def _top_up_or_drop(self, group: Group) -> None:
         """Replace executions without a valid reward; drop the group past the allowance.
 
@@ -649,8 +657,7 @@ class Scheduler:
         shortfall = p.valid_needed - len(group.valid) - len(group.pending) - group.owed
         if shortfall <= 0:
             return
-        allowance = p.executions_per_group + p.max_topups - len(group.executions) - group.owed
-        if shortfall > allowance:
+        if shortfall > self._topups_left(group):
             self._drop(group)
         elif p.dispatch == "continuous":
             self._dispatch(group, shortfall, topup=True)
