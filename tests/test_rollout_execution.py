@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +34,7 @@ def run(task: Task, harness: HarnessSpec, tmp_path: Path, budgets=DEFAULT_BUDGET
             run_dir=tmp_path,
             base_url="http://127.0.0.1:9/x/ex_1",
             api_key="k",
-            retry_delay_s=0.05,
+            evaluation=replace(kw.pop("evaluation", EvaluationOptions()), retry_delay_s=0.05),
             **kw,
         )
     )
@@ -148,7 +149,12 @@ def test_evaluation_retries_past_five_attempts_within_the_budget(tmp_path: Path)
 
 def test_an_evaluator_that_never_succeeds_leaves_no_reward_not_a_zero(tmp_path: Path):
     broken = CommandEvaluator(type="command", command="exit 1", timeout_s=5)
-    result = run(task(evaluator=broken), python_harness("pass"), tmp_path, evaluation_attempts=3)
+    result = run(
+        task(evaluator=broken),
+        python_harness("pass"),
+        tmp_path,
+        evaluation=EvaluationOptions(max_attempts=3),
+    )
     assert result.reward is None and result.outcome is Outcome.FAILED
     assert len(result.assessments) == 3 and all(a.score is None for a in result.assessments)
     assert "max_attempts" in result.detail

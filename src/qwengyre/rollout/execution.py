@@ -190,23 +190,16 @@ async def run_execution(
     cancel: asyncio.Event | None = None,
     evaluation: EvaluationOptions | None = None,
     hub: AssessmentHub | None = None,
-    evaluation_attempts: int | None = None,
-    retry_delay_s: float | None = None,
 ) -> ExecutionResult:
     """Run ``task`` once with ``harness``; workspaces and logs go under ``run_dir``.
 
     ``evaluation`` sets the retry pacing, the optional attempt cap and the intermediate
     schedule (default :class:`EvaluationOptions()`: retries until the overall budget,
-    no schedule); ``evaluation_attempts`` / ``retry_delay_s``, when given, override its
-    ``max_attempts`` / ``retry_delay_s``. ``hub`` (the proxy serving ``base_url``; its
+    no schedule). ``hub`` (the proxy serving ``base_url``; its
     ``execution_id`` must be this one) receives the intermediate assessor while the
     harness runs and is asked for the model-call count (:func:`infrastructure_failure`).
     """
     options = evaluation or EvaluationOptions()
-    if evaluation_attempts is not None:
-        options = replace(options, max_attempts=evaluation_attempts)
-    if retry_delay_s is not None:
-        options = replace(options, retry_delay_s=retry_delay_s)
     started = time.monotonic()
     overall_deadline = started + budgets.overall_s
     workspace = run_dir / "workspaces" / execution_id
