@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import io
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +20,8 @@ from qwengyre.report import RunRecord, StepRecord, learning_signal_warning
 from qwengyre.report.html import summarize, write_report
 from qwengyre.report.metrics import read_metrics
 from qwengyre.runtime import display
-from qwengyre.scheduler.events import Role
+from qwengyre.scheduler.core import Scheduler, SchedulerParams
+from qwengyre.scheduler.events import Start
 
 
 def _step(step: int, reward: float = 0.0, tokens: int = 0, micro_steps: int = 0) -> StepRecord:
@@ -70,13 +72,10 @@ def test_the_warning_names_how_many_steps_had_none_and_what_to_check():
 
 
 def _controller(records: list[StepRecord]) -> Any:
-    scheduler = SimpleNamespace(
-        params=SimpleNamespace(policy="elastic"),
-        counters=SimpleNamespace(running=3, queued=1),
-        version=len(records),
-        roles=[Role.ROLLOUT, Role.TRAINING],
-        ready_unassigned=0,
-    )
+    # A real scheduler with a standalone pool, started: its executions are launched.
+    params = SchedulerParams(cells=2, cell_capacity=4, standalone_capacity=2, batch=1, group_size=2)
+    scheduler = Scheduler(params)
+    scheduler.handle(Start(0.0))
     return SimpleNamespace(
         scheduler=scheduler,
         step_records=records,
@@ -94,6 +93,7 @@ def _text(renderable: Any) -> str:
 
 def test_the_live_view_marks_a_step_with_no_learning_signal():
     dead = _text(display.render(_controller([LEARNING[0], DEAD[1]])))
+    assert re.search(r"standalone pool\W+2 / 2 running", dead)  # launched there first
     assert "learning signal" in dead
     assert "no learning signal: nothing packed, all advantages zero" in dead
     assert "1 of 2 steps had none so far" in dead

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from qwengyre.report.metrics import StepRecord
 from qwengyre.runtime.controller import Controller
-from qwengyre.scheduler.events import Role
+from qwengyre.scheduler.events import STANDALONE, Role
 
 ROLE_STYLE = {
     Role.ROLLOUT: "blue",
@@ -71,7 +71,11 @@ def render(controller: Controller) -> Table:
         f"[{ROLE_STYLE[r]}]{i}:{r.value}[/{ROLE_STYLE[r]}]" for i, r in enumerate(s.roles)
     )
     table.add_row("cells", cells)
-    table.add_row("executions", f"{c.running} running, {c.queued} queued")
+    if s.params.standalone_capacity:
+        on_pool = len(s.running_on(STANDALONE))
+        table.add_row("standalone pool", f"{on_pool} / {s.params.standalone_capacity} running")
+    reserved = f", {c.reserved} reserved for top-ups" if c.reserved else ""
+    table.add_row("executions", f"{c.running} running, {c.queued} queued{reserved}")
     table.add_row("ready groups", str(s.ready_unassigned))
     return table
 
