@@ -127,6 +127,9 @@ class Summary:
     mean_staleness: float
     steady_staleness: float
     """Over the groups trained from :func:`warmup_steps` on: what Eq 2 predicts."""
+    execution_staleness: float
+    """Step minus the version each trained execution launched with (top-ups launched
+    after a publication used newer weights than their group's v_d)."""
     predicted_staleness: float
     mean_switch_s: dict[str, float] = field(default_factory=dict)
     """Mean measured switch seconds by direction (``training``, ``rollout``)."""
@@ -176,6 +179,7 @@ def summarize(metrics: RunMetrics) -> Summary:
         reward_last_fifth=_mean(rewards[-fifth:] if fifth else []),
         mean_staleness=_mean([g.staleness for g in metrics.groups]),
         steady_staleness=steady_staleness(metrics),
+        execution_staleness=_mean([g.execution_staleness for g in metrics.groups]),
         predicted_staleness=run.predicted_staleness if run is not None else math.nan,
         mean_switch_s={
             d: _mean([s.seconds for s in metrics.switches if s.to == d]) for d in SWITCH_DIRECTIONS
@@ -352,6 +356,10 @@ def _rows(summary: Summary) -> list[tuple[str, str]]:
         ("mean reward, last fifth of steps", _num(summary.reward_last_fifth)),
         ("mean staleness (measured)", _num(summary.mean_staleness)),
         ("mean staleness, steady state (measured)", _num(summary.steady_staleness)),
+        (
+            "mean staleness of the versions executions launched with",
+            _num(summary.execution_staleness),
+        ),
         ("mean staleness (Eq 2 prediction)", _num(summary.predicted_staleness)),
     ]
     for direction in SWITCH_DIRECTIONS:
