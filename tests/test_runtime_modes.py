@@ -82,14 +82,17 @@ def mode_id(mode: tuple[str, str, bool, int]) -> str:
 def test_every_accepted_mode_trains_live(
     tiny_model_dir: Path, tmp_path: Path, mode: tuple[str, str, bool, int]
 ) -> None:
-    policy, _, _, standalone = mode
+    policy, dispatch, streaming, standalone = mode
     run_dir = run(tmp_path, tiny_model_dir, *mode_overrides(*mode))
     metrics = read_metrics(run_dir)
     assert [s.version for s in metrics.steps] == [1, 2]
     trained = [g.group_id for g in metrics.groups]
     assert len(trained) == 2 * 2 and len(set(trained)) == 4  # B groups a step, once each
     assert set(trained) <= {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
-    assert metrics.run is not None and metrics.run.standalone_capacity == standalone
+    run_record = metrics.run
+    assert run_record is not None  # the report describes the mode from it
+    assert (run_record.policy, run_record.dispatch, run_record.streaming) == mode[:3]
+    assert run_record.standalone_capacity == standalone
     engines = Counter(engine for engine, _ in served_calls(run_dir))
     assert (engines["standalone"] > 0) == (standalone > 0), engines
     moved = {r.cell for r in metrics.roles if r.role == "to_training"}

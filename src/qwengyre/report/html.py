@@ -498,8 +498,10 @@ def _describe(metrics: RunMetrics) -> str:
     if run is None:
         return "run shape not recorded"
     pool = f", standalone pool C_s={run.standalone_capacity}" if run.standalone_capacity else ""
+    streaming = "streaming" if run.streaming else "non-streaming"
     return (
-        f"policy {describe_policy(metrics)}, K={run.cells} cells{pool},"
+        f"policy {describe_policy(metrics)}, {run.dispatch} dispatch, {streaming},"
+        f" K={run.cells} cells{pool},"
         f" batch {run.batch} groups of {run.group_size}"
     )
 

@@ -60,7 +60,8 @@ def _check_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     and fields with a default may be absent (logs written before they existed).
 
     ``int`` fields take JSON integers, ``float`` fields any JSON number (NaN allowed,
-    as Python's ``json`` writes it), ``str`` fields strings; bools are never numbers.
+    as Python's ``json`` writes it), ``str`` fields strings, ``bool`` fields booleans;
+    bools are never numbers.
     """
     values: dict[str, Any] = {}
     fields = dataclasses.fields(cls)
@@ -80,6 +81,8 @@ def _check_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
             value = float(value) if ok else value
         elif kind == "str":
             ok = isinstance(value, str)
+        elif kind == "bool":
+            ok = isinstance(value, bool)
         else:  # pragma: no cover - every record field is one of the above
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {kind}")
         if not ok:
@@ -135,6 +138,10 @@ class RunRecord(_Record):
     batch: int
     standalone_capacity: int = 0
     """C_s, the standalone rollout pool's capacity (0: no pool)."""
+    dispatch: str = "boundary"
+    """``boundary`` or ``continuous`` (``scheduler.dispatch``)."""
+    streaming: bool = True
+    """Whether training streams on ready groups (``scheduler.streaming``)."""
 
 
 @dataclass(frozen=True)

@@ -356,6 +356,8 @@ async def _train_once(options: TrainOptions) -> Controller:
             config.groups.size,
             config.groups.batch,
             config.cells.standalone_capacity,
+            s.dispatch,
+            s.streaming,
         )
     )
     engines = Engines([])
