@@ -91,7 +91,11 @@ def test_every_accepted_mode_trains_live(
     assert set(trained) <= {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
     run_record = metrics.run
     assert run_record is not None  # the report describes the mode from it
-    assert (run_record.policy, run_record.dispatch, run_record.streaming) == mode[:3]
+    assert (run_record.policy, run_record.dispatch, run_record.streaming) == (
+        policy,
+        dispatch,
+        streaming,
+    )
     assert run_record.standalone_capacity == standalone
     engines = Counter(engine for engine, _ in served_calls(run_dir))
     assert (engines["standalone"] > 0) == (standalone > 0), engines
