@@ -161,8 +161,13 @@ def test_an_evaluator_that_never_succeeds_leaves_no_reward_not_a_zero(tmp_path: 
 
 
 def test_an_evaluator_that_never_succeeds_is_retried_until_the_overall_budget(tmp_path: Path):
+    # No backoff, and a budget with room for many attempts even on a busy machine (an
+    # attempt here takes ~0.05 s quiet, and well under 0.5 s with every core contended).
     broken = CommandEvaluator(type="command", command="exit 1", timeout_s=5)
-    result = run(task(evaluator=broken), python_harness("pass"), tmp_path, Budgets(1, 2))
+    steady = EvaluationOptions(retry_backoff=1.0)
+    result = run(
+        task(evaluator=broken), python_harness("pass"), tmp_path, Budgets(1, 6), evaluation=steady
+    )
     assert (result.outcome, result.reward) == (Outcome.OVERALL_TIMEOUT, None)
     assert len(result.assessments) > 5 and all(not a.valid for a in result.assessments)
 
