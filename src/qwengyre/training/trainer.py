@@ -22,8 +22,9 @@ result only by float rounding: one cell and three cells give the same update.
 The current log-probs ``l_t`` are computed exactly as the engine computed ``b_t``:
 ``log softmax(z / T)[y]`` in fp32 (:func:`qwengyre.training.logprobs.token_logprobs`,
 chunked so memory does not grow with rows x vocabulary); ``T`` is the rollout
-temperature. Rows are packed documents: ``position_ids`` restart at every trajectory
-and no attention mask is passed, so transformers attends within each document only.
+temperature. Rows are packed documents (``position_ids`` restart at every trajectory);
+:func:`qwengyre.training.packed.packed_hidden_states` attends within each document
+only, with memory linear in the row.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from qwengyre.training.buffers import BatchSummary, MicroStep
 from qwengyre.training.distributed import PrefixGroups, flatten, unflatten_into
 from qwengyre.training.logprobs import token_logprobs
 from qwengyre.training.objective import execution_gspo_loss
+from qwengyre.training.packed import packed_hidden_states
 
 __all__ = ["MicroStepResult", "StepResult", "Trainer"]
 
@@ -107,9 +109,7 @@ class Trainer:
     def current_logprobs(self, ms: MicroStep) -> Tensor:
         """``l_t`` at the micro-step's target tokens, in row order (fp32, differentiable)."""
         ids = ms.input_ids.to(self.device)
-        hidden = self.model.model(
-            input_ids=ids, position_ids=ms.position_ids.to(self.device), use_cache=False
-        ).last_hidden_state
+        hidden = packed_hidden_states(self.model.model, ids, ms.position_ids.to(self.device))
         # The token at position p is predicted from the hidden state at p - 1.
         mask = ms.target_mask[:, 1:].to(self.device)
         return token_logprobs(
