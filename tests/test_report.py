@@ -218,7 +218,7 @@ def test_step_metrics_are_mirrored_to_tensorboard_when_available(
     fake = _FakeSummaryWriter()
     dirs: list[Path] = []
 
-    def open_fake(log_dir: Path) -> Any:
+    def open_fake(log_dir: Path, purge_step: int | None = None) -> Any:
         dirs.append(log_dir)
         return fake
 

@@ -486,7 +486,7 @@ class MetricsWriter:
             log_dir = (
                 self.path.parent / TENSORBOARD_DIR if tensorboard is True else Path(tensorboard)
             )
-            writer = open_tensorboard(log_dir, step) if step else open_tensorboard(log_dir)
+            writer = open_tensorboard(log_dir, step)
             if writer is not None:
                 self._sinks.append(TensorBoardSink(writer, step=step))
         self._sinks.extend(sinks)

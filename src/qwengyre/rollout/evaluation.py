@@ -625,10 +625,7 @@ async def assess(
     workspace: Path | str,
     *,
     deadline: float,
-    max_attempts: int | None = None,
-    retry_delay_s: float = 1.0,
-    retry_backoff: float = 2.0,
-    max_retry_delay_s: float = 30.0,
+    options: EvaluationOptions | None = None,
     metadata: dict[str, Any] | None = None,
     reference: str | None = None,
     version: int | None = None,
@@ -638,27 +635,22 @@ async def assess(
     ``deadline`` is a :func:`time.monotonic` value, the end of the execution's overall
     budget: no attempt starts at or after it, and each attempt's timeout is cut to the
     time left.  Invalid attempts are retried until the deadline (PAPER: "within the
-    execution's overall time budget"); the wait before retry ``r`` is
-    ``min(max_retry_delay_s, retry_delay_s * retry_backoff ** (r - 1))`` (cut to the
-    time left).  ``max_attempts`` (default ``None``: no cap) optionally caps the
-    attempts too.  Every retry assesses the same preserved state: the workspace digest
-    is taken before the first attempt (or given as ``reference``, when the caller has
-    just taken it) and checked before each retry; if it changed (or can no longer be
-    read), retrying stops and the last attempt's ``detail`` says so.  Why retrying
-    stopped at the deadline or the cap is also noted there.  ``version`` is recorded on
-    every attempt (the artifact version of the preserved state).
+    execution's overall time budget"), paced by ``options`` (default
+    :class:`EvaluationOptions()`): the wait before retry ``r`` is
+    :meth:`EvaluationOptions.delay` (cut to the time left), and ``max_attempts``
+    (default ``None``: no cap) optionally caps the attempts too.  Every retry assesses
+    the same preserved state: the workspace digest is taken before the first attempt
+    (or given as ``reference``, when the caller has just taken it) and checked before
+    each retry; if it changed (or can no longer be read), retrying stops and the last
+    attempt's ``detail`` says so.  Why retrying stopped at the deadline or the cap is
+    also noted there.  ``version`` is recorded on every attempt (the artifact version of
+    the preserved state).
 
     The result is empty when the deadline had passed before the first attempt.  Use
     :func:`final` for the outcome: ``None`` (unresolved) is never a zero reward.
     """
-    if max_attempts is not None and max_attempts < 1:
-        raise ValueError(f"max_attempts must be >= 1 or None, got {max_attempts}")
-    pacing = EvaluationOptions(
-        retry_delay_s=retry_delay_s,
-        retry_backoff=retry_backoff,
-        max_retry_delay_s=max_retry_delay_s,
-        max_attempts=max_attempts,
-    )
+    pacing = options or EvaluationOptions()
+    max_attempts = pacing.max_attempts
     workspace = Path(workspace)
     attempts: list[Assessment] = []
     if time.monotonic() >= deadline:
