@@ -35,7 +35,7 @@ from qwengyre.training.buffers import (
     PackingBuffer,
     TrajectoryBuffer,
 )
-from qwengyre.training.distributed import PrefixGroups
+from qwengyre.training.distributed import CellComm
 from qwengyre.training.trainer import Trainer
 from qwengyre.trajectories.selection import AdmittedTrajectory
 
@@ -147,7 +147,7 @@ def main() -> None:
     config = TrainerConfig(
         micro_step_tokens=args.micro_step_tokens, logprob_chunk_tokens=args.chunk
     )
-    trainer = Trainer(model, config, PrefixGroups(0, 1, ""))
+    trainer = Trainer(model, config, CellComm(0, 1, ""))
     rows = trajectories(args.tokens, args.median, vocab, seed=0)
     steps = micro_steps(rows, args.micro_step_tokens)
     real_fraction = sum(ms.num_tokens for ms in steps) / (len(steps) * args.micro_step_tokens)

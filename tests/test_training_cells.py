@@ -1,6 +1,7 @@
-"""Cells training one batch together (issue 7): micro-steps claimed by several cell
-processes, gradients reduced over the participating prefix, one update on the core,
-a satellite joining mid-batch with the core's current weights."""
+"""Cells training one batch together (issues 7, 17): micro-steps claimed by several
+cells of one or two FSDP2 ranks each, gradient shards reduced over the participating
+prefix, one update on the core, a satellite joining mid-batch with the core's current
+weights, sharded checkpoints resumed with another number of ranks per cell."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from qwengyre.cluster.cell import Cell, CellSpec
 from qwengyre.cluster.local import ActorError, ProcessActor
+from qwengyre.cluster.placement import CellHandle, start_cells, stop_cells
 from qwengyre.config import TrainerConfig
 from qwengyre.runtime.train import free_port
 from qwengyre.training.buffers import BatchSummary, MicroStep, PackingBuffer, TrajectoryBuffer
-from qwengyre.training.distributed import PrefixGroups
+from qwengyre.training.distributed import CellComm
 from qwengyre.training.trainer import Trainer
 
 CONFIG = TrainerConfig(lr=1e-3, micro_step_tokens=160, grad_clip=1e9)
@@ -41,34 +43,53 @@ def batches(model_dir: Path) -> list[tuple[list[MicroStep], BatchSummary]]:
 
 def train_alone(model_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]]) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = Trainer(model, CONFIG, PrefixGroups(0, 1, ""))
+    trainer = Trainer(model, CONFIG, CellComm(0, 1, ""))
     for micro_steps, summary in data:
         for ms in micro_steps:
             trainer.train_micro_step(ms)
         assert trainer.finish_batch(summary, 1).version == summary.step + 1
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+    return {k: v.detach().full_tensor().clone() for k, v in model.named_parameters()}
 
 
-async def train_in_cells(model_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]]):
+async def start(
+    model_dir: Path, run_dir: Path, cells: int, shards: int, *, checkpoint: str | None = None
+) -> list[CellHandle]:
     port, board = free_port(), f"qg-test-{uuid.uuid4().hex[:12]}"
-    cells = [
-        ProcessActor(
-            Cell,
-            CellSpec(r, 3, f"tcp://127.0.0.1:{port}", str(model_dir), CONFIG, board),
-            name=f"cell-{r}",
+    specs = [
+        CellSpec(
+            r,
+            cells,
+            f"tcp://127.0.0.1:{port}",
+            str(model_dir),
+            CONFIG,
+            board,
+            shard=s,
+            shards=shards,
+            checkpoint=checkpoint,
         )
-        for r in range(3)
+        for r in range(cells)
+        for s in range(shards)
     ]
+    handles = start_cells("local", specs, run_dir=run_dir)
     try:
-        await asyncio.gather(*(c.call("connect") for c in cells))
+        await asyncio.gather(*(c.call("connect") for c in handles))
+    except BaseException:
+        stop_cells(handles)
+        raise
+    return handles
+
+
+async def train_in_cells(
+    model_dir: Path, run_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]], shards: int
+) -> list[dict[str, torch.Tensor]]:
+    cells = await start(model_dir, run_dir, 3, shards)
+    try:
         # Step 0: the core and cell 1 train; cell 2 is in rollout.
         (first, summary0), (second, summary1) = data
         assert await cells[1].call("join_training") == 0
-        claims: dict[int, int] = {}
         for i, ms in enumerate(first):
-            cell = i % 2
-            await cells[cell].call("train_micro_step", ms)
-            claims[ms.index] = cell
+            result = await cells[i % 2].call("train_micro_step", ms)
+            assert result.executions == len(ms.execution_ids)  # all ranks' parts counted
         results = await asyncio.gather(*(c.call("finish_batch", summary0, 2) for c in cells[:2]))
         assert {r.version for r in results} == {1}
         # Step 1: cell 2 joins mid-batch, after the core trained the first micro-step;
@@ -81,11 +102,13 @@ async def train_in_cells(model_dir: Path, data: list[tuple[list[MicroStep], Batc
         assert {r.version for r in results} == {2}
         return [await c.call("parameters") for c in cells]
     finally:
-        for c in cells:
-            c.close()
+        stop_cells(cells)
 
 
-def test_three_cells_with_one_joining_mid_batch_match_one_cell(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_three_cells_with_one_joining_mid_batch_match_one_unsharded_trainer(
+    tiny_model_dir: Path, tmp_path: Path, shards: int
+) -> None:
     data = batches(tiny_model_dir)
     assert all(len(micro) >= 3 for micro, _ in data), "each step needs several micro-steps"
     initial = {
@@ -93,15 +116,82 @@ def test_three_cells_with_one_joining_mid_batch_match_one_cell(tiny_model_dir: P
         for k, v in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()
     }
     alone = train_alone(tiny_model_dir, data)
-    core, satellite1, satellite2 = asyncio.run(train_in_cells(tiny_model_dir, data))
+    core, satellite1, satellite2 = asyncio.run(
+        train_in_cells(tiny_model_dir, tmp_path, data, shards)
+    )
     moved = max((alone[k] - initial[k]).abs().max().item() for k in alone)
     assert moved > 1e-3  # two Adam steps at lr 1e-3 really changed the weights
     for name, expected in alone.items():
-        # Summation order differs (per-cell partial sums): float rounding only.
+        # Summation order differs (per-cell, per-rank partial sums): float rounding only.
         torch.testing.assert_close(core[name], expected, rtol=0, atol=1e-5)
         # Satellites that trained the last step hold the core's new parameters.
         torch.testing.assert_close(satellite1[name], core[name], rtol=0, atol=0)
         torch.testing.assert_close(satellite2[name], core[name], rtol=0, atol=0)
+
+
+async def two_steps(
+    model_dir: Path, run_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]], shards: int
+) -> tuple[dict[str, torch.Tensor], list[dict[str, int]], str]:
+    """Two cells of ``shards`` ranks train both steps; returns the parameters, each
+    core rank's shard sizes, and the checkpoint written after step 0."""
+    cells = await start(model_dir, run_dir, 2, shards)
+    try:
+        path = ""
+        for step, (micro, summary) in enumerate(data):
+            assert await cells[1].call("join_training") == step
+            for i, ms in enumerate(micro):
+                await cells[i % 2].call("train_micro_step", ms)
+            if step == 1:  # gradients are held: measure them with the parameters
+                sizes = await asyncio.gather(
+                    *(r.call("shard_numels") for r in getattr(cells[0], "ranks", cells[:1]))
+                )
+            await asyncio.gather(*(c.call("finish_batch", summary, 2) for c in cells))
+            if step == 0:
+                path = await cells[0].call(
+                    "save_checkpoint", str(run_dir / "checkpoints"), 1, {"version": 1}, 2
+                )
+        return await cells[0].call("parameters"), sizes, path
+    finally:
+        stop_cells(cells)
+
+
+async def resumed_step(
+    model_dir: Path, run_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]], shards: int,
+    checkpoint: str,
+) -> dict[str, torch.Tensor]:
+    """One cell of ``shards`` ranks resumes from ``checkpoint`` and trains step 1."""
+    (cell,) = await start(model_dir, run_dir, 1, shards, checkpoint=checkpoint)
+    try:
+        micro, summary = data[1]
+        for ms in micro:
+            await cell.call("train_micro_step", ms)
+        assert (await cell.call("finish_batch", summary, 1)).version == 2
+        return await cell.call("parameters")
+    finally:
+        stop_cells([cell])
+
+
+def test_two_sharded_cells_match_one_cell_and_each_rank_holds_half_and_a_checkpoint_resumes_with_any_g(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    data = batches(tiny_model_dir)
+    alone = train_alone(tiny_model_dir, data)
+    sharded, sizes, path = asyncio.run(two_steps(tiny_model_dir, tmp_path / "g2", data, 2))
+    for name, expected in alone.items():
+        torch.testing.assert_close(sharded[name], expected, rtol=0, atol=1e-5)
+    total = sum(t.numel() for t in alone.values())
+    for rank in sizes:  # parameters, gradients and Adam's two moments: ~1/G each
+        assert abs(rank["parameters"] / total - 0.5) < 0.01, rank
+        assert rank["gradients"] == rank["parameters"]
+        assert rank["optimizer"] == 2 * rank["parameters"]
+    assert sum(rank["parameters"] for rank in sizes) == total
+    # The checkpoint written by two ranks resumes with two and with one.
+    for shards in (2, 1):
+        resumed = asyncio.run(
+            resumed_step(tiny_model_dir, tmp_path / f"resume-{shards}", data, shards, path)
+        )
+        for name, expected in sharded.items():
+            torch.testing.assert_close(resumed[name], expected, rtol=0, atol=1e-5)
 
 
 def test_a_cell_error_comes_back_and_the_cell_keeps_serving(tiny_model_dir: Path) -> None:

@@ -129,6 +129,9 @@ class CellsConfig(_Section):
 
     count: int = Field(8, ge=1, description="K: elastic cells; cell 0 is the core")
     capacity: int = Field(144, ge=1, description="C_e: concurrent executions per rollout cell")
+    devices_per_cell: int = Field(
+        1, ge=1, description="G: ranks (one device each) sharing a cell's model with FSDP2"
+    )
     standalone_capacity: int = Field(0, ge=0, description="C_s: standalone rollout pool")
     standalone_device: str | None = Field(
         None, description="torch device of the standalone pool's engine; None = run.device"
@@ -165,6 +168,19 @@ class TrainerConfig(_Section):
     micro_step_tokens: int = Field(8192, ge=16, description="token budget of one micro-step")
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="rows of logits materialised at once for the log-probs"
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="compute precision of forward and backward (FSDP2 mixed precision); "
+        "master weights, optimizer state and gradient reduction stay fp32",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward"
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="keep parameter shards, gradients and optimizer state in host memory "
+        "(FSDP2 CPU offload; the optimizer steps on the CPU)",
     )
 
     def lr_at(self, update: int) -> float:

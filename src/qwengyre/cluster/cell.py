@@ -1,40 +1,51 @@
 """A cell: one slice of the accelerators that serves rollout or training (PAPER: elastic
-cells; DESIGN.md §3).
+cells; DESIGN.md §3; issue 17).
 
-The same :class:`Cell` runs as a local process (:class:`~qwengyre.cluster.local.ProcessActor`)
-or as a Ray actor. It holds the policy model. Cell 0, the core, owns the optimizer
-and the weights board (shared memory, or Ray's object store under Ray placement:
-:class:`~qwengyre.cluster.weights.WeightsBoard`); satellites pull the core's weights
-when they join training. Every method is synchronous: the placement backend runs one call at a time.
+A cell is ``G`` ranks (``cells.devices_per_cell``), each a :class:`Cell` object in its
+own process on its own device: a local process
+(:class:`~qwengyre.cluster.local.ProcessActor`) or a Ray actor, driven together through
+one handle (:class:`~qwengyre.cluster.placement.CellGroup`), which calls every rank and
+answers with shard 0's result. The ranks hold the policy sharded with FSDP2
+(:class:`~qwengyre.training.trainer.Trainer`). Cell 0, the core, owns the optimizer and
+the weights boards, one per shard index (shared memory, or Ray's object store under
+Ray placement: :mod:`qwengyre.cluster.weights`); a satellite's rank ``r`` pulls shard
+``r`` of the core's weights when it joins training. Every method is synchronous: the
+placement backend runs one call at a time.
 
-Start-up: build all ``K`` cells, then call :meth:`Cell.connect` on all of them
+Start-up: build all ``K x G`` ranks, then call :meth:`Cell.connect` on all of them
 concurrently (creating the torch.distributed groups is collective).
 
-Rollout: :meth:`Cell.start_engine` serves an embedded engine behind SGLang's HTTP API
-(:class:`~qwengyre.cluster.engine_host.EngineHost`).
-A move to training is :meth:`release_engine` (after the proxy drained it); the way
-back is :meth:`resume_engine`, which also loads the newest weights from the board.
-Publication is :meth:`update_engine_weights` (from the board). The
-engine keeps its own copy of the weights: on an accelerator they would share one.
+Rollout: shard 0 serves an embedded engine behind SGLang's HTTP API
+(:class:`~qwengyre.cluster.engine_host.EngineHost`), which reads the core's ``G``
+boards shard by shard. A move to training is :meth:`release_engine` (after the proxy
+drained it); the way back is :meth:`resume_engine`, which frees the trainer state's
+device memory (:meth:`~qwengyre.training.trainer.Trainer.offload`, on accelerators) and
+loads the newest weights. Publication is :meth:`update_engine_weights`.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from qwengyre.cluster.engine_host import EngineHost
-from qwengyre.cluster.weights import SharedWeights, WeightsBoard, WeightsLayout, layout_of
+from qwengyre.cluster.weights import (
+    BoardKind,
+    BoardShards,
+    board_name,
+    open_board,
+    shard_layout,
+)
 from qwengyre.config import TrainerConfig
 from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.training.buffers import BatchSummary, MicroStep
-from qwengyre.training.checkpoint import load_checkpoint, save_checkpoint
-from qwengyre.training.distributed import PrefixGroups
+from qwengyre.training.checkpoint import load_sharded, save_sharded_checkpoint
+from qwengyre.training.distributed import CellComm
+from qwengyre.training.sharding import full_tensor
 from qwengyre.training.trainer import MicroStepResult, StepResult, Trainer
 
 __all__ = ["Cell", "CellSpec"]
@@ -42,31 +53,39 @@ __all__ = ["Cell", "CellSpec"]
 
 @dataclass(frozen=True)
 class CellSpec:
-    """Everything a cell process needs to start (picklable)."""
+    """Everything one rank of a cell needs to start (picklable)."""
 
-    rank: int
-    world: int
+    rank: int  # the cell's index (0: the core)
+    world: int  # K, the number of cells
     init_method: str  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
     model_dir: str
     trainer: TrainerConfig
-    board: str  # name of the core's weights board
-    board_kind: Literal["shared_memory", "ray"] = "shared_memory"  # see WeightsBoard
+    board: str  # base name of the core's weights boards (one per shard index)
+    board_kind: BoardKind = "shared_memory"  # see qwengyre.cluster.weights
     backend: str = "gloo"
-    device: str = "cpu"
+    device: str = "cpu"  # this rank's device
     torch_threads: int = 1
     seed: int = 0
     engine_capacity: int = 8
     max_context: int | None = None
     version: int = 0  # policy version of the weights in model_dir
-    checkpoint: str | None = None  # resume: the core loads its optimizer state from here
+    checkpoint: str | None = None  # resume: the core loads weights and optimizer from here
+    shard: int = 0  # this rank's index within the cell
+    shards: int = 1  # G, ranks per cell
+
+    @property
+    def name(self) -> str:
+        return f"cell-{self.rank}" if self.shards == 1 else f"cell-{self.rank}.{self.shard}"
 
 
 class Cell:
-    """One cell's process-side state; see the module docstring."""
+    """One rank of a cell; see the module docstring."""
 
     def __init__(self, spec: CellSpec) -> None:
         torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed + spec.rank)
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(spec.device))
         self.spec = spec
         with quiet_progress_bars():
             model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
@@ -75,45 +94,50 @@ class Cell:
         self.model = model.to(torch.device(spec.device))  # type: ignore[arg-type]
         self.trainer: Trainer | None = None
         self.engine: EngineHost | None = None
-        self._tokenizer: Any = None
+        self._boards: BoardShards | None = None
 
     @property
     def rank(self) -> int:
         return self.spec.rank
 
+    @property
+    def _serves(self) -> bool:
+        """Shard 0 hosts the cell's engine."""
+        return self.spec.shard == 0
+
     def connect(self) -> int:
-        """Join the cells' communication groups; the core opens the weights board.
+        """Join the cells' communication groups, shard the model; the core opens the
+        weights boards (and loads the checkpoint it resumes from).
 
         Returns this process's id (for logs and kill tests).
         """
-        layout = layout_of(self.model.named_parameters())
-        core = self.spec.rank == 0
-        board = self._open_board(layout, create=True) if core else None
-        comm = PrefixGroups(
-            self.spec.rank, self.spec.world, self.spec.init_method, backend=self.spec.backend
+        spec = self.spec
+        core = spec.rank == 0
+        name = board_name(spec.board, spec.shard)
+        layout = shard_layout(self.model.named_parameters(), spec.shards, spec.shard)
+        board = open_board(spec.board_kind, name, layout, create=True) if core else None
+        comm = CellComm(
+            spec.rank,
+            spec.world,
+            spec.init_method,
+            shard=spec.shard,
+            shards=spec.shards,
+            backend=spec.backend,
+            device=spec.device,
         )
-        # new_group() is collective: once it returned everywhere the core's board exists.
+        # Creating the groups is collective: once it returned everywhere the boards exist.
         if board is None:
-            board = self._open_board(layout, create=False)
-        self.trainer = Trainer(
-            self.model, self.spec.trainer, comm, version=self.spec.version, board=board
-        )
+            board = open_board(spec.board_kind, name, layout)
+        self.trainer = Trainer(self.model, spec.trainer, comm, version=spec.version, board=board)
         if core:
-            if self.spec.checkpoint is not None:
-                load_checkpoint(self.spec.checkpoint, self.model, self.trainer.optimizer)
+            if spec.checkpoint is not None:
+                load_sharded(spec.checkpoint, self.trainer)
             self.trainer.publish_weights()
         return os.getpid()
 
-    def _open_board(self, layout: WeightsLayout, *, create: bool) -> WeightsBoard:
-        if self.spec.board_kind == "ray":
-            from qwengyre.cluster.ray import RayWeights
-
-            return RayWeights(self.spec.board, create=create)
-        return SharedWeights(self.spec.board, layout, create=create)
-
     def _trainer(self) -> Trainer:
         if self.trainer is None:
-            raise RuntimeError(f"cell {self.rank}: connect() first")
+            raise RuntimeError(f"{self.spec.name}: connect() first")
         return self.trainer
 
     def join_training(self) -> int:
@@ -131,73 +155,90 @@ class Cell:
 
     def _engine(self) -> EngineHost:
         if self.engine is None:
-            raise RuntimeError(f"cell {self.rank}: start_engine() first")
+            raise RuntimeError(f"{self.spec.name}: start_engine() first")
         return self.engine
 
-    def _board(self) -> WeightsBoard:
-        board = self._trainer().board
-        assert board is not None
-        return board
+    def _board_shards(self) -> BoardShards:
+        if self._boards is None:
+            spec, trainer = self.spec, self._trainer()
+            named = self._engine().engine.model.named_parameters()
+            opened = {spec.shard: trainer.board} if trainer.is_core and trainer.board else {}
+            self._boards = BoardShards(
+                spec.board_kind, spec.board, named, spec.shards, opened=opened
+            )
+        return self._boards
 
-    def start_engine(self) -> tuple[str, str]:
-        """Serve rollout; returns the engine's base URL and API key."""
+    def start_engine(self) -> tuple[str, str] | None:
+        """Shard 0 serves rollout with the core's published weights; returns the
+        engine's base URL and API key (``None`` on the other shards)."""
+        if not self._serves:
+            return None
         if self.engine is not None:
-            raise RuntimeError(f"cell {self.rank}: the engine is already running")
+            raise RuntimeError(f"{self.spec.name}: the engine is already running")
         self.engine = EngineHost(
             self.spec.model_dir,
-            name=f"cell-{self.rank}",
+            name=self.spec.name,
             capacity=self.spec.engine_capacity,
             device=self.spec.device,
             max_context=self.spec.max_context,
             seed=self.spec.seed + 1000 * self.rank,
-            version=self.spec.version,
+            version=-1,  # whatever model_dir holds, serve the core's weights
         )
+        self.engine.load_newest(self._board_shards())
         return self.engine.start()
 
     def release_engine(self, timeout_s: float = 60.0) -> None:
-        """Free the engine's memory once the requests the proxy aborted have left."""
-        self._engine().release(timeout_s)
+        """Free the engine's memory once the requests the proxy aborted have left, and
+        bring the trainer state back to the device."""
+        if self._serves:
+            self._engine().release(timeout_s)
+        trainer = self._trainer()
+        if trainer.offloaded:
+            trainer.restore()
 
     def resume_engine(self) -> int:
-        """Serve rollout again with the newest weights; returns their version."""
-        return self._engine().resume(self._board())
+        """Serve rollout again with the newest weights; returns their version. On an
+        accelerator the trainer state leaves the device first."""
+        trainer = self._trainer()
+        if self.spec.device != "cpu":  # on the CPU there is no device memory to free
+            trainer.offload()
+        if not self._serves:
+            return trainer.version
+        return self._engine().resume(self._board_shards())
 
     def update_engine_weights(self) -> int:
-        """Load the board's weights into the engine (between decode steps) if newer."""
-        return self._engine().load_newest(self._board())
+        """Load the boards' weights into the engine (between decode steps) if newer."""
+        if not self._serves:
+            return self._trainer().version
+        return self._engine().load_newest(self._board_shards())
 
     # ------------------------------------------------------------------ state
 
     def save_checkpoint(self, root: str, step: int, state: dict[str, Any], keep: int) -> str:
-        """The core writes model, optimizer and the caller's state atomically; the
-        ``keep`` newest checkpoints under ``root`` remain."""
+        """The core's ranks write weights and optimizer (sharded), shard 0 the caller's
+        state, atomically; the ``keep`` newest checkpoints under ``root`` remain."""
         trainer = self._trainer()
         if not trainer.is_core:
             raise RuntimeError("only the core holds the optimizer")
-        if self._tokenizer is None:  # saved too, so the checkpoint is a whole model dir
-            self._tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir)
-        path = save_checkpoint(
-            Path(root),
-            step=step,
-            model=self.model,
-            optimizer=trainer.optimizer,
-            state=state,
-            keep=keep,
-            tokenizer=self._tokenizer,
+        return save_sharded_checkpoint(
+            root, step=step, trainer=trainer, state=state, keep=keep, model_dir=self.spec.model_dir
         )
-        return str(path)
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A copy of the current parameters (tests, checkpoints)."""
-        return {k: v.detach().clone() for k, v in self.model.named_parameters()}
+        """A copy of the whole current parameters (tests; collective over the cell)."""
+        return {
+            k: full_tensor(v.detach()).clone() for k, v in self.model.named_parameters()
+        }
 
-    def save_model(self, path: str) -> str:
-        self.model.save_pretrained(Path(path))
-        return path
+    def shard_numels(self) -> dict[str, int]:
+        """Elements this rank holds: parameters, gradients, optimizer state (tests)."""
+        return self._trainer().shard_numels()
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if self._boards is not None:
+            self._boards.close()
         if self.trainer is not None:
             self.trainer.comm.close()
             if self.trainer.board is not None:

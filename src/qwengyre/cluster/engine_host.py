@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from qwengyre.cluster.weights import WeightsBoard
-from qwengyre.engines.base import WeightsInMemory
+from qwengyre.cluster.weights import BoardShards
+from qwengyre.engines.base import StaleWeights
 from qwengyre.engines.embedded import EmbeddedEngine
 from qwengyre.engines.server import engine_app
 
@@ -87,16 +87,24 @@ class EngineHost:
             time.sleep(0.01)
         self._on_loop(self.engine.release_memory())
 
-    def resume(self, board: WeightsBoard) -> int:
-        """Serve again with the board's newest weights; returns their version."""
+    def resume(self, boards: BoardShards) -> int:
+        """Serve again with the boards' newest weights; returns their version."""
         self._on_loop(self.engine.resume_memory())
-        return self.load_newest(board)
+        return self.load_newest(boards)
 
-    def load_newest(self, board: WeightsBoard) -> int:
-        """Load the board's weights (between decode steps) if newer; the engine's version."""
-        if board.version > self.engine.version:
-            version, tensors = board.read()
-            self._on_loop(self.engine.update_weights(WeightsInMemory(tensors), version))
+    def load_newest(self, boards: BoardShards, attempts: int = 3) -> int:
+        """Load the boards' weights (between decode steps, shard by shard) if newer;
+        returns the engine's version. A shard the core rewrote during the load makes
+        it start over with the newer version."""
+        for attempt in range(attempts):
+            version = boards.version
+            if version <= self.engine.version:
+                break
+            try:
+                self._on_loop(self.engine.update_weights(boards.source(version), version))
+            except StaleWeights:
+                if attempt == attempts - 1:
+                    raise
         return self.engine.version
 
     def close(self) -> None:

@@ -1,19 +1,23 @@
 """Placement of cells: local processes or Ray actors behind one interface
 (DESIGN.md §3, cluster).
 
-``start_cells("local", specs, run_dir=...)`` builds each cell in its own process on this
-machine (:class:`~qwengyre.cluster.local.ProcessActor`); ``start_cells("ray", ...)``
-builds them as Ray actors in one placement group (:mod:`qwengyre.cluster.ray`, which
-documents ``RAY_ADDRESS`` and multi-node rendezvous). Either way the handles come back
-in rank order; call ``connect`` on all of them concurrently, and end with
-:func:`stop_cells`. The standalone rollout pool, when configured, is one more actor
+``start_cells("local", specs, run_dir=...)`` builds each rank of each cell in its own
+process on this machine (:class:`~qwengyre.cluster.local.ProcessActor`);
+``start_cells("ray", ...)`` builds them as Ray actors in one placement group, one bundle
+(one GPU on accelerators) per rank (:mod:`qwengyre.cluster.ray`, which documents
+``RAY_ADDRESS`` and multi-node rendezvous). Either way one handle per cell comes back,
+in cell order: a cell of several ranks is a :class:`CellGroup`. Call ``connect`` on all
+of them concurrently, and end with :func:`stop_cells`. The standalone rollout pool, when configured, is one more actor
 (:func:`start_standalone`), started once the cells are connected.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from itertools import groupby
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -21,7 +25,14 @@ from qwengyre.cluster.cell import Cell, CellSpec
 from qwengyre.cluster.local import ProcessActor
 from qwengyre.cluster.standalone import STANDALONE_NAME, StandalonePool, StandaloneSpec
 
-__all__ = ["CellHandle", "start_cells", "start_standalone", "stop_cells"]
+__all__ = [
+    "CellGroup",
+    "CellHandle",
+    "rank_device",
+    "start_cells",
+    "start_standalone",
+    "stop_cells",
+]
 
 
 class CellHandle(Protocol):
@@ -40,6 +51,53 @@ class CellHandle(Protocol):
     def close(self) -> None: ...
 
 
+class CellGroup:
+    """The ranks of one cell behind one :class:`CellHandle`: a call runs on every rank
+    at once (FSDP2's collectives need them together) and answers with shard 0's result.
+    A rank that fails makes the call fail (its peers may then wait in a collective
+    until the process group's timeout: a failed cell stops the run)."""
+
+    def __init__(self, ranks: Sequence[CellHandle], name: str) -> None:
+        self.ranks = list(ranks)
+        self.name = name
+
+    @property
+    def cells(self) -> object:
+        """The Ray group that started the ranks (for :func:`stop_cells`), if any."""
+        return getattr(self.ranks[0], "cells", None)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        results = await asyncio.gather(*(r.call(method, *args, **kwargs) for r in self.ranks))
+        return results[0]
+
+    def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        with ThreadPoolExecutor(len(self.ranks)) as pool:
+            futures = [pool.submit(r.call_sync, method, *args, **kwargs) for r in self.ranks]
+            return [f.result() for f in futures][0]
+
+    async def check_alive(self) -> None:
+        for rank in self.ranks:
+            await rank.check_alive()
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
+def rank_device(device: str, index: int) -> str:
+    """The device of process ``index`` (``cell * G + shard``) on its node: ``"cuda"``
+    spreads the ranks over the visible GPUs, anything else (``"cpu"``, ``"cuda:1"``)
+    is used as it is."""
+    if device != "cuda":
+        return device
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError("run.device is 'cuda' but no CUDA device is visible")
+    return f"cuda:{index % count}"
+
+
 def start_cells(
     backend: Literal["local", "ray"],
     specs: Sequence[CellSpec],
@@ -49,12 +107,13 @@ def start_cells(
     gpus_per_cell: float = 0.0,
     strategy: Literal["PACK", "SPREAD"] = "PACK",
 ) -> list[CellHandle]:
-    """Build one cell per spec; handles in rank order. ``cpus_per_cell``,
-    ``gpus_per_cell`` and ``strategy`` (placement-group strategy) apply to Ray."""
-    specs = sorted(specs, key=lambda spec: spec.rank)
+    """Build one process per spec (a rank of a cell); one handle per cell, in cell
+    order. ``cpus_per_cell``, ``gpus_per_cell`` (per rank, for Ray) and ``strategy``
+    (placement-group strategy) apply to Ray."""
+    specs = sorted(specs, key=lambda spec: (spec.rank, spec.shard))
     if backend == "local":
-        return [ProcessActor(Cell, spec, name=f"cell-{spec.rank}") for spec in specs]
-    if backend == "ray":
+        ranks: list[CellHandle] = [ProcessActor(Cell, spec, name=spec.name) for spec in specs]
+    elif backend == "ray":
         from qwengyre.cluster.ray import RayCells
 
         cells = RayCells(
@@ -64,8 +123,14 @@ def start_cells(
             gpus_per_cell=gpus_per_cell,
             strategy=strategy,
         )
-        return list(cells.handles)
-    raise ValueError(f"unknown placement backend {backend!r}")
+        ranks = list(cells.handles)
+    else:
+        raise ValueError(f"unknown placement backend {backend!r}")
+    handles: list[CellHandle] = []
+    for cell, group in groupby(zip(specs, ranks, strict=True), key=lambda pair: pair[0].rank):
+        members = [handle for _, handle in group]
+        handles.append(members[0] if len(members) == 1 else CellGroup(members, f"cell-{cell}"))
+    return handles
 
 
 def start_standalone(
@@ -85,7 +150,9 @@ def start_standalone(
 
 def stop_cells(handles: Sequence[CellHandle]) -> None:
     """Close every cell; for Ray also release what :func:`start_cells` started."""
-    groups = {id(g): g for h in handles if (g := getattr(h, "cells", None)) is not None}
+    groups: dict[int, Any] = {
+        id(g): g for h in handles if (g := getattr(h, "cells", None)) is not None
+    }
     for handle in handles:
         if getattr(handle, "cells", None) is None:
             handle.close()

@@ -240,7 +240,7 @@ class RayCells:
             RayActor(
                 Cell,
                 spec,
-                name=f"cell-{spec.rank}",
+                name=spec.name,
                 num_cpus=cpus_per_cell,
                 num_gpus=gpus_per_cell,
                 placement=self.placement,

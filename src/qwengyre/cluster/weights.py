@@ -1,6 +1,11 @@
 """Weights in shared memory: how the core hands its parameters to other cells on one
 machine (DESIGN.md §3, cluster: weight transfer).
 
+A cell of ``G`` ranks holds its model in ``G`` shards (:mod:`qwengyre.training.sharding`),
+so there is one board per shard index (:func:`board_name`): rank ``r`` of the core
+writes shard ``r`` there and rank ``r`` of a satellite reads it. An engine reads all
+``G`` as one model through :class:`BoardShards`, one shard at a time.
+
 The core writes its parameters after every optimizer update into one named
 shared-memory segment; a satellite joining training mid-batch reads the core's
 current weights from it, and rollout engines on the same machine load a published
@@ -16,15 +21,30 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["SharedWeights", "TensorSlot", "WeightsBoard", "WeightsLayout", "layout_of"]
+from qwengyre.engines.base import StaleWeights, WeightsInShards
+from qwengyre.training.sharding import shard_rows
+
+__all__ = [
+    "BoardShards",
+    "SharedWeights",
+    "TensorSlot",
+    "WeightsBoard",
+    "WeightsLayout",
+    "board_name",
+    "layout_of",
+    "open_board",
+    "shard_layout",
+]
+
+BoardKind = Literal["shared_memory", "ray"]
 
 _HEADER = struct.Struct("<qq")  # sequence counter, policy version
 _ALIGN = 64
@@ -63,6 +83,27 @@ def layout_of(named: Iterable[tuple[str, Tensor]]) -> WeightsLayout:
         slots.append(slot)
         offset += slot.nbytes
     return WeightsLayout(tuple(slots), offset)
+
+
+def shard_layout(named: Iterable[tuple[str, Tensor]], shards: int, shard: int) -> WeightsLayout:
+    """The layout of shard ``shard`` of ``shards`` of whole tensors ``named`` (each
+    cut along dim 0 as FSDP2 cuts it): what that shard's board holds."""
+    return layout_of(
+        (
+            name,
+            torch.empty(
+                (shard_rows(t.shape[0], shards, shard)[1], *t.shape[1:]),
+                dtype=t.dtype,
+                device="meta",
+            ),
+        )
+        for name, t in named
+    )
+
+
+def board_name(base: str, shard: int) -> str:
+    """The board of shard index ``shard`` of the run's board ``base``."""
+    return f"{base}-{shard}"
 
 
 class WeightsBoard(Protocol):
@@ -160,3 +201,56 @@ class SharedWeights:
         self._shm.close()
         if self._owner:
             self._shm.unlink()
+
+
+def open_board(
+    kind: BoardKind, name: str, layout: WeightsLayout, *, create: bool = False
+) -> WeightsBoard:
+    """A board of ``kind``: shared memory on this machine, or Ray's object store."""
+    if kind == "ray":
+        from qwengyre.cluster.ray import RayWeights
+
+        return RayWeights(name, create=create)
+    return SharedWeights(name, layout, create=create)
+
+
+class BoardShards:
+    """The ``G`` shard boards of the core's model, read by an engine as one model.
+
+    :attr:`version` is the version every board holds (the lowest while a write is
+    under way); :meth:`source` hands the engine one shard at a time.
+    """
+
+    def __init__(
+        self,
+        kind: BoardKind,
+        base: str,
+        named: Iterable[tuple[str, Tensor]],
+        shards: int,
+        *,
+        opened: Mapping[int, WeightsBoard] | None = None,
+    ) -> None:
+        """``opened``: boards this process holds already (the core's own), by shard."""
+        named, opened = list(named), dict(opened or {})
+        self._own = [r for r in range(shards) if r not in opened]
+        self.boards = [
+            opened[r] if r in opened else open_board(kind, board_name(base, r), shard_layout(named, shards, r))
+            for r in range(shards)
+        ]
+
+    @property
+    def version(self) -> int:
+        return min(board.version for board in self.boards)
+
+    def source(self, version: int) -> WeightsInShards:
+        def read(shard: int) -> Mapping[str, Tensor]:
+            found, tensors = self.boards[shard].read()
+            if found != version:
+                raise StaleWeights(f"shard {shard} holds version {found}, not {version}")
+            return tensors
+
+        return WeightsInShards(len(self.boards), read)
+
+    def close(self) -> None:
+        for r in self._own:
+            self.boards[r].close()

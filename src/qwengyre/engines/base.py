@@ -8,7 +8,7 @@ all at once (:meth:`InferenceEngine.generate`) or as they are sampled
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -101,7 +101,22 @@ class WeightsInMemory:
     tensors: Mapping[str, Any]
 
 
-WeightSource = WeightsOnDisk | WeightsInMemory
+@dataclass(frozen=True)
+class WeightsInShards:
+    """Named tensors cut along dim 0 into ``count`` parts (``torch.chunk`` order, as
+    FSDP2 shards them); ``read(r)`` returns part ``r``. The engine reads one part at a
+    time, so no whole-model buffer exists beside its own weights. ``read`` raises
+    :class:`StaleWeights` when part ``r`` is no longer of the version being loaded."""
+
+    count: int
+    read: Callable[[int], Mapping[str, Any]]
+
+
+class StaleWeights(RuntimeError):
+    """A shard changed version while an engine was loading the others."""
+
+
+WeightSource = WeightsOnDisk | WeightsInMemory | WeightsInShards
 
 
 class InferenceEngine(Protocol):

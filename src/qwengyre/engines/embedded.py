@@ -36,12 +36,13 @@ import gc
 import inspect
 import logging
 import threading
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch import Tensor
 
 from qwengyre.engines.base import (
     EngineAborted,
@@ -50,6 +51,7 @@ from qwengyre.engines.base import (
     GenerateResult,
     TokenDelta,
     WeightsInMemory,
+    WeightsInShards,
     WeightsOnDisk,
     WeightSource,
     collect,
@@ -320,22 +322,20 @@ class EmbeddedEngine:
         if update is None:
             return
         try:
-            if isinstance(update.source, WeightsOnDisk):
-                tensors = _load_safetensors(Path(update.source.path))
-            else:
-                assert isinstance(update.source, WeightsInMemory)
-                tensors = dict(update.source.tensors)
             state = self.model.state_dict()
-            unknown = sorted(set(tensors) - set(state))
-            if unknown:
-                raise ValueError(f"unknown weight names: {unknown[:3]}")
-            wrong = [k for k, t in tensors.items() if tuple(t.shape) != tuple(state[k].shape)]
-            if wrong:
-                raise ValueError(f"weights of the wrong shape: {wrong[:3]}")
-            for key, tensor in tensors.items():  # checked first: never a partial update
-                state[key].copy_(tensor.to(state[key].device, state[key].dtype))
+            if isinstance(update.source, WeightsInShards):
+                _copy_shards(update.source, state)
+            else:
+                if isinstance(update.source, WeightsOnDisk):
+                    tensors = _load_safetensors(Path(update.source.path))
+                else:
+                    assert isinstance(update.source, WeightsInMemory)
+                    tensors = dict(update.source.tensors)
+                _check_names(tensors, state, lambda k, t: tuple(t.shape) == tuple(state[k].shape))
+                for key, tensor in tensors.items():  # checked first: never a partial update
+                    state[key].copy_(tensor.to(state[key].device, state[key].dtype))
             self.version = update.version
-        except Exception as exc:  # the caller gets it; the weights are unchanged
+        except Exception as exc:  # the caller gets it; whole tensors are unchanged
             update.error = exc
         finally:
             update.done.set()
@@ -595,6 +595,44 @@ def _sliding_window(config: Any) -> int | None:
             f" this model also has {sorted(unsupported)}"
         )
     return int(config.sliding_window) if "sliding_attention" in kinds else None
+
+
+def _check_names(
+    tensors: Mapping[str, Tensor], state: Mapping[str, Tensor], fits: Callable[[str, Tensor], bool]
+) -> None:
+    unknown = sorted(set(tensors) - set(state))
+    if unknown:
+        raise ValueError(f"unknown weight names: {unknown[:3]}")
+    wrong = [k for k, t in tensors.items() if not fits(k, t)]
+    if wrong:
+        raise ValueError(f"weights of the wrong shape: {wrong[:3]}")
+
+
+def _copy_shards(source: WeightsInShards, state: Mapping[str, Tensor]) -> None:
+    """Copy each part's dim-0 rows into ``state`` in order, part by part (each part is
+    checked before any of it is copied; a part of another version raises
+    :class:`~qwengyre.engines.base.StaleWeights` and leaves the earlier parts loaded)."""
+    filled: dict[str, int] = {}
+    for r in range(source.count):
+        part = source.read(r)
+
+        def fits(key: str, t: Tensor) -> bool:
+            full = state[key]
+            return (
+                t.dim() == full.dim()
+                and tuple(t.shape[1:]) == tuple(full.shape[1:])
+                and filled.get(key, 0) + t.shape[0] <= full.shape[0]
+            )
+
+        _check_names(part, state, fits)
+        for key, tensor in part.items():
+            start = filled.get(key, 0)
+            dst = state[key].narrow(0, start, tensor.shape[0])
+            dst.copy_(tensor.to(dst.device, dst.dtype))
+            filled[key] = start + tensor.shape[0]
+    short = [k for k, rows in filled.items() if rows != state[k].shape[0]]
+    if short:
+        raise ValueError(f"shards do not cover these weights: {short[:3]}")
 
 
 def _load_safetensors(path: Path) -> dict[str, Any]:

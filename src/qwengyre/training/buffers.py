@@ -55,7 +55,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -70,6 +70,7 @@ __all__ = [
     "MicroStepQueue",
     "PackingBuffer",
     "TrajectoryBuffer",
+    "split_micro_step",
 ]
 
 DEFAULT_FILL_FRACTION = 0.95
@@ -258,6 +259,52 @@ class MicroStep:
     @property
     def num_targets(self) -> int:
         return int(self.target_mask.sum())
+
+
+def split_micro_step(ms: MicroStep, parts: int) -> list[MicroStep | None]:
+    """``ms`` cut into ``parts`` rows of whole executions, balanced by tokens (longest
+    first, each to the lightest part), for the ranks of a sharded cell; ``None`` for a
+    part that got no execution. The parts' summed objectives add up to ``ms``'s (an
+    execution's ratio needs all its tokens, so an execution is never cut)."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if parts == 1:
+        return [ms]
+    index = ms.execution_index[0]
+    spans = [
+        (int(e), int(torch.nonzero(index == e)[0]), int((index == e).sum()))
+        for e in range(int(ms.advantages.numel()))
+    ]
+    chosen: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for span in sorted(spans, key=lambda s: (-s[2], s[0])):
+        lightest = load.index(min(load))
+        chosen[lightest].append(span)
+        load[lightest] += span[2]
+    out: list[MicroStep | None] = []
+    for part in chosen:
+        if not part:
+            out.append(None)
+            continue
+        part.sort()
+        cols = torch.cat([torch.arange(start, start + n) for _, start, n in part])
+        executions = [e for e, _, _ in part]
+        renumber = torch.zeros(int(ms.advantages.numel()), dtype=torch.long)
+        renumber[executions] = torch.arange(len(executions))
+        out.append(
+            replace(
+                ms,
+                input_ids=ms.input_ids[:, cols],
+                position_ids=ms.position_ids[:, cols],
+                target_mask=ms.target_mask[:, cols],
+                behaviour_logprobs=ms.behaviour_logprobs[:, cols],
+                execution_index=renumber[ms.execution_index[:, cols]],
+                trajectory_index=ms.trajectory_index[:, cols],
+                advantages=ms.advantages[executions],
+                execution_ids=tuple(ms.execution_ids[e] for e in executions),
+            )
+        )
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,31 +1,34 @@
-"""Atomic, resumable training checkpoints.
+"""Atomic, resumable, sharded training checkpoints (issue 17, item 6).
 
 Layout under a checkpoint root::
 
     root/
       latest                  # text file: the name of the newest complete checkpoint
       step-000012/
-        model/                # save_pretrained (safetensors) + the tokenizer, if given
-        optimizer.pt          # torch.save(optimizer.state_dict()), if an optimizer was given
+        weights/              # torch.distributed.checkpoint: the core's model and
+                              #   optimizer shards, one file per rank, plus .metadata
+        model/                # the architecture: config.json + the tokenizer, no weights
         state.json            # the caller's JSON state (policy version, scheduler, buffers...)
-        manifest.json         # step, every other file with its size and sha256, time, version
+        manifest.json         # format, step, every other file with its size and sha256, time
       .tmp-step-000013-xxxx/  # a save in progress (or one that crashed): ignored by loaders
 
-``model/`` is a plain HuggingFace directory: ``AutoModelForCausalLM.from_pretrained`` and
-``AutoTokenizer.from_pretrained`` load it directly (an inference engine can start from it).
+The core's ``G`` ranks write ``weights/`` together (:func:`save_sharded_checkpoint`); no
+rank gathers the whole model. DCP reshards on load, so a checkpoint written with ``G``
+ranks per cell resumes with any other ``G`` (:func:`load_sharded`). :func:`export_model`
+turns a checkpoint into a plain HuggingFace directory (``from_pretrained`` loads it; an
+inference engine can start from it), one tensor at a time (``qwengyre model export``).
 
-Crash safety. :func:`save_checkpoint` writes everything into a temporary sibling directory,
-fsyncs every file, renames the directory into place with ``os.replace``, then replaces
-``latest`` (written to a temporary file, fsynced, renamed), and only then prunes older
-checkpoints. A crash at any point leaves either the previous ``latest`` checkpoint intact or
-the new one complete; stale ``.tmp-*`` entries are ignored by the loaders and removed by the
-next save. One writer per root is assumed (the core cell is the sole optimizer owner).
+Crash safety. :func:`save_checkpoint` has everything written into a temporary sibling
+directory, fsyncs every file, renames the directory into place with ``os.replace``, then
+replaces ``latest`` (written to a temporary file, fsynced, renamed), and only then prunes
+older checkpoints. A crash at any point leaves either the previous ``latest`` checkpoint
+intact or the new one complete; stale ``.tmp-*`` entries are ignored by the loaders and
+removed by the next save. One writer per root is assumed (the core is the sole optimizer
+owner).
 
-Scheduler state. :class:`qwengyre.scheduler.core.Scheduler` has no JSON state API (it is an
-in-memory event-driven state machine over groups, executions and cells), so this module
-does not serialise it: the caller passes whatever JSON state it wants restored (policy
-version, step, dispatch counters, buffer state...) in ``state``, and the runtime decides
-what to rebuild from it on resume.
+Scheduler state. :class:`qwengyre.scheduler.core.Scheduler` has no JSON state API, so this
+module does not serialise it: the caller passes whatever JSON state it wants restored in
+``state``, and the runtime decides what to rebuild from it on resume.
 """
 
 from __future__ import annotations
@@ -38,44 +41,51 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import safetensors.torch
 import torch
-from transformers import PreTrainedModel
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformers import AutoConfig, AutoTokenizer
 
 from qwengyre import __version__
 from qwengyre.models.tiny import quiet_progress_bars
+
+if TYPE_CHECKING:
+    from qwengyre.training.trainer import Trainer
 
 __all__ = [
     "FORMAT_VERSION",
     "LATEST_FILE",
     "MANIFEST_FILE",
     "MODEL_DIR",
-    "OPTIMIZER_FILE",
     "STATE_FILE",
+    "WEIGHTS_DIR",
     "Checkpoint",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointStateError",
     "checkpoint_dir_name",
+    "export_model",
     "latest_checkpoint",
     "list_checkpoints",
-    "load_checkpoint",
+    "load_sharded",
     "read_checkpoint",
     "save_checkpoint",
+    "save_sharded_checkpoint",
     "verify_checkpoint",
 ]
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2  # 1: whole HF weights + optimizer.pt (before sharded cells)
 LATEST_FILE: Final = "latest"
 MANIFEST_FILE: Final = "manifest.json"
 MODEL_DIR: Final = "model"
-OPTIMIZER_FILE: Final = "optimizer.pt"
+WEIGHTS_DIR: Final = "weights"
 STATE_FILE: Final = "state.json"
 _TMP_PREFIX: Final = ".tmp-"
 _STEP_RE: Final = re.compile(r"step-(\d+)")
@@ -103,7 +113,7 @@ class Checkpoint:
 
     @property
     def model_dir(self) -> Path:
-        """The ``save_pretrained`` directory (``from_pretrained`` loads it)."""
+        """The architecture (config and tokenizer; :func:`export_model` adds weights)."""
         return self.path / MODEL_DIR
 
 
@@ -317,29 +327,23 @@ def save_checkpoint(
     root: str | Path,
     *,
     step: int,
-    model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer | None,
+    write: Callable[[Path], None],
     state: Mapping[str, Any],
-    tokenizer: Any = None,
     keep: int = 2,
 ) -> Path:
     """Atomically write the checkpoint of ``step`` under ``root`` and return its directory.
 
-    Writes ``root/step-{step:06d}/`` with ``model/`` (``model.save_pretrained`` in
-    safetensors, plus ``tokenizer.save_pretrained`` if a tokenizer is given),
-    ``optimizer.pt`` (if an optimizer is given), ``state.json`` and ``manifest.json``; then
-    points ``root/latest`` at it; then removes stale ``.tmp-*`` entries and prunes so that
-    only the new checkpoint and the ``keep - 1`` newest ones below its step remain
-    (checkpoints with a *higher* step than the new one belong to an abandoned run, since
-    ``latest`` now points below them, and are removed as well).
+    ``write(directory)`` puts the checkpoint's contents (``weights/``, ``model/``) into a
+    temporary directory; this adds ``state.json`` and ``manifest.json``, renames it to
+    ``root/step-{step:06d}/``, points ``root/latest`` at it, then removes stale ``.tmp-*``
+    entries and prunes so that only the new checkpoint and the ``keep - 1`` newest ones
+    below its step remain (checkpoints with a *higher* step than the new one belong to an
+    abandoned run, since ``latest`` now points below them, and are removed as well).
 
     ``state`` must be JSON-serialisable as is: a mapping with string keys whose values are
     dicts with string keys, lists/tuples (read back as lists), str, int, finite float, bool
     or None. Otherwise :class:`CheckpointStateError` names the offending key and nothing is
-    written. Re-saving an existing step replaces that checkpoint.
-
-    ``model`` is the unwrapped ``PreTrainedModel`` (not a DDP/FSDP wrapper); it is saved
-    from whatever device it is on.
+    written (``write`` is not called). Re-saving an existing step replaces that checkpoint.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -354,13 +358,7 @@ def save_checkpoint(
     final = root / name
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}-", dir=root))
     try:
-        with quiet_progress_bars():
-            model.save_pretrained(tmp / MODEL_DIR, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / MODEL_DIR)
-        if optimizer is not None:
-            with open(tmp / OPTIMIZER_FILE, "wb") as f:
-                torch.save(optimizer.state_dict(), f)
+        write(tmp)
         _write_bytes(tmp / STATE_FILE, state_bytes)
         files = {
             path.relative_to(tmp).as_posix(): _hash_and_sync(path) for path in _files_under(tmp)
@@ -387,6 +385,56 @@ def save_checkpoint(
     _write_latest(root, name)
     _prune(root, step, keep)
     return final
+
+
+def save_sharded_checkpoint(
+    root: str | Path,
+    *,
+    step: int,
+    trainer: Trainer,
+    state: Mapping[str, Any],
+    keep: int,
+    model_dir: str | Path,
+) -> str:
+    """:func:`save_checkpoint` by all ranks of the core together: each writes its shards
+    of the model and the optimizer into ``weights/`` (DCP), shard 0 the rest (the
+    architecture from ``model_dir``, ``state``). Returns the checkpoint's path on
+    every rank, once it is complete."""
+    comm = trainer.comm
+
+    def write_shards(directory: str) -> None:
+        model, optimizer = get_state_dict(trainer.model, trainer.optimizer or [])
+        dcp.save(
+            {"model": model, "optimizer": optimizer},
+            checkpoint_id=Path(directory) / WEIGHTS_DIR,
+            process_group=comm.cell_group,
+        )
+
+    if comm.shard != 0:
+        directory = comm.cell_object(None)
+        if directory is None:  # shard 0 failed before writing (it raises there)
+            raise CheckpointError(f"step {step}: the core's shard 0 could not start the save")
+        write_shards(str(directory))
+        return str(comm.cell_object(None))
+    told = False
+
+    def write(directory: Path) -> None:
+        nonlocal told
+        comm.cell_object(str(directory))
+        told = True
+        write_shards(str(directory))
+        with quiet_progress_bars():
+            AutoConfig.from_pretrained(model_dir).save_pretrained(directory / MODEL_DIR)
+            AutoTokenizer.from_pretrained(model_dir).save_pretrained(directory / MODEL_DIR)
+
+    try:
+        path = save_checkpoint(root, step=step, write=write, state=state, keep=keep)
+    except BaseException:
+        if not told:
+            comm.cell_object(None)
+        raise
+    comm.cell_object(str(path))
+    return str(path)
 
 
 def _write_latest(root: Path, name: str) -> None:
@@ -463,69 +511,87 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     return Checkpoint(path=path, step=manifest["step"], state=_read_state(path))
 
 
-def _load_model_weights(model_dir: Path, model: PreTrainedModel) -> None:
-    index_file = model_dir / "model.safetensors.index.json"
-    if index_file.is_file():
-        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    elif (model_dir / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{model_dir} has no safetensors weights")
-    # Check names and shapes of every tensor before copying any, so a mismatch never
-    # leaves the model half-loaded.
-    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for shard in shards:
-        with safetensors.safe_open(str(model_dir / shard), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    unexpected = sorted(set(shapes) - set(expected))
-    wrong = sorted(k for k in shapes if k in expected and shapes[k] != expected[k])
-    # Tied parameters (e.g. lm_head.weight sharing embed_tokens.weight) are written once;
-    # a missing key is fine only if a parameter it shares storage with is in the files.
-    missing = sorted(k for k in set(expected) - set(shapes) if not _tie_loaded(model, k, shapes))
-    if unexpected or wrong or missing:
-        raise CheckpointError(
-            f"weights in {model_dir} do not match the model ({type(model).__qualname__}): "
-            f"missing {missing[:8]}, unexpected {unexpected[:8]}, wrong shape {wrong[:8]}"
-        )
-    for shard in shards:
-        tensors = safetensors.torch.load_file(model_dir / shard, device="cpu")
-        with torch.no_grad():
-            model.load_state_dict(tensors, strict=False)
-
-
-def _tie_loaded(model: PreTrainedModel, key: str, seen: Mapping[str, Any]) -> bool:
-    """``key`` is a parameter sharing its storage with another parameter found in ``seen``."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    target = params.get(key)
-    return target is not None and any(
-        other != key and other in seen and param is target for other, param in params.items()
-    )
-
-
-def load_checkpoint(
-    path: str | Path,
-    model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> dict[str, Any]:
-    """Restore the checkpoint at ``path`` into ``model`` (in place) and return its state.
+def load_sharded(path: str | Path, trainer: Trainer) -> dict[str, Any]:
+    """Restore the checkpoint at ``path`` into the core's sharded model and optimizer
+    (all its ranks call this together; any ``G`` reads any other) and return its state.
 
     Verifies every file against the manifest first (a corrupt or missing file raises
-    :class:`CheckpointCorruptError` naming it, before anything is loaded), copies the
-    safetensors weights of ``model/`` into ``model``'s existing parameters and buffers
-    (keeping their device and dtype; tied weights written once by ``save_pretrained`` are
-    restored through the tie; a key mismatch raises :class:`CheckpointError`), loads the
-    optimizer state if ``optimizer`` is given (the checkpoint must then have one), and
-    returns the caller's ``state`` as saved (tuples come back as lists).
+    :class:`CheckpointCorruptError` naming it, before anything is loaded).
     """
     path = Path(path)
     checkpoint = read_checkpoint(path, verify=True)
-    if optimizer is not None and not (path / OPTIMIZER_FILE).is_file():
-        raise CheckpointError(f"{path} has no {OPTIMIZER_FILE} to restore the optimizer from")
-    _load_model_weights(path / MODEL_DIR, model)
-    if optimizer is not None:
-        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(optimizer_state)
+    if not (path / WEIGHTS_DIR).is_dir():
+        raise CheckpointError(
+            f"{path} has no {WEIGHTS_DIR}/ (a format-1 checkpoint, written before sharded "
+            f"cells?): this version resumes format {FORMAT_VERSION} only"
+        )
+    if trainer.optimizer is None:
+        raise CheckpointError("only the core (which holds the optimizer) loads a checkpoint")
+    model, optimizer = get_state_dict(trainer.model, trainer.optimizer)
+    saved = {"model": model, "optimizer": optimizer}
+    dcp.load(saved, checkpoint_id=path / WEIGHTS_DIR, process_group=trainer.comm.cell_group)
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=saved["model"],
+        optim_state_dict=saved["optimizer"],
+    )
+    trainer.version = int(checkpoint.state.get("version", trainer.version))
     return checkpoint.state
+
+
+def export_model(
+    path: str | Path, out: str | Path, *, dtype: str = "float32", shard_bytes: int = 2 << 30
+) -> Path:
+    """Write the checkpoint at ``path`` as a HuggingFace model directory ``out``
+    (safetensors files of at most ``shard_bytes`` each plus their index, the config and
+    the tokenizer) in ``dtype``. Reads one tensor at a time from the sharded weights, so
+    any model exports on one machine with memory for one file's worth of tensors."""
+    path, out = Path(path), Path(out)
+    read_checkpoint(path, verify=True)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    target = getattr(torch, dtype)
+    reader = dcp.FileSystemReader(path / WEIGHTS_DIR)
+    metadata = reader.read_metadata().state_dict_metadata
+    prefix = "model."
+    names = sorted(k[len(prefix) :] for k in metadata if k.startswith(prefix))
+    if not names:
+        raise CheckpointError(f"{path / WEIGHTS_DIR} holds no model weights")
+    out.mkdir(parents=True, exist_ok=True)
+    with quiet_progress_bars():
+        config = AutoConfig.from_pretrained(path / MODEL_DIR)
+        config.torch_dtype = target
+        config.save_pretrained(out)
+        AutoTokenizer.from_pretrained(path / MODEL_DIR).save_pretrained(out)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    files: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if tied and name == "lm_head.weight":
+            continue  # save_pretrained writes a tied weight once
+        nbytes = math.prod(metadata[prefix + name].size) * target.itemsize
+        if files[-1] and size + nbytes > shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(files):
+        file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = {
+            name: torch.empty(metadata[prefix + name].size, dtype=torch.float32) for name in group
+        }
+        dcp.load({f"{prefix}{n}": t for n, t in tensors.items()}, storage_reader=reader, no_dist=True)
+        safetensors.torch.save_file(
+            {n: t.to(target).contiguous() for n, t in tensors.items()},
+            str(out / file),
+            metadata={"format": "pt"},
+        )
+        weight_map.update(dict.fromkeys(group, file))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    index["metadata"]["total_size"] = sum(  # type: ignore[index]
+        math.prod(metadata[prefix + n].size) * target.itemsize for n in weight_map
+    )
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out

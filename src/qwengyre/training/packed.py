@@ -6,13 +6,17 @@ another, ``position_ids`` restarting at 0 at each. Given such ``position_ids``,
 transformers' SDPA path builds a dense block-diagonal ``L x L`` mask and attends with
 it: memory grows with the square of the row (measured on the demo model, forward and
 backward: 124 MB at 2k tokens, 851 MB at 8k; a 5 x 128k-token execution would need
-~400 GB for the mask alone). :func:`packed_hidden_states` instead runs each document
-as its own causal sequence with no mask, which SDPA serves with its memory-efficient
-causal kernels: linear in the row (73 MB at 2k, 267 MB at 8k, and 4.7x faster there).
-A model loaded with flash-attention (``attn_implementation="flash_attention_2"``, on
-CUDA) keeps the single packed forward: transformers turns restarting ``position_ids``
-into varlen sequence boundaries there, which is linear already and saves the per-document
-launches. The result is the same either way: attention never crosses a document.
+~400 GB for the mask alone). :func:`packed_hidden_states` instead stacks the documents
+into one right-padded batch ``[D, max length]`` and runs it with no mask: causal
+attention never lets a real token see the padding after it, so SDPA serves it with its
+memory-efficient causal kernels, linear in the batch, and the padding's outputs are
+dropped (``benchmarks/bench_packed_attention.py``). It is a single forward call, which
+FSDP2 needs: every rank of a cell must run the same collectives in the same order,
+whatever its number of documents. A model loaded with flash-attention
+(``attn_implementation="flash_attention_2"``, on CUDA) keeps the packed row: transformers
+turns restarting ``position_ids`` into varlen sequence boundaries there, which is
+linear already and has no padding. The result is the same either way: attention never
+crosses a document.
 """
 
 from __future__ import annotations
@@ -49,14 +53,11 @@ def packed_hidden_states(model: Any, input_ids: Tensor, position_ids: Tensor) ->
             input_ids=input_ids, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         return out
-    return torch.cat(
-        [
-            model(
-                input_ids=input_ids[:, start:stop],
-                position_ids=position_ids[:, start:stop],
-                use_cache=False,
-            ).last_hidden_state
-            for start, stop in document_spans(position_ids)
-        ],
-        dim=1,
-    )
+    spans = document_spans(position_ids)
+    longest = max(stop - start for start, stop in spans)
+    batch = input_ids.new_zeros(len(spans), longest)
+    for d, (start, stop) in enumerate(spans):
+        batch[d, : stop - start] = input_ids[0, start:stop]
+    positions = torch.arange(longest, device=input_ids.device).expand(len(spans), -1)
+    hidden: Tensor = model(input_ids=batch, position_ids=positions, use_cache=False).last_hidden_state
+    return torch.cat([hidden[d, : stop - start] for d, (start, stop) in enumerate(spans)]).unsqueeze(0)

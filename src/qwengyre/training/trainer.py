@@ -1,30 +1,35 @@
-"""One cell's trainer: micro-steps in, one optimizer update per batch (PAPER: streaming
-training; DESIGN.md §3 training).
+"""One rank of a cell's trainer: micro-steps in, one optimizer update per batch
+(PAPER: streaming training; DESIGN.md §3 training; issue 17).
 
-A cell in training claims micro-steps and, for each, runs forward and backward with
-gradient accumulation: :meth:`Trainer.train_micro_step` adds the gradient of the
-micro-step's *summed* objective (``normaliser=1``) to ``param.grad``. Once the batch's
-stream is closed and drained, every participating cell calls
-:meth:`Trainer.finish_batch` with the same prefix size ``k``:
+A cell of ``G`` ranks holds one policy sharded with FSDP2
+(:func:`qwengyre.training.sharding.shard_policy`): each rank keeps ~1/G of every
+parameter, its gradient and, in the core (cell 0), its optimizer state. Every rank of
+a cell in training gets every micro-step the cell claimed; each trains its own part
+(:func:`~qwengyre.training.buffers.split_micro_step`: whole executions, balanced by
+tokens) and FSDP2 sums the parts' gradients over the cell. :meth:`Trainer.train_micro_step`
+adds the gradient of the micro-step's *summed* objective (``normaliser=1``) to the
+sharded ``.grad``. Once the batch's stream is closed and drained, every rank of every
+participating cell calls :meth:`Trainer.finish_batch` with the same prefix size ``k``:
 
-1. the gradients are summed over cells ``0..k-1`` into the core (one reduce);
-2. the core divides by the batch's normaliser (its number of executions ``N``, or its
-   target tokens for ``token_sum``: see :mod:`qwengyre.training.objective`), clips the
-   global norm and makes the single optimizer update (version + 1), at the learning
-   rate :meth:`~qwengyre.config.TrainerConfig.lr_at` gives for that update;
-3. the core broadcasts the new parameters to the satellites and writes them to its
-   weights board (:class:`~qwengyre.cluster.weights.WeightsBoard`), where a satellite
-   joining a later batch (:meth:`Trainer.pull_weights`) and the rollout engines read them.
+1. the gradient shards are summed over cells ``0..k-1`` into the core, between ranks
+   holding the same shard, in buckets (:class:`~qwengyre.training.distributed.CellComm`);
+2. the core's ranks divide by the batch's normaliser (its number of executions ``N``,
+   or its target tokens for ``token_sum``: see :mod:`qwengyre.training.objective`), clip
+   the global norm and make the single optimizer update (version + 1) on their shards,
+   at the learning rate :meth:`~qwengyre.config.TrainerConfig.lr_at` gives for it;
+3. the core's ranks broadcast the new shards to their satellite peers and write them
+   to their weights boards (:class:`~qwengyre.cluster.weights.WeightsBoard`, one per
+   shard index), where a satellite rank joining a later batch
+   (:meth:`Trainer.pull_weights`) and the rollout engines read them.
 
 Since the update is a sum over micro-steps, who trained which micro-step changes the
-result only by float rounding: one cell and three cells give the same update.
+result only by float rounding: one cell of one rank and three cells of two give the
+same update.
 
 The current log-probs ``l_t`` are computed exactly as the engine computed ``b_t``:
-``log softmax(z / T)[y]`` in fp32 (:func:`qwengyre.training.logprobs.token_logprobs`,
-chunked so memory does not grow with rows x vocabulary); ``T`` is the rollout
-temperature. Rows are packed documents (``position_ids`` restart at every trajectory);
-:func:`qwengyre.training.packed.packed_hidden_states` attends within each document
-only, with memory linear in the row.
+``log softmax(z / T)[y]`` in fp32 (:func:`qwengyre.training.logprobs.token_logprobs`);
+rows are packed documents, each attending only to itself
+(:func:`qwengyre.training.packed.packed_hidden_states`).
 """
 
 from __future__ import annotations
@@ -38,11 +43,11 @@ from transformers import PreTrainedModel
 
 from qwengyre.cluster.weights import WeightsBoard
 from qwengyre.config import TrainerConfig
-from qwengyre.training.buffers import BatchSummary, MicroStep
-from qwengyre.training.distributed import PrefixGroups, flatten, unflatten_into
-from qwengyre.training.logprobs import token_logprobs
+from qwengyre.training.buffers import BatchSummary, MicroStep, split_micro_step
+from qwengyre.training.distributed import CellComm
 from qwengyre.training.objective import execution_gspo_loss
-from qwengyre.training.packed import packed_hidden_states
+from qwengyre.training.offload import Offloaded
+from qwengyre.training.sharding import full_tensor, local_shards, shard_policy
 
 __all__ = ["MicroStepResult", "StepResult", "Trainer"]
 
@@ -74,13 +79,14 @@ class StepResult:
 
 
 class Trainer:
-    """The trainer shard of cell ``comm.rank``; cell 0 (the core) owns the optimizer."""
+    """Shard ``comm.shard`` of cell ``comm.cell``'s trainer; the core's ranks own the
+    optimizer. ``model`` (fp32, on this rank's device) is sharded in place."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         config: TrainerConfig,
-        comm: PrefixGroups,
+        comm: CellComm,
         *,
         version: int = 0,
         board: WeightsBoard | None = None,
@@ -90,111 +96,154 @@ class Trainer:
         self.comm = comm
         self.version = version
         self.board = board
+        self.scorer = shard_policy(
+            model,
+            comm.mesh,
+            dtype=config.dtype,
+            temperature=config.temperature,
+            chunk_tokens=config.logprob_chunk_tokens,
+            activation_checkpointing=config.activation_checkpointing,
+            cpu_offload=config.cpu_offload,
+        )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=config.lr) if self.is_core else None
-        self._lm_head = model.get_output_embeddings()
-        if self._lm_head is None:
-            raise ValueError("the model has no output embeddings (lm_head)")
+        self._offloaded: Offloaded | None = None
 
     @property
     def is_core(self) -> bool:
-        return self.comm.rank == 0
+        return self.comm.is_core
 
     @property
     def device(self) -> torch.device:
-        return self.params[0].device
+        return self.comm.device
+
+    def local_shards(self) -> list[tuple[str, Tensor]]:
+        """This rank's shard of every parameter (what its weights board holds)."""
+        return list(local_shards(self.model))
+
+    def shard_numels(self) -> dict[str, int]:
+        """Elements this rank holds of the parameters, their gradients and the
+        optimizer state (~1/G of the model's each)."""
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        state = self._optimizer_state()
+        return {
+            "parameters": sum(_local(p).numel() for p in self.params),
+            "gradients": sum(g.numel() for g in grads),
+            "optimizer": sum(t.numel() for t in state),
+        }
+
+    def _optimizer_state(self) -> list[Tensor]:
+        """Local shards of Adam's moments (its step counts are host scalars)."""
+        if self.optimizer is None:
+            return []
+        return [
+            _local(v)
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, Tensor) and v.dim() > 0
+        ]
 
     # ------------------------------------------------------------- micro-steps
 
     def current_logprobs(self, ms: MicroStep) -> Tensor:
-        """``l_t`` at the micro-step's target tokens, in row order (fp32, differentiable)."""
-        ids = ms.input_ids.to(self.device)
-        hidden = packed_hidden_states(self.model.model, ids, ms.position_ids.to(self.device))
-        # The token at position p is predicted from the hidden state at p - 1.
-        mask = ms.target_mask[:, 1:].to(self.device)
-        return token_logprobs(
-            hidden[:, :-1][mask],
-            self._lm_head.weight,
-            ids[:, 1:][mask],
-            temperature=self.config.temperature,
-            chunk_tokens=self.config.logprob_chunk_tokens,
+        """``l_t`` at ``ms``'s target tokens, in row order (fp32, differentiable).
+        Collective over the cell: its ranks call it together."""
+        device = self.device
+        return self.scorer(  # type: ignore[no-any-return]
+            ms.input_ids.to(device), ms.position_ids.to(device), ms.target_mask.to(device)
         )
 
     def train_micro_step(self, ms: MicroStep) -> MicroStepResult:
-        """Forward and backward of one micro-step; its gradient is added to ``.grad``."""
+        """Forward and backward of this rank's part of ``ms``; the cell's parts'
+        gradients are summed into the sharded ``.grad``. Every rank of the cell calls it
+        with the same ``ms`` and gets the whole micro-step's result."""
         start = time.perf_counter()
-        self.model.train()
-        logprobs = self.current_logprobs(ms)
-        mask = ms.target_mask[:, 1:]
+        self.scorer.train()
+        part = split_micro_step(ms, self.comm.shards)[self.comm.shard]
+        # A rank with no execution of its own still takes part in FSDP's collectives:
+        # it runs the micro-step with its loss scaled to zero (an exactly zero gradient).
+        mine = part if part is not None else ms
+        logprobs = self.current_logprobs(mine)
+        mask = mine.target_mask[:, 1:]
         out = execution_gspo_loss(
             logprobs,
-            ms.behaviour_logprobs[:, 1:][mask],
-            ms.execution_index[:, 1:][mask],
-            ms.advantages,
+            mine.behaviour_logprobs[:, 1:][mask].to(logprobs.device),
+            mine.execution_index[:, 1:][mask].to(logprobs.device),
+            mine.advantages.to(logprobs.device),
             token_weight_cap=self.config.token_weight_cap,
             clip_low=self.config.clip_low,
             clip_high=self.config.clip_high,
             variant=self.config.variant,
-            trajectory_index=ms.trajectory_index[:, 1:][mask],
+            trajectory_index=mine.trajectory_index[:, 1:][mask].to(logprobs.device),
             normaliser=1.0,
         )
-        out.loss.backward()
-        units = int(ms.advantages.numel())
+        (out.loss if part is not None else out.loss * 0.0).backward()
+        units = int(mine.advantages.numel()) if part is not None else 0
+        stats = torch.tensor(
+            [
+                float(out.loss.detach()) if part is not None else 0.0,
+                round(float(out.clipped_fraction) * units),
+                units,
+                int(logprobs.numel()) if part is not None else 0,
+            ],
+            dtype=torch.float64,
+        )
+        loss, clipped, executions, targets = self.comm.cell_sum(stats).tolist()
         return MicroStepResult(
             step=ms.step,
             index=ms.index,
-            cell=self.comm.rank,
+            cell=self.comm.cell,
             tokens=ms.num_tokens,
-            targets=int(logprobs.numel()),
-            loss=float(out.loss.detach()),
-            clipped=round(float(out.clipped_fraction) * units),
-            executions=units,
+            targets=int(targets),
+            loss=loss,
+            clipped=int(clipped),
+            executions=int(executions),
             seconds=time.perf_counter() - start,
         )
 
     # ------------------------------------------------------------------ update
 
     def _grads(self) -> list[Tensor]:
-        """Every parameter's gradient (zeros where no micro-step reached it)."""
+        """This rank's shard of every gradient (zeros where no micro-step reached it)."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params if p.grad is not None]
+        return [_local(p.grad) for p in self.params if p.grad is not None]
 
     def finish_batch(self, summary: BatchSummary, cells: int) -> StepResult:
         """Reduce over the prefix of ``cells``, update on the core, share the result.
 
-        Every one of the ``cells`` participants calls this once per batch, also those
+        Every rank of the ``cells`` participants calls this once per batch, also those
         that claimed no micro-step. Returns the same result on every participant.
         """
         start = time.perf_counter()
         token_sum = self.config.variant == "token_sum"
         normaliser = summary.num_target_tokens if token_sum else summary.num_executions
-        flat = flatten(self._grads())
-        self.comm.reduce_to_core(flat, cells)
-        stats = torch.zeros(2)  # grad norm, new version: broadcast with the parameters
+        grads = self._grads()
+        self.comm.reduce_to_core(grads, cells)
+        stats = torch.zeros(2, device=grads[0].device)  # grad norm, new version
         if self.optimizer is not None:
-            flat /= max(normaliser, 1)
-            unflatten_into(flat, self._grads())
+            with torch.no_grad():
+                for g in grads:
+                    g /= max(normaliser, 1)
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.config.lr_at(self.version)
             self.optimizer.step()
             self.version += 1
-            stats = torch.tensor([float(norm), float(self.version)])
+            stats = torch.tensor([float(full_tensor(norm)), float(self.version)], device=stats.device)
         self._zero_grads()
-        params = torch.cat([flatten(self.params), stats])
-        self.comm.broadcast_from_core(params, cells)
+        shards = [_local(p) for p in self.params]
+        self.comm.broadcast_from_core([stats, *shards], cells)
         if not self.is_core:
-            unflatten_into(params[:-2], self.params)
-            self.version = int(params[-1])
+            self.version = int(stats[1])
         elif self.board is not None:
-            self.board.write(self.model.named_parameters(), self.version)
+            self.board.write(self.local_shards(), self.version)
         return StepResult(
             step=summary.step,
             version=self.version,
             cells=cells,
-            grad_norm=float(params[-2]),
+            grad_norm=float(stats[0]),
             seconds=time.perf_counter() - start,
         )
 
@@ -205,22 +254,52 @@ class Trainer:
     # ----------------------------------------------------------------- joining
 
     def publish_weights(self) -> None:
-        """The core writes its current parameters to the board (e.g. at start-up)."""
+        """The core writes its current shards to the board (e.g. at start-up)."""
         if self.board is None:
             raise RuntimeError("this trainer has no shared weights board")
-        self.board.write(self.model.named_parameters(), self.version)
+        self.board.write(self.local_shards(), self.version)
 
     def pull_weights(self) -> int:
-        """A satellite joining training takes the core's current weights; returns the version."""
+        """A satellite rank joining training takes its shard of the core's current
+        weights; returns the version."""
         if self.board is None:
             raise RuntimeError("this trainer has no shared weights board")
         version, tensors = self.board.read()
         if version < 0:
             raise RuntimeError("the core has not written its weights yet")
-        named = dict(self.model.named_parameters())
+        shards = dict(self.local_shards())
         with torch.no_grad():
             for name, tensor in tensors.items():
-                named[name].copy_(tensor)
+                shards[name].copy_(tensor)
         self.version = version
         self._zero_grads()
         return version
+
+    # ------------------------------------------------------------- role switches
+
+    def offload(self) -> int:
+        """Free this rank's trainer state from device memory (the cell goes to rollout):
+        the core keeps a host copy of its shards and optimizer state; a satellite's
+        shards are dropped (it pulls the core's on joining). Returns the bytes freed."""
+        if self._offloaded is not None:
+            raise RuntimeError("the trainer state is already offloaded")
+        self._zero_grads()
+        tensors = [_local(p) for p in self.params] + self._optimizer_state()
+        self._offloaded = Offloaded(tensors, keep=self.is_core)
+        return self._offloaded.nbytes
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded is not None
+
+    def restore(self) -> None:
+        """Bring the state :meth:`offload` freed back into device memory."""
+        if self._offloaded is None:
+            raise RuntimeError("the trainer state is not offloaded")
+        self._offloaded.restore()
+        self._offloaded = None
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view of its storage), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -1,0 +1,116 @@
+"""A policy model sharded over its cell's ranks with FSDP2 (issue 17).
+
+:func:`shard_policy` is the whole parallelisation, block by block as in torchtitan:
+``fully_shard`` on every decoder layer, then on the root, a :class:`PolicyScorer` that
+owns what is left (embeddings, final norm, ``lm_head``, tied or not) and computes the
+current log-probs ``l_t`` of a packed row. Each rank then keeps ~1/G of every
+parameter (dim-0 chunks, ``torch.chunk`` order), its gradient and, on the core, its
+optimizer state; a layer's full parameters exist only while it runs.
+
+Precision (``trainer.dtype``): parameters, gradients and optimizer state stay fp32
+(master weights); ``bfloat16`` computes forward and backward in bf16 and reduces
+gradients in fp32. Gradients are *summed* over the cell's ranks (each rank trains a
+different part of a micro-step, and the objective is a sum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from qwengyre.training.logprobs import token_logprobs
+from qwengyre.training.packed import packed_hidden_states
+
+__all__ = ["PolicyScorer", "full_tensor", "local_shards", "shard_policy", "shard_rows"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class PolicyScorer(nn.Module):
+    """The root FSDP unit: ``l_t`` of a packed row's target tokens (fp32, in row order)."""
+
+    def __init__(self, policy: PreTrainedModel, *, temperature: float, chunk_tokens: int):
+        super().__init__()
+        self.policy = policy
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, target_mask: Tensor) -> Tensor:
+        hidden = packed_hidden_states(self.policy.model, input_ids, position_ids)
+        # The token at position p is predicted from the hidden state at p - 1.
+        mask = target_mask[:, 1:]
+        head = self.policy.get_output_embeddings()
+        assert head is not None  # checked by shard_policy
+        return token_logprobs(
+            hidden[:, :-1][mask],
+            head.weight,
+            input_ids[:, 1:][mask],
+            temperature=self.temperature,
+            chunk_tokens=self.chunk_tokens,
+        )
+
+
+def shard_policy(
+    policy: PreTrainedModel,
+    mesh: DeviceMesh,
+    *,
+    dtype: str = "float32",
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+) -> PolicyScorer:
+    """Shard ``policy`` (fp32, on this rank's device) over ``mesh`` in place; returns
+    the root module to call. ``cpu_offload`` keeps the shards, their gradients and the
+    optimizer state in host memory (the optimizer then steps on the CPU)."""
+    if policy.get_output_embeddings() is None:
+        raise ValueError("the model has no output embeddings (lm_head)")
+    if dtype not in DTYPES:
+        raise ValueError(f"trainer.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if activation_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    options = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for layer in policy.model.layers:
+        fully_shard(layer, **options)
+    scorer = PolicyScorer(policy, temperature=temperature, chunk_tokens=chunk_tokens)
+    fully_shard(scorer, **options)
+    for module in scorer.modules():
+        if isinstance(module, FSDPModule):  # sum, not average, over the cell's ranks
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return scorer
+
+
+def local_shards(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(name, this rank's shard)`` of every parameter, in ``named_parameters`` order."""
+    for name, param in model.named_parameters():
+        yield name, param.to_local() if isinstance(param, DTensor) else param
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor of a (possibly) sharded one (collective over its mesh)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_rows(rows: int, shards: int, shard: int) -> tuple[int, int]:
+    """``(first row, row count)`` of ``shard``'s dim-0 chunk of a ``rows``-row tensor,
+    as FSDP2 cuts it (``torch.chunk``: ceil-sized chunks, the last ones may be empty)."""
+    size = -(-rows // shards)
+    start = min(rows, shard * size)
+    return start, min(rows, start + size) - start
