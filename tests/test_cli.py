@@ -1,4 +1,5 @@
-"""The ``qwengyre`` command: help, config show, model init-tiny, simulate, user errors."""
+"""The ``qwengyre`` command: help, config show, model init-tiny and export, simulate, user
+errors."""
 
 from __future__ import annotations
 
@@ -66,6 +67,53 @@ def test_model_init_tiny_builds_an_offline_hf_model(tmp_path: Path):
     assert (target / "config.json").exists() and (target / "tokenizer.json").exists()
     again = run("model", "init-tiny", str(target), "--size", "test")
     assert again.returncode != 0 and "Traceback" not in again.stderr
+
+
+def test_model_export_writes_the_latest_checkpoint_of_a_run_as_an_hf_model(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qwengyre.config import TrainerConfig
+    from qwengyre.training.checkpoint import save_sharded_checkpoint
+    from qwengyre.training.distributed import CellComm
+    from qwengyre.training.trainer import Trainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = Trainer(model, TrainerConfig(), CellComm(0, 1, ""))
+    root = tmp_path / "run" / "checkpoints"
+    for step in (1, 2):  # step 2 (the latest) holds halved weights
+        if step == 2:
+            with torch.no_grad():
+                for param in trainer.model.parameters():
+                    param.mul_(0.5)
+        save_sharded_checkpoint(
+            root, step=step, trainer=trainer, state={}, keep=2, model_dir=tiny_model_dir
+        )
+    expected = {
+        k: v.full_tensor().to(torch.bfloat16) for k, v in trainer.model.state_dict().items()
+    }
+
+    out = run("model", "export", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "bfloat16")
+    assert out.returncode == 0, out.stderr
+    assert "exported step 2" in out.stdout
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert exported.dtype == torch.bfloat16
+    state = exported.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+    for args, fragment in [
+        ((str(tmp_path / "run"), str(tmp_path / "hf")), "must be empty or absent"),
+        ((str(tmp_path), str(tmp_path / "o")), f"no complete checkpoint in {tmp_path}"),
+        ((str(tmp_path / "nope"), str(tmp_path / "o")), "is not a directory"),
+    ]:
+        refused = run("model", "export", *args)
+        assert refused.returncode == 2 and fragment in refused.stderr, refused.stderr
+        assert refused.stderr.count("\n") == 1
+    assert not (tmp_path / "o").exists()
 
 
 def test_simulate_compare_writes_json_and_plots(tmp_path: Path):

@@ -20,6 +20,7 @@ from tests.test_training_cells import CONFIG, batches, free_port, train_alone
 from qwengyre.cluster.cell import CellSpec
 from qwengyre.cluster.local import ActorDied, ActorError, ProcessActor
 from qwengyre.cluster.placement import start_cells, stop_cells
+from qwengyre.cluster.weights import board_name
 
 
 def _board() -> str:
@@ -75,11 +76,12 @@ async def death_seen(actor: Any, timeout_s: float = 30.0) -> str:
 
 
 def two_cells_train_a_step(
-    tiny_model_dir: Path, tmp_path: Path, **placement: Any
+    tiny_model_dir: Path, tmp_path: Path, shards: int = 1, **placement: Any
 ) -> tuple[list[Any], list[int]]:
-    """Two Ray cells (core and satellite) train one step, exactly as one trainer does.
+    """Two Ray cells (core and satellite) of ``shards`` ranks each train one step,
+    exactly as one trainer does.
 
-    Returns the handles, still running, and the cells' process ids.
+    Returns the cell handles, still running, and shard 0's process ids.
     """
     import ray
 
@@ -90,13 +92,18 @@ def two_cells_train_a_step(
     assert len(micro_steps) >= 2
     alone = train_alone(tiny_model_dir, data)
     address, board = f"tcp://127.0.0.1:{free_port()}", _board()
-    specs = [CellSpec(r, 2, address, str(tiny_model_dir), CONFIG, board) for r in (1, 0)]
+    specs = [
+        CellSpec(r, 2, address, str(tiny_model_dir), CONFIG, board, shard=s, shards=shards)
+        for r in (1, 0)
+        for s in range(shards)
+    ]
     handles = start_cells("ray", specs, run_dir=tmp_path, **placement)
+    ranks = [rank for h in handles for rank in getattr(h, "ranks", [h])]
 
     async def train() -> tuple[list[int], list[dict[str, torch.Tensor]]]:
         # An error inside a Ray cell comes back as ActorError, and the cell keeps serving.
         with pytest.raises(ActorError, match=r"connect\(\) first"):
-            await handles[1].call("join_training")
+            await ranks[-1].call("join_training")
         pids = await asyncio.gather(*(h.call("connect") for h in handles))
         assert await handles[1].call("join_training") == 0
         for i, ms in enumerate(micro_steps):
@@ -107,12 +114,14 @@ def two_cells_train_a_step(
 
     try:
         assert [h.name for h in handles] == ["cell-0", "cell-1"]  # rank order
-        assert all(isinstance(h, RayActor) for h in handles)
+        assert all(isinstance(r, RayActor) for r in ranks) and len(ranks) == 2 * shards
         with pytest.raises(ActorError, match=r"connect\(\) first"):
-            handles[0].call_sync("join_training")
+            ranks[0].call_sync("join_training")
         pids, (core, satellite) = asyncio.run(train())
-        # The weights board is Ray's: a named actor holds the newest version's reference.
-        assert ray.get(ray.get_actor(board).get.remote())[0] == 1
+        # The weights boards are Ray's: a named actor per shard holds the newest
+        # version's reference.
+        for shard in range(shards):
+            assert ray.get(ray.get_actor(board_name(board, shard)).get.remote())[0] == 1
         for name, expected in alone.items():
             torch.testing.assert_close(core[name], expected, rtol=0, atol=1e-5)
             torch.testing.assert_close(satellite[name], core[name], rtol=0, atol=0)
@@ -143,9 +152,10 @@ def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_p
 def test_ray_cells_on_two_nodes_train_a_step_like_one_trainer(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Two Ray nodes (each its own raylet and object store, on this one machine): the
-    cells land on different nodes, meet at the core node's address, and the satellite
-    reads the core's weights from the other node's object store."""
+    """Two Ray nodes (each its own raylet and object store, on this one machine), two
+    cells of two FSDP2 ranks: the ranks spread over both nodes, meet at the core node's
+    address, and satellite ranks read their shards of the core's weights from the other
+    node's object store."""
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group_table
@@ -157,7 +167,9 @@ def test_ray_cells_on_two_nodes_train_a_step_like_one_trainer(
     try:
         cluster.add_node(**node)
         cluster.wait_for_nodes()
-        handles, _ = two_cells_train_a_step(tiny_model_dir, tmp_path, strategy="SPREAD")
+        handles, _ = two_cells_train_a_step(
+            tiny_model_dir, tmp_path, shards=2, strategy="SPREAD", cpus_per_cell=0.5
+        )
         try:
             table = placement_group_table(handles[0].cells.placement)
             assert len(set(table["bundles_to_node_id"].values())) == 2

@@ -295,3 +295,26 @@ def test_a_standalone_pool_serves_first_and_gets_every_publication(
     # The core's publication reaches the pool: it serves version 1 after step 1.
     assert max(v for engine, v in calls if engine == "standalone") >= 1, calls
     assert metrics.run is not None and metrics.run.standalone_capacity == 3
+
+
+def test_cells_of_two_ranks_train_live(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Two cells of two FSDP2 ranks each: every step trains, engines serve the core's
+    # sharded weights, and each checkpoint holds one shard file per core rank.
+    run_dir = run(
+        tmp_path, tiny_model_dir, "run.steps=3", "cells.count=2", "cells.devices_per_cell=2"
+    )
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1, 2, 3]
+    assert sum(s.micro_steps for s in metrics.steps) > 0
+    trained = [g.group_id for g in metrics.groups]
+    assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
+    store = Store(run_dir / "proxy.sqlite")
+    try:
+        calls = [call for ex in store.executions() for call in store.calls(ex.id)]
+        versions = {v for node, _ in calls for v in node.versions}
+    finally:
+        store.close()
+    assert versions - {0}, versions  # sampled with weights the core published as shards
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert checkpoint is not None and read_checkpoint(checkpoint).state["version"] == 3
+    assert len(list((checkpoint / "weights").glob("*.distcp"))) == 2

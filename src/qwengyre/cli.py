@@ -322,6 +322,36 @@ def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_export(args: argparse.Namespace) -> int:
+    from qwengyre.training.checkpoint import (
+        MANIFEST_FILE,
+        CheckpointError,
+        export_model,
+        latest_checkpoint,
+        read_checkpoint,
+    )
+
+    given = Path(args.checkpoint)
+    if not given.is_dir():
+        raise ValueError(f"CHECKPOINT {given} is not a directory")
+    path = given if (given / MANIFEST_FILE).exists() else None
+    if path is None:  # a checkpoints root, or a run directory holding one
+        root = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+        path = latest_checkpoint(root)
+        if path is None:
+            raise ValueError(
+                f"no complete checkpoint in {root} (CHECKPOINT is a checkpoint directory, "
+                "a checkpoints root or a run directory)"
+            )
+    try:
+        step = read_checkpoint(path, verify=False).step
+        out = export_model(path, Path(args.dir), dtype=args.dtype)
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from exc
+    print(f"exported step {step} ({path}) to {out} as {args.dtype}")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import asyncio
     import time
@@ -493,6 +523,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
     tiny.set_defaults(func=cmd_model_init_tiny)
+    export = model_sub.add_parser(
+        "export",
+        help="write a training checkpoint as a HuggingFace model directory",
+        description="Write a training checkpoint's policy as a HuggingFace model directory "
+        "(safetensors files and their index, config, tokenizer) that from_pretrained and "
+        "inference engines load. CHECKPOINT is a checkpoint directory (step-NNNNNN), a "
+        "checkpoints root or a run directory (then its latest complete checkpoint).",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint, root or run dir")
+    export.add_argument("dir", metavar="DIR", help="output directory (must be empty or absent)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    export.set_defaults(func=cmd_model_export)
 
     trainp = sub.add_parser(
         "train",

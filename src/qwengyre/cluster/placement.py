@@ -98,6 +98,12 @@ def rank_device(device: str, index: int) -> str:
     return f"cuda:{index % count}"
 
 
+def _on_device(spec: CellSpec, device: str) -> CellSpec:
+    """``spec`` on ``device``, with the collectives' backend for it."""
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else spec.backend
+    return replace(spec, device=device, backend=backend)
+
+
 def start_cells(
     backend: Literal["local", "ray"],
     specs: Sequence[CellSpec],
@@ -107,15 +113,21 @@ def start_cells(
     gpus_per_cell: float = 0.0,
     strategy: Literal["PACK", "SPREAD"] = "PACK",
 ) -> list[CellHandle]:
-    """Build one process per spec (a rank of a cell); one handle per cell, in cell
-    order. ``cpus_per_cell``, ``gpus_per_cell`` (per rank, for Ray) and ``strategy``
-    (placement-group strategy) apply to Ray."""
+    """Build one process per spec (a rank of a cell) on its device (:func:`rank_device`
+    locally; one GPU per rank under Ray); one handle per cell, in cell order.
+    ``cpus_per_cell``, ``gpus_per_cell`` (per rank) and ``strategy`` (placement-group
+    strategy) apply to Ray."""
     specs = sorted(specs, key=lambda spec: (spec.rank, spec.shard))
     if backend == "local":
+        specs = [_on_device(spec, rank_device(spec.device, i)) for i, spec in enumerate(specs)]
         ranks: list[CellHandle] = [ProcessActor(Cell, spec, name=spec.name) for spec in specs]
     elif backend == "ray":
         from qwengyre.cluster.ray import RayCells
 
+        if any(spec.device.startswith("cuda") for spec in specs):
+            # One GPU per rank; Ray shows each actor only its own, as cuda:0.
+            specs = [_on_device(spec, "cuda:0") for spec in specs]
+            gpus_per_cell = max(gpus_per_cell, 1.0)
         cells = RayCells(
             specs,
             run_dir=run_dir,

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
 from qwengyre.cluster.engine_host import EngineHost
-from qwengyre.cluster.weights import SharedWeights, WeightsBoard, layout_of
+from qwengyre.cluster.weights import BoardKind, BoardShards
 
 __all__ = ["STANDALONE_NAME", "StandalonePool", "StandaloneSpec"]
 
@@ -33,13 +31,13 @@ class StandaloneSpec:
 
     model_dir: str
     capacity: int  # C_s
-    board: str  # the core's weights board
-    board_kind: Literal["shared_memory", "ray"] = "shared_memory"
+    board: str  # base name of the core's weights boards
+    board_kind: BoardKind = "shared_memory"
     device: str = "cpu"
     torch_threads: int = 1
     seed: int = 0
     max_context: int | None = None
-    version: int = 0  # policy version of the weights in model_dir
+    shards: int = 1  # G: the core's weights come as this many shards
 
 
 class StandalonePool:
@@ -55,19 +53,16 @@ class StandalonePool:
             device=spec.device,
             max_context=spec.max_context,
             seed=spec.seed + 999_983,  # sampling streams apart from every cell's
-            version=spec.version,
+            version=-1,  # whatever model_dir holds, serve the core's weights
         )
-        self.board: WeightsBoard | None = None
+        self.board: BoardShards | None = None
 
     def start_engine(self) -> tuple[str, str]:
-        """Open the core's board (it must exist) and serve; returns (base URL, API key)."""
-        if self.spec.board_kind == "ray":
-            from qwengyre.cluster.ray import RayWeights
-
-            self.board = RayWeights(self.spec.board)
-        else:
-            layout = layout_of(self.host.engine.model.named_parameters())
-            self.board = SharedWeights(self.spec.board, layout)
+        """Open the core's boards (they must exist), load their weights and serve;
+        returns (base URL, API key)."""
+        named = self.host.engine.model.named_parameters()
+        self.board = BoardShards(self.spec.board_kind, self.spec.board, named, self.spec.shards)
+        self.host.load_newest(self.board)
         return self.host.start()
 
     def update_engine_weights(self) -> int:

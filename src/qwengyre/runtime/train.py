@@ -159,7 +159,7 @@ def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
             ready.append((group.group_id, group.version))
     known = [group.group_id for group in ledger] + trained
     return Resumed(
-        model_dir=path / "model" if path is not None else model_dir,
+        model_dir=model_dir,  # the architecture; the checkpoint's sharded weights go on top
         checkpoint=path,
         version=int(state.get("version", 0)),
         trained=trained,
@@ -252,8 +252,11 @@ async def _start_engines(
             max_context=config.run.max_context,
             version=resumed.version,
             checkpoint=str(resumed.checkpoint) if resumed.checkpoint is not None else None,
+            shard=shard,
+            shards=config.cells.devices_per_cell,
         )
         for rank in range(config.cells.count)
+        for shard in range(config.cells.devices_per_cell)
     ]
     engines = Engines(start_cells(config.run.placement, specs, run_dir=run_dir))
     try:
@@ -271,7 +274,7 @@ async def _start_engines(
                 torch_threads=config.run.torch_threads,
                 seed=config.seed,
                 max_context=config.run.max_context,
-                version=resumed.version,
+                shards=config.cells.devices_per_cell,
             )
             engines.standalone = start_standalone(config.run.placement, spec)
             await _register(

@@ -41,6 +41,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -113,7 +114,7 @@ class Checkpoint:
 
     @property
     def model_dir(self) -> Path:
-        """The architecture (config and tokenizer; :func:`export_model` adds weights)."""
+        """The architecture: config and tokenizer, no weights (see :func:`export_model`)."""
         return self.path / MODEL_DIR
 
 
@@ -307,7 +308,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     Reads ``root/latest``; if it is missing, corrupt, or names a directory that is not a
     complete checkpoint (its manifest must parse, name the directory's step and list files
     of the right sizes), falls back to the highest-step complete ``step-*`` directory.
-    Full checksums are verified by :func:`load_checkpoint` / :func:`verify_checkpoint`.
+    Full checksums are verified by :func:`load_sharded` / :func:`verify_checkpoint`.
     """
     root = Path(root)
     with contextlib.suppress(OSError, UnicodeDecodeError):
@@ -511,6 +512,14 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     return Checkpoint(path=path, step=manifest["step"], state=_read_state(path))
 
 
+def _require_weights(path: Path, does: str) -> None:
+    if not (path / WEIGHTS_DIR).is_dir():
+        raise CheckpointError(
+            f"{path} has no {WEIGHTS_DIR}/ (a format-1 checkpoint, written before sharded "
+            f"cells?): this version {does} format {FORMAT_VERSION} only"
+        )
+
+
 def load_sharded(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     """Restore the checkpoint at ``path`` into the core's sharded model and optimizer
     (all its ranks call this together; any ``G`` reads any other) and return its state.
@@ -520,15 +529,11 @@ def load_sharded(path: str | Path, trainer: Trainer) -> dict[str, Any]:
     """
     path = Path(path)
     checkpoint = read_checkpoint(path, verify=True)
-    if not (path / WEIGHTS_DIR).is_dir():
-        raise CheckpointError(
-            f"{path} has no {WEIGHTS_DIR}/ (a format-1 checkpoint, written before sharded "
-            f"cells?): this version resumes format {FORMAT_VERSION} only"
-        )
+    _require_weights(path, "resumes")
     if trainer.optimizer is None:
         raise CheckpointError("only the core (which holds the optimizer) loads a checkpoint")
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer)
-    saved = {"model": model, "optimizer": optimizer}
+    saved: dict[str, Any] = {"model": model, "optimizer": optimizer}
     dcp.load(saved, checkpoint_id=path / WEIGHTS_DIR, process_group=trainer.comm.cell_group)
     set_state_dict(
         trainer.model,
@@ -543,25 +548,34 @@ def load_sharded(path: str | Path, trainer: Trainer) -> dict[str, Any]:
 def export_model(
     path: str | Path, out: str | Path, *, dtype: str = "float32", shard_bytes: int = 2 << 30
 ) -> Path:
-    """Write the checkpoint at ``path`` as a HuggingFace model directory ``out``
-    (safetensors files of at most ``shard_bytes`` each plus their index, the config and
-    the tokenizer) in ``dtype``. Reads one tensor at a time from the sharded weights, so
-    any model exports on one machine with memory for one file's worth of tensors."""
+    """Write the checkpoint at ``path`` as a HuggingFace model directory ``out`` (which
+    must be empty or absent): safetensors files of at most ``shard_bytes`` each plus
+    their index, the config and the tokenizer, in ``dtype``. Reads the sharded weights
+    one file's worth of tensors at a time, so any model exports on one machine with
+    memory for that much."""
     path, out = Path(path), Path(out)
-    read_checkpoint(path, verify=True)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # A stale model.safetensors there would win over the new index in from_pretrained.
+        raise CheckpointError(f"export directory {out} must be empty or absent")
+    read_checkpoint(path, verify=True)
+    _require_weights(path, "exports")
     target = getattr(torch, dtype)
     reader = dcp.FileSystemReader(path / WEIGHTS_DIR)
-    metadata = reader.read_metadata().state_dict_metadata
     prefix = "model."
-    names = sorted(k[len(prefix) :] for k in metadata if k.startswith(prefix))
+    sizes = {
+        key[len(prefix) :]: meta.size
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, dcp.TensorStorageMetadata)
+    }
+    names = sorted(sizes)
     if not names:
         raise CheckpointError(f"{path / WEIGHTS_DIR} holds no model weights")
     out.mkdir(parents=True, exist_ok=True)
     with quiet_progress_bars():
         config = AutoConfig.from_pretrained(path / MODEL_DIR)
-        config.torch_dtype = target
+        config.dtype = target
         config.save_pretrained(out)
         AutoTokenizer.from_pretrained(path / MODEL_DIR).save_pretrained(out)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -570,7 +584,7 @@ def export_model(
     for name in names:
         if tied and name == "lm_head.weight":
             continue  # save_pretrained writes a tied weight once
-        nbytes = math.prod(metadata[prefix + name].size) * target.itemsize
+        nbytes = math.prod(sizes[name]) * target.itemsize
         if files[-1] and size + nbytes > shard_bytes:
             files.append([])
             size = 0
@@ -579,19 +593,19 @@ def export_model(
     weight_map: dict[str, str] = {}
     for i, group in enumerate(files):
         file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        tensors = {
-            name: torch.empty(metadata[prefix + name].size, dtype=torch.float32) for name in group
-        }
-        dcp.load({f"{prefix}{n}": t for n, t in tensors.items()}, storage_reader=reader, no_dist=True)
+        tensors = {name: torch.empty(sizes[name], dtype=torch.float32) for name in group}
+        with warnings.catch_warnings():  # no_dist=True warns that it assumes one process
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(
+                {f"{prefix}{n}": t for n, t in tensors.items()}, storage_reader=reader, no_dist=True
+            )
         safetensors.torch.save_file(
             {n: t.to(target).contiguous() for n, t in tensors.items()},
             str(out / file),
             metadata={"format": "pt"},
         )
         weight_map.update(dict.fromkeys(group, file))
-    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-    index["metadata"]["total_size"] = sum(  # type: ignore[index]
-        math.prod(metadata[prefix + n].size) * target.itemsize for n in weight_map
-    )
+    total = sum(math.prod(sizes[n]) * target.itemsize for n in weight_map)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
