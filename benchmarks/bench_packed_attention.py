@@ -1,12 +1,13 @@
 """Peak memory of a packed row's forward + backward against its length (issue 17,
 item 7): transformers' packed SDPA forward (a dense block-diagonal L x L mask) against
-:func:`qwengyre.training.packed.packed_hidden_states` (one causal sequence per document).
+:func:`qwengyre.training.packed.packed_hidden_states` (the row's documents as one
+right-padded causal batch, one forward call).
 
 Each measurement runs in a fresh process (peak RSS above the loaded model, so one
 measurement cannot inherit another's high-water mark); rows hold ``--documents``
 equal documents. The packed path is skipped above ``--packed-max`` tokens, where its
 quadratic mask would not fit in this machine's memory; the table then shows what the
-per-document path needs alone. Ratios are measured in this run.
+batched path needs alone. Ratios are measured in this run.
 
     python benchmarks/bench_packed_attention.py                  # 2k, 8k, 32k tokens
     python benchmarks/bench_packed_attention.py --lengths 2048 4096 --documents 1
@@ -64,25 +65,25 @@ def main() -> None:
     parser.add_argument("--packed-max", type=int, default=8192, help="longest packed row run")
     args = parser.parse_args()
     print(f"demo model, fp32, 1 thread, {args.documents} documents per row")
-    print(f"{'tokens':>7} {'packed MB':>10} {'per-doc MB':>11} {'memory x':>9} {'time x':>7}")
+    print(f"{'tokens':>7} {'packed MB':>10} {'batched MB':>11} {'memory x':>9} {'time x':>7}")
     first: dict[str, float] | None = None
     for length in args.lengths:
-        split = measure("split", length, args.documents)
+        batched = measure("batched", length, args.documents)
         packed = measure("packed", length, args.documents) if length <= args.packed_max else None
         if packed is None:
-            cells = f"{'skipped':>10} {split['peak_mb']:>11.0f} {'':>9} {'':>7}"
+            cells = f"{'skipped':>10} {batched['peak_mb']:>11.0f} {'':>9} {'':>7}"
         else:
             cells = (
-                f"{packed['peak_mb']:>10.0f} {split['peak_mb']:>11.0f}"
-                f" {packed['peak_mb'] / split['peak_mb']:>8.1f}x"
-                f" {packed['seconds'] / split['seconds']:>6.1f}x"
+                f"{packed['peak_mb']:>10.0f} {batched['peak_mb']:>11.0f}"
+                f" {packed['peak_mb'] / batched['peak_mb']:>8.1f}x"
+                f" {packed['seconds'] / batched['seconds']:>6.1f}x"
             )
         print(f"{length:>7} {cells}")
         if first is None:
-            first = split
+            first = batched
         else:
-            growth, longer = split["peak_mb"] / first["peak_mb"], length / args.lengths[0]
-            print(f"{'':>7} per-document memory x{growth:.1f} for x{longer:.0f} tokens")
+            growth, longer = batched["peak_mb"] / first["peak_mb"], length / args.lengths[0]
+            print(f"{'':>7} batched memory x{growth:.1f} for x{longer:.0f} tokens")
 
 
 if __name__ == "__main__":

@@ -142,12 +142,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = qwen3_0p6b_shaped(Path(tmp), dtype) if args.qwen else cached_tiny_model("demo")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        # The trainer shards its own fp32 copy (FSDP2) and computes in ``dtype``.
+        sharded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.config.use_cache = False
     vocab = model.config.vocab_size
     config = TrainerConfig(
-        micro_step_tokens=args.micro_step_tokens, logprob_chunk_tokens=args.chunk
+        micro_step_tokens=args.micro_step_tokens,
+        logprob_chunk_tokens=args.chunk,
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
     )
-    trainer = Trainer(model, config, CellComm(0, 1, ""))
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    trainer = Trainer(sharded, config, CellComm(0, 1, "", backend=backend, device=str(device)))
     rows = trajectories(args.tokens, args.median, vocab, seed=0)
     steps = micro_steps(rows, args.micro_step_tokens)
     real_fraction = sum(ms.num_tokens for ms in steps) / (len(steps) * args.micro_step_tokens)

@@ -127,19 +127,48 @@ def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> No
     assert {(r.cell, r.role) for r in metrics.roles if r.time_s > 0} <= {(0, "training")}
 
 
-def test_ray_placement_runs_the_same_job(tiny_model_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
-    run_dir = run(tmp_path, tiny_model_dir, "run.steps=3", "run.placement=ray")
-    metrics = read_metrics(run_dir)
-    assert [s.version for s in metrics.steps] == [1, 2, 3]
-    # Rollout engines sampled with the weights published at version 2 (mu=2), which
-    # they read from the Ray board.
+def sampled_versions(run_dir: Path) -> set[int]:
+    """The policy versions of every token the run's engines sampled."""
     store = Store(run_dir / "proxy.sqlite")
     try:
         calls = [call for ex in store.executions() for call in store.calls(ex.id)]
-        versions = {v for node, _ in calls for v in node.versions}
+        return {v for node, _ in calls for v in node.versions}
     finally:
         store.close()
+
+
+def test_ray_placement_on_two_nodes_runs_cells_of_two_ranks(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The same job on a two-node Ray cluster (each node its own raylet and object
+    store, on this machine) with two cells of two FSDP2 ranks: four one-CPU bundles on
+    two-CPU nodes, so the ranks span both nodes and shards travel between them."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 2, "object_store_memory": 100 * 2**20}
+    cluster = Cluster(
+        initialize_head=True, connect=True, head_node_args={**node, "include_dashboard": False}
+    )
+    try:
+        cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        run_dir = run(
+            tmp_path,
+            tiny_model_dir,
+            "run.steps=3",
+            "run.placement=ray",
+            "cells.count=2",
+            "cells.devices_per_cell=2",
+        )
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1, 2, 3]
+    # Rollout engines sampled with the weights published at version 2 (mu=2), which
+    # they read shard by shard from the Ray boards.
+    versions = sampled_versions(run_dir)
     assert 2 in versions, versions
     trained = [g.group_id for g in metrics.groups]
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
@@ -308,12 +337,7 @@ def test_cells_of_two_ranks_train_live(tiny_model_dir: Path, tmp_path: Path) -> 
     assert sum(s.micro_steps for s in metrics.steps) > 0
     trained = [g.group_id for g in metrics.groups]
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
-    store = Store(run_dir / "proxy.sqlite")
-    try:
-        calls = [call for ex in store.executions() for call in store.calls(ex.id)]
-        versions = {v for node, _ in calls for v in node.versions}
-    finally:
-        store.close()
+    versions = sampled_versions(run_dir)
     assert versions - {0}, versions  # sampled with weights the core published as shards
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     assert checkpoint is not None and read_checkpoint(checkpoint).state["version"] == 3

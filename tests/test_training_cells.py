@@ -156,7 +156,10 @@ async def two_steps(
 
 
 async def resumed_step(
-    model_dir: Path, run_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]], shards: int,
+    model_dir: Path,
+    run_dir: Path,
+    data: list[tuple[list[MicroStep], BatchSummary]],
+    shards: int,
     checkpoint: str,
 ) -> dict[str, torch.Tensor]:
     """One cell of ``shards`` ranks resumes from ``checkpoint`` and trains step 1."""
@@ -171,7 +174,7 @@ async def resumed_step(
         stop_cells([cell])
 
 
-def test_two_sharded_cells_match_one_cell_and_each_rank_holds_half_and_a_checkpoint_resumes_with_any_g(
+def test_two_sharded_cells_match_one_cell_hold_half_each_and_resume_with_any_g(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     data = batches(tiny_model_dir)

@@ -6,6 +6,7 @@ the export use one real single-process Trainer, trained two steps and saved once
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -238,7 +239,7 @@ def _optimizer(trainer: Trainer) -> dict[str, Any]:
     assert trainer.optimizer is not None
     optim: Any = get_state_dict(trainer.model, trainer.optimizer)[1]
     state = {name: {k: _full(v) for k, v in s.items()} for name, s in optim["state"].items()}
-    return {"state": state, "param_groups": optim["param_groups"]}
+    return {"state": state, "param_groups": copy.deepcopy(optim["param_groups"])}
 
 
 def _assert_same(a: Any, b: Any, where: str = "") -> None:

@@ -138,7 +138,9 @@ def test_a_resumed_run_continues_with_the_same_versions_and_no_group_twice(
 
     assert first + second == straight and len(set(straight)) == len(straight)
     for name, value in trainer.model.named_parameters():
-        torch.testing.assert_close(value.full_tensor(), expected[name].full_tensor(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            value.full_tensor(), expected[name].full_tensor(), rtol=0, atol=1e-6
+        )
 
 
 def test_an_update_raises_the_log_probs_of_positive_advantage_executions(

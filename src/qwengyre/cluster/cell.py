@@ -226,9 +226,7 @@ class Cell:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """A copy of the whole current parameters (tests; collective over the cell)."""
-        return {
-            k: full_tensor(v.detach()).clone() for k, v in self.model.named_parameters()
-        }
+        return {k: full_tensor(v.detach()).clone() for k, v in self.model.named_parameters()}
 
     def shard_numels(self) -> dict[str, int]:
         """Elements this rank holds: parameters, gradients, optimizer state (tests)."""

@@ -41,8 +41,13 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...])
             message = conn.recv()
         except EOFError:
             return
-        if message is None:
-            conn.send((True, None))
+        if message is None:  # stop: let the object release what it holds first
+            close = getattr(obj, "close", None)
+            try:
+                if close is not None:
+                    close()
+            finally:
+                conn.send((True, None))
             return
         method, call_args, kwargs = message
         try:

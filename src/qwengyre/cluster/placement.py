@@ -7,8 +7,9 @@ process on this machine (:class:`~qwengyre.cluster.local.ProcessActor`);
 (one GPU on accelerators) per rank (:mod:`qwengyre.cluster.ray`, which documents
 ``RAY_ADDRESS`` and multi-node rendezvous). Either way one handle per cell comes back,
 in cell order: a cell of several ranks is a :class:`CellGroup`. Call ``connect`` on all
-of them concurrently, and end with :func:`stop_cells`. The standalone rollout pool, when configured, is one more actor
-(:func:`start_standalone`), started once the cells are connected.
+of them concurrently, and end with :func:`stop_cells`. The standalone rollout pool, when
+configured, is one more actor (:func:`start_standalone`), started once the cells are
+connected.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class CellGroup:
     def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
         with ThreadPoolExecutor(len(self.ranks)) as pool:
             futures = [pool.submit(r.call_sync, method, *args, **kwargs) for r in self.ranks]
-            return [f.result() for f in futures][0]
+            results = [f.result() for f in futures]  # every rank's, so any failure raises
+        return results[0]
 
     async def check_alive(self) -> None:
         for rank in self.ranks:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
 import torch
 
 from qwengyre.cluster.engine_host import EngineHost

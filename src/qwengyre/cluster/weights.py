@@ -234,7 +234,9 @@ class BoardShards:
         named, opened = list(named), dict(opened or {})
         self._own = [r for r in range(shards) if r not in opened]
         self.boards = [
-            opened[r] if r in opened else open_board(kind, board_name(base, r), shard_layout(named, shards, r))
+            opened[r]
+            if r in opened
+            else open_board(kind, board_name(base, r), shard_layout(named, shards, r))
             for r in range(shards)
         ]
 

@@ -116,9 +116,7 @@ class CellComm:
             self.cell_group = cell_group
         else:  # one process: FSDP2 still wants a (single-rank) group
             if not _SINGLE:
-                dist.init_process_group(
-                    backend, store=dist.HashStore(), rank=0, world_size=1
-                )
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 _SINGLE.append(True)
             self.cell_group = dist.group.WORLD  # type: ignore[assignment]
         self.mesh = DeviceMesh.from_group(self.cell_group, self.device.type)
@@ -178,4 +176,3 @@ class CellComm:
     def close(self) -> None:
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
-

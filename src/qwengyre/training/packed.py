@@ -59,5 +59,9 @@ def packed_hidden_states(model: Any, input_ids: Tensor, position_ids: Tensor) ->
     for d, (start, stop) in enumerate(spans):
         batch[d, : stop - start] = input_ids[0, start:stop]
     positions = torch.arange(longest, device=input_ids.device).expand(len(spans), -1)
-    hidden: Tensor = model(input_ids=batch, position_ids=positions, use_cache=False).last_hidden_state
-    return torch.cat([hidden[d, : stop - start] for d, (start, stop) in enumerate(spans)]).unsqueeze(0)
+    hidden: Tensor = model(
+        input_ids=batch, position_ids=positions, use_cache=False
+    ).last_hidden_state
+    return torch.cat(
+        [hidden[d, : stop - start] for d, (start, stop) in enumerate(spans)]
+    ).unsqueeze(0)

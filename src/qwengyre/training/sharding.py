@@ -80,16 +80,16 @@ def shard_policy(
     if dtype not in DTYPES:
         raise ValueError(f"trainer.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if activation_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    options = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32),
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-    }
+        policy.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    precision = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+    pinned = mesh.device_type == "cuda"  # pinned host memory needs an accelerator
+    offload = CPUOffloadPolicy(pin_memory=pinned) if cpu_offload else OffloadPolicy()
     for layer in policy.model.layers:
-        fully_shard(layer, **options)
+        fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
     scorer = PolicyScorer(policy, temperature=temperature, chunk_tokens=chunk_tokens)
-    fully_shard(scorer, **options)
+    fully_shard(scorer, mesh=mesh, mp_policy=precision, offload_policy=offload)
     for module in scorer.modules():
         if isinstance(module, FSDPModule):  # sum, not average, over the cell's ranks
             module.set_gradient_divide_factor(1.0)

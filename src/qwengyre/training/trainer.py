@@ -149,7 +149,7 @@ class Trainer:
         """``l_t`` at ``ms``'s target tokens, in row order (fp32, differentiable).
         Collective over the cell: its ranks call it together."""
         device = self.device
-        return self.scorer(  # type: ignore[no-any-return]
+        return self.scorer(
             ms.input_ids.to(device), ms.position_ids.to(device), ms.target_mask.to(device)
         )
 
@@ -231,7 +231,9 @@ class Trainer:
                 group["lr"] = self.config.lr_at(self.version)
             self.optimizer.step()
             self.version += 1
-            stats = torch.tensor([float(full_tensor(norm)), float(self.version)], device=stats.device)
+            stats = torch.tensor(
+                [float(full_tensor(norm)), float(self.version)], device=stats.device
+            )
         self._zero_grads()
         shards = [_local(p) for p in self.params]
         self.comm.broadcast_from_core([stats, *shards], cells)
