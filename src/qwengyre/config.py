@@ -165,7 +165,12 @@ class TrainerConfig(_Section):
         description="rollout sampling temperature: the proxy samples at it and the trainer's "
         "log-probs use it, so that l_t and b_t are under the same distribution",
     )
-    micro_step_tokens: int = Field(8192, ge=16, description="token budget of one micro-step")
+    micro_step_tokens: int = Field(
+        8192,
+        ge=16,
+        description="token budget of one micro-step; a cell's G ranks share it (each trains "
+        "~1/G of it, whole executions), so scale it with cells.devices_per_cell",
+    )
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="rows of logits materialised at once for the log-probs"
     )

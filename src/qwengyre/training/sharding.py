@@ -33,7 +33,14 @@ from transformers import PreTrainedModel
 from qwengyre.training.logprobs import token_logprobs
 from qwengyre.training.packed import packed_hidden_states
 
-__all__ = ["PolicyScorer", "full_tensor", "local_shards", "shard_policy", "shard_rows"]
+__all__ = [
+    "PolicyScorer",
+    "full_tensor",
+    "local",
+    "local_shards",
+    "shard_policy",
+    "shard_rows",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -97,10 +104,15 @@ def shard_policy(
     return scorer
 
 
+def local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (a view of its storage), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_shards(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """``(name, this rank's shard)`` of every parameter, in ``named_parameters`` order."""
     for name, param in model.named_parameters():
-        yield name, param.to_local() if isinstance(param, DTensor) else param
+        yield name, local(param)
 
 
 def full_tensor(tensor: Tensor) -> Tensor:

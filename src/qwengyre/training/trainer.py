@@ -47,7 +47,7 @@ from qwengyre.training.buffers import BatchSummary, MicroStep, split_micro_step
 from qwengyre.training.distributed import CellComm
 from qwengyre.training.objective import execution_gspo_loss
 from qwengyre.training.offload import Offloaded
-from qwengyre.training.sharding import full_tensor, local_shards, shard_policy
+from qwengyre.training.sharding import full_tensor, local, local_shards, shard_policy
 
 __all__ = ["MicroStepResult", "StepResult", "Trainer"]
 
@@ -124,10 +124,10 @@ class Trainer:
     def shard_numels(self) -> dict[str, int]:
         """Elements this rank holds of the parameters, their gradients and the
         optimizer state (~1/G of the model's each)."""
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         state = self._optimizer_state()
         return {
-            "parameters": sum(_local(p).numel() for p in self.params),
+            "parameters": sum(local(p).numel() for p in self.params),
             "gradients": sum(g.numel() for g in grads),
             "optimizer": sum(t.numel() for t in state),
         }
@@ -137,7 +137,7 @@ class Trainer:
         if self.optimizer is None:
             return []
         return [
-            _local(v)
+            local(v)
             for state in self.optimizer.state.values()
             for v in state.values()
             if isinstance(v, Tensor) and v.dim() > 0
@@ -159,10 +159,11 @@ class Trainer:
         with the same ``ms`` and gets the whole micro-step's result."""
         start = time.perf_counter()
         self.scorer.train()
-        part = split_micro_step(ms, self.comm.shards)[self.comm.shard]
+        parts = split_micro_step(ms, self.comm.shards)
+        part = parts[self.comm.shard]
         # A rank with no execution of its own still takes part in FSDP's collectives:
-        # it runs the micro-step with its loss scaled to zero (an exactly zero gradient).
-        mine = part if part is not None else ms
+        # it runs the smallest part with its loss scaled to zero (an exactly zero gradient).
+        mine = part or min((p for p in parts if p is not None), key=lambda p: p.num_tokens)
         logprobs = self.current_logprobs(mine)
         mask = mine.target_mask[:, 1:]
         out = execution_gspo_loss(
@@ -208,7 +209,7 @@ class Trainer:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [_local(p.grad) for p in self.params if p.grad is not None]
+        return [local(p.grad) for p in self.params if p.grad is not None]
 
     def finish_batch(self, summary: BatchSummary, cells: int) -> StepResult:
         """Reduce over the prefix of ``cells``, update on the core, share the result.
@@ -235,7 +236,7 @@ class Trainer:
                 [float(full_tensor(norm)), float(self.version)], device=stats.device
             )
         self._zero_grads()
-        shards = [_local(p) for p in self.params]
+        shards = [local(p) for p in self.params]
         self.comm.broadcast_from_core([stats, *shards], cells)
         if not self.is_core:
             self.version = int(stats[1])
@@ -286,7 +287,7 @@ class Trainer:
         if self._offloaded is not None:
             raise RuntimeError("the trainer state is already offloaded")
         self._zero_grads()
-        tensors = [_local(p) for p in self.params] + self._optimizer_state()
+        tensors = [local(p) for p in self.params] + self._optimizer_state()
         self._offloaded = Offloaded(tensors, keep=self.is_core)
         return self._offloaded.nbytes
 
@@ -300,8 +301,3 @@ class Trainer:
             raise RuntimeError("the trainer state is not offloaded")
         self._offloaded.restore()
         self._offloaded = None
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """The local shard of a DTensor (a view of its storage), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
