@@ -1,6 +1,7 @@
 """Rollout without training: run a task set through the proxy and an engine, record everything.
 
-``qwengyre rollout`` — the evaluation mode users run on a checkpoint. For every task,
+``qwengyre rollout`` — the evaluation mode users run on a checkpoint (``model.path``: a
+HuggingFace directory, which ``qwengyre model export`` makes of one). For every task,
 N executions run (bounded concurrency) with a harness that reaches the model only
 through an in-process proxy (embedded engine). Each finished execution is committed to
 the run's SQLite store (the same file as the proxy's TITO records) before it counts,
