@@ -348,6 +348,8 @@ class ProxyConfig(_Section):
 class EngineConfig(_Section):
     """The embedded inference engine: ``qwengyre engine serve`` (SGLang's HTTP API), and
     the engine of ``proxy serve`` (``proxy.engine=embedded``) and of ``rollout``.
+    ``train``'s cells and standalone pool bind their engines on ``host`` too (on a free
+    port): ``0.0.0.0`` lets a proxy on another node reach them, at this node's address.
 
     As in ``train``'s cells, it runs on ``run.device``, serves ``cells.capacity``
     concurrent requests and caps each at ``run.max_context`` tokens. The API key itself

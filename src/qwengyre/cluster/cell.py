@@ -72,6 +72,7 @@ class CellSpec:
     checkpoint: str | None = None  # resume: the core loads weights and optimizer from here
     shard: int = 0  # this rank's index within the cell
     shards: int = 1  # G, ranks per cell
+    engine_host: str = "127.0.0.1"  # the engine's bind address (engine.host)
 
     @property
     def name(self) -> str:
@@ -183,6 +184,7 @@ class Cell:
             max_context=self.spec.max_context,
             seed=self.spec.seed + 1000 * self.rank,
             version=-1,  # whatever model_dir holds, serve the core's weights
+            host=self.spec.engine_host,
         )
         self.engine.load_newest(self._board_shards())
         return self.engine.start()

@@ -1,7 +1,9 @@
 """A rollout engine served from inside a cell or standalone process (DESIGN.md §3).
 
 :class:`EngineHost` runs an :class:`~qwengyre.engines.embedded.EmbeddedEngine` behind
-SGLang's HTTP API on 127.0.0.1 (the proxy drives it with
+SGLang's HTTP API on ``engine.host`` (127.0.0.1 by default; an address other nodes
+reach when the proxy runs elsewhere, with every call authenticated by the engine's
+API key either way; the proxy drives it with
 :class:`~qwengyre.engines.sglang.SGLangEngine`, as it would a real SGLang server), in an
 event loop on its own thread, so the process's synchronous actor methods can call it.
 Elastic cells (:class:`~qwengyre.cluster.cell.Cell`) and the standalone pool
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Coroutine
@@ -25,9 +28,22 @@ from qwengyre.engines.base import StaleWeights
 from qwengyre.engines.embedded import EmbeddedEngine
 from qwengyre.engines.server import engine_app
 
-__all__ = ["EngineHost"]
+__all__ = ["EngineHost", "advertised"]
 
 T = TypeVar("T")
+
+
+def advertised(host: str) -> str:
+    """The address to reach a server bound to ``host``: this node's own address for
+    the wildcard (``0.0.0.0``, ``::``), else ``host`` itself (IPv6 in brackets)."""
+    if host in ("0.0.0.0", "::", ""):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # no packet is sent: connecting a UDP socket only picks the route
+                probe.connect(("10.255.255.255", 1))
+                return str(probe.getsockname()[0])
+            except OSError:
+                return socket.gethostbyname(socket.gethostname())
+    return f"[{host}]" if ":" in host else host
 
 
 class EngineHost:
@@ -48,6 +64,7 @@ class EngineHost:
         max_context: int | None,
         seed: int,
         version: int,
+        host: str = "127.0.0.1",
     ) -> None:
         self.engine = EmbeddedEngine(
             model_dir,
@@ -58,6 +75,7 @@ class EngineHost:
             seed=seed,
         )
         self.engine.version = version
+        self.host = host
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="engine-http", daemon=True).start()
 
@@ -65,18 +83,19 @@ class EngineHost:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def start(self) -> tuple[str, str]:
-        """Serve on 127.0.0.1 with a fresh API key; returns the base URL and the key."""
+        """Serve on :attr:`host` with a fresh API key; returns the base URL (at an
+        address others reach: this node's, when bound to all interfaces) and the key."""
         api_key = secrets.token_urlsafe(24)
 
         async def serve() -> int:
             runner = web.AppRunner(engine_app(self.engine, api_key), access_log=None)
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
+            site = web.TCPSite(runner, self.host, 0)
             await site.start()
             return int(runner.addresses[0][1])
 
         port = self._on_loop(serve())
-        return f"http://127.0.0.1:{port}", api_key
+        return f"http://{advertised(self.host)}:{port}", api_key
 
     def release(self, timeout_s: float = 60.0) -> None:
         """Free the engine's memory once the requests the proxy aborted have left."""

@@ -39,6 +39,7 @@ class StandaloneSpec:
     seed: int = 0
     max_context: int | None = None
     shards: int = 1  # G: the core's weights come as this many shards
+    engine_host: str = "127.0.0.1"  # the engine's bind address (engine.host)
 
 
 class StandalonePool:
@@ -55,6 +56,7 @@ class StandalonePool:
             max_context=spec.max_context,
             seed=spec.seed + 999_983,  # sampling streams apart from every cell's
             version=-1,  # whatever model_dir holds, serve the core's weights
+            host=spec.engine_host,
         )
         self.board: BoardShards | None = None
 

@@ -254,6 +254,7 @@ async def _start_engines(
             checkpoint=str(resumed.checkpoint) if resumed.checkpoint is not None else None,
             shard=shard,
             shards=config.cells.devices_per_cell,
+            engine_host=config.engine.host,
         )
         for rank in range(config.cells.count)
         for shard in range(config.cells.devices_per_cell)
@@ -275,6 +276,7 @@ async def _start_engines(
                 seed=config.seed,
                 max_context=config.run.max_context,
                 shards=config.cells.devices_per_cell,
+                engine_host=config.engine.host,
             )
             engines.standalone = start_standalone(config.run.placement, spec)
             await _register(
