@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import uuid
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
-from qwengyre.cluster.weights import SharedWeights, layout_of
+from qwengyre.cluster.weights import (
+    BoardShards,
+    SharedWeights,
+    board_name,
+    layout_of,
+    shard_layout,
+)
+from qwengyre.engines.base import StaleWeights
+from qwengyre.training.sharding import shard_rows
 
 
 def named(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -65,3 +75,32 @@ def test_an_incomplete_write_and_a_wrong_architecture_are_refused() -> None:
             SharedWeights(name, layout_of(bigger))
     finally:
         board.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sharded_boards_write_one_safetensors_file_shard_by_shard(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    full = named(3)
+    base = f"qg-test-{uuid.uuid4().hex[:12]}"
+    written = []
+    for r in range(2):  # the core's two ranks each write their dim-0 chunk
+        board = SharedWeights(board_name(base, r), shard_layout(full, 2, r), create=True)
+        board.write([(n, t.narrow(0, *shard_rows(t.shape[0], 2, r))) for n, t in full], version=4)
+        written.append(board)
+    # Opened as the core's own (attaching in the creating process would unregister it).
+    boards = BoardShards("shared_memory", base, full, 2, opened=dict(enumerate(written)))
+    try:
+        path = tmp_path / "model.safetensors"
+        boards.write_safetensors(4, path, dtype)
+        loaded = safetensors.torch.load_file(str(path))
+        assert list(loaded) == [n for n, _ in full]
+        for name, tensor in full:
+            assert loaded[name].dtype == dtype
+            torch.testing.assert_close(loaded[name], tensor.to(dtype), rtol=0, atol=0)
+        with pytest.raises(StaleWeights, match="not 5"):
+            boards.write_safetensors(5, path, dtype)
+    finally:
+        boards.close()
+        for board in written:
+            board.close()

@@ -19,11 +19,14 @@ process that holds the same architecture derives the same layout.
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -45,6 +48,8 @@ __all__ = [
 ]
 
 BoardKind = Literal["shared_memory", "ray"]
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 _HEADER = struct.Struct("<qq")  # sequence counter, policy version
 _ALIGN = 64
@@ -232,6 +237,7 @@ class BoardShards:
     ) -> None:
         """``opened``: boards this process holds already (the core's own), by shard."""
         named, opened = list(named), dict(opened or {})
+        self.shapes = {name: tuple(t.shape) for name, t in named}
         self._own = [r for r in range(shards) if r not in opened]
         self.boards = [
             opened[r]
@@ -252,6 +258,38 @@ class BoardShards:
             return tensors
 
         return WeightsInShards(len(self.boards), read)
+
+    def write_safetensors(self, version: int, path: Path, dtype: torch.dtype) -> None:
+        """Write the weights of ``version`` as one safetensors file at ``path`` in
+        ``dtype``, for a server engine to load from disk. Each shard's rows go straight
+        to their place in the file, one shard at a time: no whole-model buffer.
+        Raises :class:`~qwengyre.engines.base.StaleWeights` if a shard moved on."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape in self.shapes.items():
+            nbytes = math.prod(shape) * itemsize
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        encoded = json.dumps(header).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        start = 8 + len(encoded)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)) + encoded)
+            f.truncate(start + offset)
+            source = self.source(version)
+            for r in range(source.count):
+                for name, rows in source.read(r).items():
+                    shape = self.shapes[name]
+                    first = shard_rows(shape[0], source.count, r)[0]
+                    row_bytes = math.prod(shape[1:]) * itemsize
+                    begin = header[name]["data_offsets"][0]  # type: ignore[index]
+                    f.seek(start + begin + first * row_bytes)
+                    f.write(rows.to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
 
     def close(self) -> None:
         for r in self._own:
