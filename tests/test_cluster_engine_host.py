@@ -35,7 +35,9 @@ def test_an_engine_bound_to_all_interfaces_serves_key_holders_at_the_node_addres
         host="0.0.0.0",
     )
     try:
-        url, key = host.start()
+        endpoint = host.start()
+        url, key = endpoint.url, endpoint.api_key
+        assert endpoint.api == "sglang"  # the embedded engine speaks SGLang's API
         assert url.startswith(f"http://{advertised('0.0.0.0')}:")
         assert not url.startswith("http://127.")
 

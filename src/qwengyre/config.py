@@ -357,6 +357,11 @@ class EngineConfig(_Section):
     printed.
     """
 
+    backend: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="train's rollout servers: embedded (this package's engine, SGLang's "
+        "API) or vllm (a vLLM server per cell; python from $QWENGYRE_VLLM_PYTHON)",
+    )
     host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1: this machine only")
     port: int = Field(30000, ge=1, le=65535, description="port to bind")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

@@ -27,16 +27,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from qwengyre.cluster.engine_host import EngineHost
+from qwengyre.cluster.engine_host import Endpoint, RolloutHost, rollout_host
 from qwengyre.cluster.weights import (
     BoardKind,
     BoardShards,
     board_name,
+    model_parameters,
     open_board,
     shard_layout,
 )
@@ -73,6 +74,7 @@ class CellSpec:
     shard: int = 0  # this rank's index within the cell
     shards: int = 1  # G, ranks per cell
     engine_host: str = "127.0.0.1"  # the engine's bind address (engine.host)
+    engine_backend: Literal["embedded", "vllm"] = "embedded"  # engine.backend
 
     @property
     def name(self) -> str:
@@ -94,7 +96,7 @@ class Cell:
             )
         self.model = model.to(torch.device(spec.device))  # type: ignore[arg-type]
         self.trainer: Trainer | None = None
-        self.engine: EngineHost | None = None
+        self.engine: RolloutHost | None = None
         self._boards: BoardShards | None = None
 
     @property
@@ -154,7 +156,7 @@ class Cell:
 
     # ------------------------------------------------------------------ rollout
 
-    def _engine(self) -> EngineHost:
+    def _engine(self) -> RolloutHost:
         if self.engine is None:
             raise RuntimeError(f"{self.spec.name}: start_engine() first")
         return self.engine
@@ -162,32 +164,33 @@ class Cell:
     def _board_shards(self) -> BoardShards:
         if self._boards is None:
             spec, trainer = self.spec, self._trainer()
-            named = self._engine().engine.model.named_parameters()
+            named = model_parameters(spec.model_dir)
             opened = {spec.shard: trainer.board} if trainer.is_core and trainer.board else {}
             self._boards = BoardShards(
                 spec.board_kind, spec.board, named, spec.shards, opened=opened
             )
         return self._boards
 
-    def start_engine(self) -> tuple[str, str] | None:
-        """Shard 0 serves rollout with the core's published weights; returns the
-        engine's base URL and API key (``None`` on the other shards)."""
+    def start_engine(self) -> Endpoint | None:
+        """Shard 0 serves rollout (``engine.backend``) with the core's published
+        weights; returns where (``None`` on the other shards)."""
         if not self._serves:
             return None
         if self.engine is not None:
             raise RuntimeError(f"{self.spec.name}: the engine is already running")
-        self.engine = EngineHost(
+        self.engine = rollout_host(
+            self.spec.engine_backend,
             self.spec.model_dir,
             name=self.spec.name,
             capacity=self.spec.engine_capacity,
             device=self.spec.device,
             max_context=self.spec.max_context,
             seed=self.spec.seed + 1000 * self.rank,
-            version=-1,  # whatever model_dir holds, serve the core's weights
             host=self.spec.engine_host,
         )
+        endpoint = self.engine.start()
         self.engine.load_newest(self._board_shards())
-        return self.engine.start()
+        return endpoint
 
     def release_engine(self, timeout_s: float = 60.0) -> None:
         """Free the engine's memory once the requests the proxy aborted have left, and

@@ -19,16 +19,18 @@ import socket
 import threading
 import time
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
 
 from aiohttp import web
 
 from qwengyre.cluster.weights import BoardShards
-from qwengyre.engines.base import StaleWeights
+from qwengyre.engines.base import InferenceEngine, StaleWeights
 from qwengyre.engines.embedded import EmbeddedEngine
 from qwengyre.engines.server import engine_app
+from qwengyre.engines.sglang import SGLangEngine
 
-__all__ = ["EngineHost", "advertised"]
+__all__ = ["Endpoint", "EngineHost", "RolloutHost", "advertised", "rollout_host"]
 
 T = TypeVar("T")
 
@@ -44,6 +46,79 @@ def advertised(host: str) -> str:
             except OSError:
                 return socket.gethostbyname(socket.gethostname())
     return f"[{host}]" if ":" in host else host
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a rollout server listens, its key, and the HTTP API it speaks."""
+
+    url: str
+    api_key: str
+    api: Literal["sglang", "vllm"]
+
+    def client(self, name: str, capacity: int, version: int) -> InferenceEngine:
+        """The proxy's engine for this server."""
+        if self.api == "vllm":
+            from qwengyre.engines.vllm import VLLMEngine
+
+            return VLLMEngine(
+                self.url, name, capacity=capacity, api_key=self.api_key, policy_version=version
+            )
+        return SGLangEngine(
+            self.url, name, capacity=capacity, api_key=self.api_key, policy_version=version
+        )
+
+
+class RolloutHost(Protocol):
+    """A cell's (or the standalone pool's) rollout server, one kind per engine backend:
+    :class:`EngineHost` (embedded), :class:`~qwengyre.cluster.vllm_host.VLLMHost`."""
+
+    def start(self) -> Endpoint:
+        """Serve; where, with which key and API."""
+        ...
+
+    def release(self, timeout_s: float = 60.0) -> None:
+        """Free the server's device memory once the proxy drained it."""
+        ...
+
+    def resume(self, boards: BoardShards) -> int:
+        """Serve again with the boards' newest weights; returns their version."""
+        ...
+
+    def load_newest(self, boards: BoardShards) -> int:
+        """Load the boards' weights if newer (between steps of generation); the version."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def rollout_host(
+    backend: Literal["embedded", "vllm"],
+    model_dir: str,
+    *,
+    name: str,
+    capacity: int,
+    device: str,
+    max_context: int | None,
+    seed: int,
+    host: str,
+) -> RolloutHost:
+    """The rollout server of ``backend`` (``engine.backend``) for one cell or pool. It
+    serves the core's weights once :meth:`RolloutHost.load_newest` loaded them."""
+    if backend == "vllm":
+        from qwengyre.cluster.vllm_host import VLLMHost
+
+        return VLLMHost(model_dir, name=name, device=device, max_context=max_context, host=host)
+    return EngineHost(
+        model_dir,
+        name=name,
+        capacity=capacity,
+        device=device,
+        max_context=max_context,
+        seed=seed,
+        version=-1,  # whatever model_dir holds, serve the core's weights
+        host=host,
+    )
 
 
 class EngineHost:
@@ -82,7 +157,7 @@ class EngineHost:
     def _on_loop(self, coro: Coroutine[Any, Any, T], timeout_s: float = 120.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def start(self) -> tuple[str, str]:
+    def start(self) -> Endpoint:
         """Serve on :attr:`host` with a fresh API key; returns the base URL (at an
         address others reach: this node's, when bound to all interfaces) and the key."""
         api_key = secrets.token_urlsafe(24)
@@ -95,7 +170,7 @@ class EngineHost:
             return int(runner.addresses[0][1])
 
         port = self._on_loop(serve())
-        return f"http://{advertised(self.host)}:{port}", api_key
+        return Endpoint(f"http://{advertised(self.host)}:{port}", api_key, "sglang")
 
     def release(self, timeout_s: float = 60.0) -> None:
         """Free the engine's memory once the requests the proxy aborted have left."""

@@ -3,7 +3,7 @@ standalone pool remains in rollout"; DESIGN.md §2, C_s in Eq 3).
 
 :class:`StandalonePool` is an actor like :class:`~qwengyre.cluster.cell.Cell` (a local
 process, or a Ray actor) that holds no trainer: it serves one engine
-(:class:`~qwengyre.cluster.engine_host.EngineHost`) on its own device for the whole
+(:func:`~qwengyre.cluster.engine_host.rollout_host`) on its own device for the whole
 run. It reads weights from the core's weights board, so the cells must be connected
 (the core opened the board) before :meth:`StandalonePool.start_engine`. The core's
 publication after each burst reaches it through :meth:`update_engine_weights`, as it
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from qwengyre.cluster.engine_host import EngineHost
-from qwengyre.cluster.weights import BoardKind, BoardShards
+from qwengyre.cluster.engine_host import Endpoint, rollout_host
+from qwengyre.cluster.weights import BoardKind, BoardShards, model_parameters
 
 __all__ = ["STANDALONE_NAME", "StandalonePool", "StandaloneSpec"]
 
@@ -40,6 +41,7 @@ class StandaloneSpec:
     max_context: int | None = None
     shards: int = 1  # G: the core's weights come as this many shards
     engine_host: str = "127.0.0.1"  # the engine's bind address (engine.host)
+    engine_backend: Literal["embedded", "vllm"] = "embedded"  # engine.backend
 
 
 class StandalonePool:
@@ -48,25 +50,26 @@ class StandalonePool:
     def __init__(self, spec: StandaloneSpec) -> None:
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
-        self.host = EngineHost(
+        self.host = rollout_host(
+            spec.engine_backend,
             spec.model_dir,
             name=STANDALONE_NAME,
             capacity=spec.capacity,
             device=spec.device,
             max_context=spec.max_context,
             seed=spec.seed + 999_983,  # sampling streams apart from every cell's
-            version=-1,  # whatever model_dir holds, serve the core's weights
             host=spec.engine_host,
         )
         self.board: BoardShards | None = None
 
-    def start_engine(self) -> tuple[str, str]:
-        """Open the core's boards (they must exist), load their weights and serve;
-        returns (base URL, API key)."""
-        named = self.host.engine.model.named_parameters()
+    def start_engine(self) -> Endpoint:
+        """Open the core's boards (they must exist), serve and load their weights;
+        returns where."""
+        named = model_parameters(self.spec.model_dir)
         self.board = BoardShards(self.spec.board_kind, self.spec.board, named, self.spec.shards)
+        endpoint = self.host.start()
         self.host.load_newest(self.board)
-        return self.host.start()
+        return endpoint
 
     def update_engine_weights(self) -> int:
         """Load the board's weights if newer (the core's publication); their version."""

@@ -43,6 +43,7 @@ __all__ = [
     "WeightsLayout",
     "board_name",
     "layout_of",
+    "model_parameters",
     "open_board",
     "shard_layout",
 ]
@@ -104,6 +105,17 @@ def shard_layout(named: Iterable[tuple[str, Tensor]], shards: int, shard: int) -
         )
         for name, t in named
     )
+
+
+def model_parameters(model_dir: str | Path) -> list[tuple[str, Tensor]]:
+    """The parameters of the model in ``model_dir`` (fp32, as the trainer holds them)
+    as meta tensors: names and shapes without loading any weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return list(model.named_parameters())
 
 
 def board_name(base: str, shard: int) -> str:

@@ -33,11 +33,11 @@ from pathlib import Path
 from aiohttp import web
 
 from qwengyre.cluster.cell import CellSpec
+from qwengyre.cluster.engine_host import Endpoint
 from qwengyre.cluster.local import ActorDied
 from qwengyre.cluster.placement import CellHandle, start_cells, start_standalone, stop_cells
 from qwengyre.cluster.standalone import StandaloneSpec
 from qwengyre.config import Config, config_to_yaml, load_config
-from qwengyre.engines.sglang import SGLangEngine
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
 from qwengyre.proxy.server import ProxyServer
@@ -225,9 +225,8 @@ class Engines:
 async def _register(
     proxy: ProxyServer, handle: CellHandle, name: str, capacity: int, version: int, preference: int
 ) -> None:
-    url, key = await handle.call("start_engine")
-    engine = SGLangEngine(url, name, capacity=capacity, api_key=key, policy_version=version)
-    proxy.router.register(engine, preference=preference)
+    endpoint: Endpoint = await handle.call("start_engine")
+    proxy.router.register(endpoint.client(name, capacity, version), preference=preference)
 
 
 async def _start_engines(
@@ -255,6 +254,7 @@ async def _start_engines(
             shard=shard,
             shards=config.cells.devices_per_cell,
             engine_host=config.engine.host,
+            engine_backend=config.engine.backend,
         )
         for rank in range(config.cells.count)
         for shard in range(config.cells.devices_per_cell)
@@ -277,6 +277,7 @@ async def _start_engines(
                 max_context=config.run.max_context,
                 shards=config.cells.devices_per_cell,
                 engine_host=config.engine.host,
+                engine_backend=config.engine.backend,
             )
             engines.standalone = start_standalone(config.run.placement, spec)
             await _register(
