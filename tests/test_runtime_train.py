@@ -342,3 +342,38 @@ def test_cells_of_two_ranks_train_live(tiny_model_dir: Path, tmp_path: Path) -> 
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     assert checkpoint is not None and read_checkpoint(checkpoint).state["version"] == 3
     assert len(list((checkpoint / "weights").glob("*.distcp"))) == 2
+
+
+def test_vllm_cells_serve_rollout_and_take_every_publication(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``engine.backend=vllm``: each cell's rollout server is a real vLLM server; the
+    core's weights reach it through disk after every update (async: the rollout cell
+    never moves, so every step is a publication to a running server)."""
+    python = os.environ.get("QWENGYRE_VLLM_PYTHON")
+    if not python:
+        pytest.skip("QWENGYRE_VLLM_PYTHON is not set (the python of a vLLM venv)")
+    from qwengyre.engines.vllm import vllm_available
+
+    if not vllm_available(python):
+        pytest.skip(f"QWENGYRE_VLLM_PYTHON={python} cannot import vllm")
+    from qwengyre.models import cached_tiny_model
+
+    # The demo model: vLLM's CPU attention has no kernel for the test model's head size.
+    demo = cached_tiny_model("demo", cache_dir=tiny_model_dir.parent)
+    run_dir = run(
+        tmp_path,
+        demo,
+        "run.steps=3",
+        "cells.count=2",
+        "engine.backend=vllm",
+        "scheduler.policy=async",
+        "scheduler.async_training_cells=1",
+    )
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1, 2, 3]
+    assert sum(s.micro_steps for s in metrics.steps) > 0
+    versions = sampled_versions(run_dir)
+    assert versions - {0}, versions  # tokens sampled by vLLM after a publication
+    trained = [g.group_id for g in metrics.groups]
+    assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)

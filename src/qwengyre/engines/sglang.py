@@ -54,7 +54,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -462,8 +462,17 @@ def launch_sglang(spec: SGLangServerSpec, **popen_kwargs: Any) -> subprocess.Pop
     return subprocess.Popen(spec.command(), **popen_kwargs)
 
 
+class HealthChecked(Protocol):
+    """A server's client that can ask it whether it is healthy."""
+
+    name: str
+    base_url: str
+
+    async def health(self) -> bool: ...
+
+
 async def wait_until_healthy(
-    engine: SGLangEngine,
+    engine: HealthChecked,
     timeout_s: float,
     process: subprocess.Popen[bytes] | None = None,
     poll_s: float = 1.0,
@@ -476,15 +485,14 @@ async def wait_until_healthy(
     while True:
         if process is not None and process.poll() is not None:
             raise RuntimeError(
-                f"SGLang server {engine.name} exited with code {process.returncode} "
+                f"server {engine.name} exited with code {process.returncode} "
                 "before becoming healthy"
             )
         if await engine.health():
             return
         if time.monotonic() >= deadline:
             raise TimeoutError(
-                f"SGLang server {engine.name} at {engine.base_url} was not healthy "
-                f"within {timeout_s:.0f}s"
+                f"server {engine.name} at {engine.base_url} was not healthy within {timeout_s:.0f}s"
             )
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 

