@@ -20,6 +20,8 @@ Each switch is logged with which of the two happened and how long it took.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -63,6 +65,15 @@ def _device_env(device: str) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def _die_with_parent() -> None:
+    """In the server's process before it runs: SIGTERM when its parent dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def _free_port(host: str) -> int:
     import socket
 
@@ -92,7 +103,8 @@ class VLLMHost:
             api_key=self._api_key,
             dtype="float32" if cpu else "auto",
             max_model_len=max_context,
-            extra_args=("--enforce-eager",) if cpu else (),
+            # CPU: skip a long graph compile; GPU: without it /sleep frees nothing.
+            extra_args=("--enforce-eager",) if cpu else ("--enable-sleep-mode",),
             extra_env=_device_env(device),
         )
         self._process: subprocess.Popen[bytes] | None = None
@@ -109,10 +121,11 @@ class VLLMHost:
 
     def _launch(self) -> None:
         spec = replace(self._spec, model=str(self._weights))
-        # Its own process group, so that stopping it stops vLLM's workers too.
-        self._process = launch_vllm(spec, start_new_session=True)
+        # Its own process group, so that stopping it stops vLLM's workers too; and
+        # stopped by the kernel if this process dies first (no orphaned servers).
+        self._process = launch_vllm(spec, start_new_session=True, preexec_fn=_die_with_parent)
         self._client = VLLMEngine(
-            f"http://{advertised(spec.host)}:{spec.port}",
+            self._url,
             self.name,
             capacity=1,
             api_key=self._api_key,
