@@ -25,6 +25,7 @@ from qwengyre.engines.base import (
     WeightsOnDisk,
     collect,
 )
+from qwengyre.engines.http_client import sse_data
 from qwengyre.engines.sglang import (
     SGLangEngine,
     SGLangNotInstalled,
@@ -175,7 +176,7 @@ def test_sse_lines_of_any_length_are_read() -> None:
     blocks = [body[i : i + 65536] for i in range(0, len(body), 65536)]
 
     async def read() -> list[str]:
-        return [data async for data in sglang_mod._sse_data(Content(*blocks))]
+        return [data async for data in sse_data(Content(*blocks))]
 
     assert asyncio.run(read()) == [f'{{"a": "{long}"}}', "[DONE]"]
 
@@ -408,11 +409,11 @@ def test_fake_rejects_unknown_sampling_keys_and_bad_types() -> None:
         body["sampling_params"]["max_tokens"] = 3
         body["stream"] = False  # a plain answer (streamed, the error is a chunk: below)
         with pytest.raises(ValueError, match="unexpected keyword argument 'max_tokens'"):
-            await engine._post_json("/generate", body)
+            await engine._json("POST", "/generate", body)
         body = SGLangEngine.request_body(req("y"))
         body["return_logprob"] = "yes"
         with pytest.raises(ValueError, match="return_logprob"):
-            await engine._post_json("/generate", body)
+            await engine._json("POST", "/generate", body)
 
     run_with_fake(t)
 

@@ -343,9 +343,9 @@ def test_a_wrong_api_key_is_refused_on_every_path(server: Server) -> None:
                 with pytest.raises(ValueError, match="Unauthorized"):
                     await intruder.generate(req("k"))
                 with pytest.raises(ValueError, match="Unauthorized"):
-                    await intruder._post("/pause", params={"mode": "keep"})
+                    await intruder._json("POST", "/pause", params={"mode": "keep"})
                 with pytest.raises(ValueError, match="Unauthorized"):
-                    await intruder._post("/collective_rpc", {"method": "sleep"})
+                    await intruder._json("POST", "/collective_rpc", {"method": "sleep"})
                 assert not await intruder.health()
         assert (await engine.generate(req("owner"))).finish_reason == "length"  # not paused
 

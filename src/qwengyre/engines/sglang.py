@@ -52,7 +52,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,6 +69,7 @@ from qwengyre.engines.base import (
     WeightSource,
     collect,
 )
+from qwengyre.engines.http_client import HTTPEngineClient, error_message, sse_data
 
 log = logging.getLogger(__name__)
 
@@ -79,31 +80,7 @@ class SGLangNotInstalled(RuntimeError):
     """``sglang`` cannot be imported in this environment."""
 
 
-def _error_message(status: int, text: str) -> str:
-    """The message of an SGLang error answer, whatever of its shapes it has.
-
-    ``{"error": {"message": ...}}`` (``_create_error_response``),
-    ``{"object": "error", "message": ...}`` (``ErrorResponse``, validation errors and
-    HTTPException), ``{"message": ...}`` (weight updates), ``{"detail": ...}``
-    (plain FastAPI) or a plain-text body.
-    """
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text.strip() or f"HTTP {status}"
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str) and err:
-            return err
-        for key in ("message", "detail"):
-            if body.get(key):
-                return str(body[key])
-    return text.strip() or f"HTTP {status}"
-
-
-class SGLangEngine:
+class SGLangEngine(HTTPEngineClient):
     """:class:`~qwengyre.engines.base.InferenceEngine` over one SGLang server.
 
     Errors: HTTP 4xx raises ``ValueError`` with SGLang's message (a bad request, not
@@ -115,99 +92,14 @@ class SGLangEngine:
     ``/abort_request``.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        name: str,
-        capacity: int = 128,
-        api_key: str | None = None,
-        timeout_s: float = 3600,
-        policy_version: int = 0,
-    ) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be at least 1")
-        self.base_url = base_url.rstrip("/")
-        self.name = name
-        self.capacity = capacity
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.policy_version = policy_version
-        self.released = False
-        self._session: aiohttp.ClientSession | None = None
-        self._inflight: set[str] = set()
-        self._background: set[asyncio.Task[None]] = set()
-
-    # -- plumbing ------------------------------------------------------------------
-
-    @property
-    def load(self) -> int:
-        return len(self._inflight)
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            self._session = aiohttp.ClientSession(
-                headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-            )
-        return self._session
-
-    async def close(self) -> None:
-        for task in list(self._background):
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await task
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def __aenter__(self) -> SGLangEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        body: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> tuple[int, str]:
-        """(status, body text); raises on 4xx (ValueError), 5xx and lost connections."""
-        timeout = aiohttp.ClientTimeout(
-            total=timeout_s if timeout_s is not None else self.timeout_s
-        )
-        try:
-            async with self._get_session().request(
-                method, f"{self.base_url}{path}", json=body, timeout=timeout
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
-        except OSError:
-            raise  # includes aiohttp.ClientOSError / ClientConnectorError / timeouts
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise self._lost(exc) from exc
-        self._raise_for_status(path, status, text)
-        return status, text
-
-    def _lost(self, exc: Exception) -> ConnectionError:
-        return ConnectionError(f"SGLang {self.name} at {self.base_url}: {exc!r}")
+    server = "SGLang"
 
     def _raise_for_status(self, path: str, status: int, text: str) -> None:
-        if 400 <= status < 500:
-            raise ValueError(f"SGLang {path} ({status}): {_error_message(status, text)}")
-        if status >= 500:
-            message = _error_message(status, text)
-            if status == 503 and "abort" in message.lower():
-                # a running request aborted with status 503 (e.g. timeout) comes back this way
-                raise EngineAborted(message)
-            raise ConnectionError(f"SGLang {self.name} {path} ({status}): {message}")
-
-    async def _post_json(self, path: str, body: Mapping[str, Any]) -> Any:
-        _, text = await self._call("POST", path, body)
-        try:
-            return json.loads(text) if text else None
-        except ValueError as exc:
-            raise ConnectionError(f"SGLang {path} answered non-JSON: {text[:200]!r}") from exc
+        message = error_message(status, text)
+        if status == 503 and "abort" in message.lower():
+            # a running request aborted with status 503 (e.g. timeout) comes back this way
+            raise EngineAborted(message)
+        super()._raise_for_status(path, status, text)
 
     # -- generation ------------------------------------------------------------------
 
@@ -239,7 +131,7 @@ class SGLangEngine:
     def _delta(self, request_id: str, chunk: Any, yielded: int) -> TokenDelta:
         """The new tokens of a stream chunk, ``yielded`` tokens having come before."""
         if isinstance(chunk, dict) and "error" in chunk:
-            raise ValueError(f"SGLang /generate: {_error_message(200, json.dumps(chunk))}")
+            raise ValueError(f"SGLang /generate: {error_message(200, json.dumps(chunk))}")
         if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
             raise ConnectionError(
                 f"SGLang /generate sent a chunk without meta_info: {chunk!r:.200}"
@@ -298,7 +190,7 @@ class SGLangEngine:
             ) as resp:
                 if resp.status >= 400:
                     self._raise_for_status("/generate", resp.status, await resp.text())
-                async with contextlib.aclosing(_sse_data(resp.content)) as events:
+                async with contextlib.aclosing(sse_data(resp.content)) as events:
                     async for data in events:
                         if data == "[DONE]" or finished:
                             break
@@ -325,11 +217,6 @@ class SGLangEngine:
             raise
         finally:
             self._inflight.discard(rid)
-
-    def _spawn(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id``; its :meth:`stream` raises :class:`EngineAborted`."""
@@ -366,11 +253,11 @@ class SGLangEngine:
 
     async def release_memory(self) -> None:
         """Free weights and KV cache (``--enable-memory-saver``); nothing may be in flight."""
-        await self._post_json("/release_memory_occupation", {})
+        await self._json("POST", "/release_memory_occupation", {})
         self.released = True
 
     async def resume_memory(self) -> None:
-        await self._post_json("/resume_memory_occupation", {})
+        await self._json("POST", "/resume_memory_occupation", {})
         self.released = False
 
     async def flush_cache(self) -> None:
@@ -393,17 +280,6 @@ class SGLangEngine:
         except (TimeoutError, OSError, ValueError, EngineAborted):
             return False
         return status == 200
-
-
-async def _sse_data(content: aiohttp.StreamReader) -> AsyncGenerator[str, None]:
-    """The ``data:`` payloads of a server-sent event stream, however long a line is
-    (cumulative chunks outgrow aiohttp's line buffer)."""
-    buffer = b""
-    async for block in content.iter_any():
-        *lines, buffer = (buffer + block).split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip().decode()
 
 
 # -- launching a server ----------------------------------------------------------------

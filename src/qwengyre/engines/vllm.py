@@ -91,7 +91,7 @@ from qwengyre.engines.base import (
     WeightSource,
     collect,
 )
-from qwengyre.engines.sglang import _error_message, _sse_data
+from qwengyre.engines.http_client import HTTPEngineClient, error_message, sse_data
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class VLLMNotInstalled(RuntimeError):
     """The server's Python cannot import ``vllm``."""
 
 
-class VLLMEngine:
+class VLLMEngine(HTTPEngineClient):
     """:class:`~qwengyre.engines.base.InferenceEngine` over one vLLM server.
 
     Errors as :class:`~qwengyre.engines.sglang.SGLangEngine`'s: HTTP 4xx (and error
@@ -113,109 +113,14 @@ class VLLMEngine:
     HTTP response and sends an abort.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        name: str,
-        capacity: int = 128,
-        api_key: str | None = None,
-        timeout_s: float = 3600,
-        policy_version: int = 0,
-    ) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be at least 1")
-        self.base_url = base_url.rstrip("/")
-        self.name = name
-        self.capacity = capacity
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.policy_version = policy_version
-        self.released = False
+    server = "vLLM"
+    # A connection per request: after an endpoint raised (HTTP 500), uvicorn closes the
+    # connection, which aiohttp has already pooled for the next request.
+    force_close = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._update_lock = asyncio.Lock()
-        self._session: aiohttp.ClientSession | None = None
-        self._inflight: set[str] = set()
-        self._background: set[asyncio.Task[None]] = set()
-
-    # -- plumbing ------------------------------------------------------------------
-
-    @property
-    def load(self) -> int:
-        return len(self._inflight)
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            # A connection per request: after an endpoint raised (HTTP 500), uvicorn
-            # closes the connection, which aiohttp has already pooled for the next request.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True),
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            )
-        return self._session
-
-    async def close(self) -> None:
-        for task in list(self._background):
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await task
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def __aenter__(self) -> VLLMEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    def _lost(self, exc: Exception) -> ConnectionError:
-        return ConnectionError(f"vLLM {self.name} at {self.base_url}: {exc!r}")
-
-    def _raise_for_status(self, path: str, status: int, text: str) -> None:
-        if 400 <= status < 500:
-            raise ValueError(f"vLLM {path} ({status}): {_error_message(status, text)}")
-        if status >= 500:
-            raise ConnectionError(
-                f"vLLM {self.name} {path} ({status}): {_error_message(status, text)}"
-            )
-
-    async def _post(
-        self,
-        path: str,
-        body: Mapping[str, Any] | None = None,
-        params: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-    ) -> Any:
-        return await self._call("POST", path, body, params, timeout_s)
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        body: Mapping[str, Any] | None = None,
-        params: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-    ) -> Any:
-        """The JSON answer (None if empty); raises on 4xx (ValueError), 5xx and lost
-        connections (ConnectionError)."""
-        timeout = aiohttp.ClientTimeout(
-            total=timeout_s if timeout_s is not None else self.timeout_s
-        )
-        try:
-            async with self._get_session().request(
-                method, f"{self.base_url}{path}", json=body, params=params, timeout=timeout
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
-        except OSError:
-            raise  # includes aiohttp.ClientOSError / ClientConnectorError / timeouts
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise self._lost(exc) from exc
-        self._raise_for_status(path, status, text)
-        try:
-            return json.loads(text) if text else None
-        except ValueError as exc:
-            raise ConnectionError(f"vLLM {path} answered non-JSON: {text[:200]!r}") from exc
 
     # -- generation ------------------------------------------------------------------
 
@@ -247,7 +152,7 @@ class VLLMEngine:
         """The one choice of a stream chunk; raises for error chunks and aborts."""
         if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
             code = chunk["error"].get("code")
-            message = _error_message(200, json.dumps(chunk))
+            message = error_message(200, json.dumps(chunk))
             if isinstance(code, int) and code < 500:
                 raise ValueError(f"vLLM /inference/v1/generate: {message}")
             raise ConnectionError(f"vLLM {self.name} failed {request_id}: {message}")
@@ -309,7 +214,7 @@ class VLLMEngine:
                 if resp.status >= 400:
                     text = await resp.text()
                     self._raise_for_status("/inference/v1/generate", resp.status, text)
-                async with contextlib.aclosing(_sse_data(resp.content)) as events:
+                async with contextlib.aclosing(sse_data(resp.content)) as events:
                     async for data in events:
                         if data == "[DONE]" or finished:
                             break
@@ -350,16 +255,11 @@ class VLLMEngine:
         finally:
             self._inflight.discard(rid)
 
-    def _spawn(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id``; its :meth:`stream` raises :class:`EngineAborted`."""
         body = {"request_ids": [_REQUEST_PREFIX + request_id]}
         try:
-            await self._post("/inference/v1/abort_requests", body, timeout_s=30)
+            await self._json("POST", "/inference/v1/abort_requests", body, timeout_s=30)
         except (OSError, ValueError) as exc:
             log.warning("abort of %s on %s failed: %s", request_id, self.name, exc)
 
@@ -377,37 +277,37 @@ class VLLMEngine:
                 "process. Save a HuggingFace checkpoint and pass WeightsOnDisk(path)."
             )
         async with self._update_lock:
-            await self._post("/pause", params={"mode": "keep", "clear_cache": "true"})
+            await self._json("POST", "/pause", params={"mode": "keep", "clear_cache": "true"})
             try:
                 body = {"method": "qwengyre_reload_weights", "args": [source.path]}
                 try:
-                    await self._post("/collective_rpc", body)
+                    await self._json("POST", "/collective_rpc", body)
                 except (ValueError, ConnectionError) as exc:
                     raise RuntimeError(
                         f"vLLM {self.name} could not load {source.path}: {exc}"
                     ) from exc
-                await self._post("/update_weight_version", {"new_version": str(version)})
+                await self._json("POST", "/update_weight_version", {"new_version": str(version)})
                 self.policy_version = version
             finally:
-                await self._post("/resume")
+                await self._json("POST", "/resume")
 
     async def release_memory(self) -> None:
         """``/sleep?level=1``: weights offloaded to host memory, KV cache dropped; nothing
         may be in flight. Frees memory only on a GPU server started with
         ``--enable-sleep-mode``; vLLM on CPU frees nothing (its worker ignores sleep)."""
-        await self._post("/sleep", params={"level": "1"})
+        await self._json("POST", "/sleep", params={"level": "1"})
         self.released = True
 
     async def _label(self) -> str:
         """The server's current weight-version label (``GET /weight_info``)."""
-        answer = await self._call("GET", "/weight_info", timeout_s=30)
+        answer = await self._json("GET", "/weight_info", timeout_s=30)
         return str(answer.get("weight_version"))
 
     def _version_of(self, label: str) -> int:
         return int(label) if label.lstrip("-").isdigit() else self.policy_version
 
     async def resume_memory(self) -> None:
-        await self._post("/wake_up")
+        await self._json("POST", "/wake_up")
         self.released = False
 
     async def health(self) -> bool:
