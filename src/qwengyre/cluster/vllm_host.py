@@ -133,6 +133,8 @@ class VLLMHost:
         )
         try:
             self._on_loop(wait_until_healthy(self._client, START_TIMEOUT_S, self._process))
+            if self.version >= 0:  # restarted from a published version: say which
+                self._on_loop(self._client.label_weights(self.version))
         except BaseException:
             self._stop()
             raise

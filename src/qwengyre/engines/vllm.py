@@ -286,8 +286,7 @@ class VLLMEngine(HTTPEngineClient):
                     raise RuntimeError(
                         f"vLLM {self.name} could not load {source.path}: {exc}"
                     ) from exc
-                await self._json("POST", "/update_weight_version", {"new_version": str(version)})
-                self.policy_version = version
+                await self.label_weights(version)
             finally:
                 await self._json("POST", "/resume")
 
@@ -297,6 +296,12 @@ class VLLMEngine(HTTPEngineClient):
         ``--enable-sleep-mode``; vLLM on CPU frees nothing (its worker ignores sleep)."""
         await self._json("POST", "/sleep", params={"level": "1"})
         self.released = True
+
+    async def label_weights(self, version: int) -> None:
+        """Label the server's current weights ``version`` (``/update_weight_version``):
+        the version its tokens report from now on."""
+        await self._json("POST", "/update_weight_version", {"new_version": str(version)})
+        self.policy_version = version
 
     async def _label(self) -> str:
         """The server's current weight-version label (``GET /weight_info``)."""
