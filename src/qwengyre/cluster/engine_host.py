@@ -124,7 +124,7 @@ def rollout_host(
 class EngineHost:
     """One engine and its HTTP server; see the module docstring.
 
-    ``start`` serves and returns ``(base_url, api_key)``; ``release`` frees the
+    ``start`` serves and returns its :class:`Endpoint`; ``release`` frees the
     engine's memory once the proxy drained it; ``resume`` serves again; ``load_newest``
     loads the board's weights if they are newer than the engine's.
     """
