@@ -8,17 +8,21 @@
 #
 #   bash benchmarks/gpu_checks.sh          # the checks above (one 10-minute call)
 #   bash benchmarks/gpu_checks.sh fsdp     # only issue 17's FSDP2 trainer section (~8 min)
-#   bash benchmarks/gpu_checks.sh all      # both (longer than one 10-minute call)
+#   bash benchmarks/gpu_checks.sh engines  # only the real server engines section (< 10 min)
+#   bash benchmarks/gpu_checks.sh all      # all three (longer than one 10-minute call)
 set -uo pipefail
 section="${1:-default}"
-case "$section" in default | fsdp | all) ;; *) echo "usage: $0 [default|fsdp|all]" >&2; exit 2 ;; esac
+case "$section" in
+default | fsdp | engines | all) ;;
+*) echo "usage: $0 [default|fsdp|engines|all]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/gpu-checks}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
-if [[ $section != fsdp ]]; then
+if [[ $section == default || $section == all ]]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_embedded.py -k cuda 2>&1 | tee "$out/cuda-tests.log"
     timeout 300 python3 benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
         --prompt 512 --new 256 --concurrency 1 8 32 128 --also-eager --repeat 2 2>&1 | tee "$out/bench-engine.log"
@@ -44,4 +48,17 @@ if [[ $section == fsdp || $section == all ]]; then
     else
         echo "gpu_fsdp skipped: pydantic is not installed here" | tee "$out/gpu-fsdp.log"
     fi
+fi
+
+# ---------------------------------------------------------------------------------------
+# The real server engines (vLLM, SGLang) launched through qwengyre's own launch code on a
+# Qwen3-0.6B-shaped model with random weights: time to healthy, log-probs against an HF
+# bf16 forward, a weight update, release/resume with nvidia-smi's memory.used, and
+# output tokens/s at 32 and 128 concurrent requests of 256 new tokens against the
+# embedded engine and HF generate in the same run. An engine its python cannot import
+# prints "vllm: not installed (pip install vllm)" (their wheels cannot be carried to a
+# lent machine; $QWENGYRE_VLLM_PYTHON / $QWENGYRE_SGLANG_PYTHON name other environments).
+# The script starts no server after 420 s; the timeout is the hard stop.
+if [[ $section == engines || $section == all ]]; then
+    OUT="$out" timeout 570 python3 benchmarks/gpu_engines.py --device cuda 2>&1 | tee "$out/gpu-engines.log"
 fi

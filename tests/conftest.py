@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,23 @@ def claude_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if done.returncode != 0 or not binary.exists():
             pytest.skip(f"npm could not install {CLAUDE_CODE}: {done.stderr.strip()[-300:]}")
     return binary
+
+
+@pytest.fixture
+def two_ray_nodes() -> Iterator[None]:
+    """A Ray cluster of two 1-CPU nodes on this machine (each its own raylet and object
+    store), this process connected to it."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
+    cluster = Cluster(
+        initialize_head=True, connect=True, head_node_args={**node, "include_dashboard": False}
+    )
+    try:
+        cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        yield
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

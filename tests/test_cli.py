@@ -69,6 +69,21 @@ def test_model_init_tiny_builds_an_offline_hf_model(tmp_path: Path):
     assert again.returncode != 0 and "Traceback" not in again.stderr
 
 
+def test_model_init_tiny_untied_builds_a_separate_lm_head(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    import safetensors.torch
+
+    from qwengyre.cli import main
+
+    target = tmp_path / "m"
+    assert main(["model", "init-tiny", str(target), "--size", "test", "--untied"]) == 0
+    assert "untied" in capsys.readouterr().out
+    assert json.loads((target / "config.json").read_text())["tie_word_embeddings"] is False
+    weights = safetensors.torch.load_file(str(target / "model.safetensors"))
+    assert weights["lm_head.weight"].shape == weights["model.embed_tokens.weight"].shape
+
+
 def test_model_export_writes_the_latest_checkpoint_of_a_run_as_an_hf_model(
     tmp_path: Path, tiny_model_dir: Path
 ):

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from tests.test_training_cells import CONFIG, batches, free_port, train_alone
+from tests.test_training_cells import CONFIG, batches, train_alone
 
 from qwengyre.cluster.cell import CellSpec
 from qwengyre.cluster.local import ActorDied, ActorError, ProcessActor
+from qwengyre.cluster.net import free_port
 from qwengyre.cluster.placement import start_cells, stop_cells
 from qwengyre.cluster.weights import board_name
 
@@ -150,35 +151,24 @@ def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_p
 
 
 def test_ray_cells_on_two_nodes_train_a_step_like_one_trainer(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, two_ray_nodes: None
 ) -> None:
     """Two Ray nodes (each its own raylet and object store, on this one machine), two
     cells of two FSDP2 ranks: the ranks spread over both nodes, meet at the core node's
     address, and satellite ranks read their shards of the core's weights from the other
     node's object store."""
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
-    from ray.cluster_utils import Cluster
+    import ray
     from ray.util.placement_group import placement_group_table
 
-    node = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
-    cluster = Cluster(
-        initialize_head=True, connect=True, head_node_args={**node, "include_dashboard": False}
+    handles, _ = two_cells_train_a_step(
+        tiny_model_dir, tmp_path, shards=2, strategy="SPREAD", cpus_per_cell=0.5
     )
     try:
-        cluster.add_node(**node)
-        cluster.wait_for_nodes()
-        handles, _ = two_cells_train_a_step(
-            tiny_model_dir, tmp_path, shards=2, strategy="SPREAD", cpus_per_cell=0.5
-        )
-        try:
-            table = placement_group_table(handles[0].cells.placement)
-            assert len(set(table["bundles_to_node_id"].values())) == 2
-        finally:
-            stop_cells(handles)
-        assert ray.is_initialized()  # not started by start_cells: left running
+        table = placement_group_table(handles[0].cells.placement)
+        assert len(set(table["bundles_to_node_id"].values())) == 2
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        stop_cells(handles)
+    assert ray.is_initialized()  # not started by start_cells: left running
 
 
 def test_a_local_actor_that_dies_is_seen_at_once_even_during_a_call() -> None:

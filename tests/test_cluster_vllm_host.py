@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from tests.core_boards import core_boards
+from transformers import AutoModelForCausalLM
 
 from qwengyre.cluster.vllm_host import VLLMHost
-from qwengyre.cluster.weights import (
-    BoardShards,
-    SharedWeights,
-    board_name,
-    model_parameters,
-    shard_layout,
-)
 from qwengyre.engines.base import GenerateRequest
 from qwengyre.engines.vllm import VLLMEngine, vllm_available
 from qwengyre.models import cached_tiny_model
@@ -32,31 +26,32 @@ def test_a_stopped_and_restarted_server_serves_the_newest_version(tiny_model_dir
         pytest.skip("QWENGYRE_VLLM_PYTHON is not the python of a vLLM venv")
     # The demo model: vLLM's CPU attention has no kernel for the test model's head size.
     model = cached_tiny_model("demo", cache_dir=tiny_model_dir.parent)
-    named = model_parameters(model)
-    base = f"qg-test-{uuid.uuid4().hex[:12]}"
-    board = SharedWeights(board_name(base, 0), shard_layout(named, 1, 0), create=True)
-    boards = BoardShards("shared_memory", base, named, 1, opened={0: board})
-    host = VLLMHost(str(model), name="cell-1", device="cpu", max_context=512, host="127.0.0.1")
+    host = VLLMHost(
+        str(model),
+        name="cell-1",
+        device="cpu",
+        gpus=(),
+        max_context=512,
+        host="127.0.0.1",
+        version=-1,
+    )
 
     async def sample(url: str, key: str) -> tuple[int, ...]:
         async with VLLMEngine(url, "cell-1", api_key=key) as engine:
             request = GenerateRequest("r", (5, 6, 7), SamplingParams(8, 1.0, ignore_eos=True))
             return (await engine.generate(request)).versions
 
-    try:
-        from transformers import AutoModelForCausalLM
-
-        weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        board.write(weights.named_parameters(), version=3)  # the core published v3
-        endpoint = host.start()
-        assert host.load_newest(boards) == 3
-        assert asyncio.run(sample(endpoint.url, endpoint.api_key)) == (3,) * 8
-        host.release()  # on the CPU: the server stops
-        with pytest.raises(OSError):
-            asyncio.run(sample(endpoint.url, endpoint.api_key))
-        assert host.resume(boards) == 3  # restarted from the v3 weights it had loaded
-        assert asyncio.run(sample(endpoint.url, endpoint.api_key)) == (3,) * 8
-    finally:
-        host.close()
-        boards.close()
-        board.close()
+    with core_boards(model) as (board, boards):
+        try:
+            weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+            board.write(weights.named_parameters(), version=3)  # the core published v3
+            endpoint = host.start()
+            assert host.load_newest(boards) == 3
+            assert asyncio.run(sample(endpoint.url, endpoint.api_key)) == (3,) * 8
+            assert host.release() == "stopped"  # on the CPU: vLLM's sleep frees nothing
+            with pytest.raises(OSError):
+                asyncio.run(sample(endpoint.url, endpoint.api_key))
+            assert host.resume(boards) == 3  # restarted from the v3 weights it had loaded
+            assert asyncio.run(sample(endpoint.url, endpoint.api_key)) == (3,) * 8
+        finally:
+            host.close()

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import multiprocessing as mp
+import shutil
 import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from transformers import AutoModelForCausalLM
 
 from qwengyre.cluster.weights import (
     BoardShards,
     SharedWeights,
     board_name,
     layout_of,
+    model_parameters,
     shard_layout,
 )
-from qwengyre.engines.base import StaleWeights
+from qwengyre.engines.base import GenerateRequest, StaleWeights
+from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
+from qwengyre.models import cached_tiny_model
 from qwengyre.training.sharding import shard_rows
+from qwengyre.types import SamplingParams
 
 
 def named(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -77,20 +86,31 @@ def test_an_incomplete_write_and_a_wrong_architecture_are_refused() -> None:
         board.close()
 
 
+@contextlib.contextmanager
+def published(full: Sequence[tuple[str, torch.Tensor]], version: int) -> Iterator[BoardShards]:
+    """The core's two ranks each write their dim-0 chunk of ``full`` to their board; yields
+    the boards read as one model, opened as the core's own (attaching in the creating
+    process would unregister them)."""
+    base = f"qg-test-{uuid.uuid4().hex[:12]}"
+    written: list[SharedWeights] = []
+    try:
+        for r in range(2):
+            board = SharedWeights(board_name(base, r), shard_layout(full, 2, r), create=True)
+            chunk = [(n, t.narrow(0, *shard_rows(t.shape[0], 2, r))) for n, t in full]
+            board.write(chunk, version=version)
+            written.append(board)
+        yield BoardShards("shared_memory", base, full, 2, opened=dict(enumerate(written)))
+    finally:
+        for board in written:
+            board.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sharded_boards_write_one_safetensors_file_shard_by_shard(
     tmp_path: Path, dtype: torch.dtype
 ) -> None:
     full = named(3)
-    base = f"qg-test-{uuid.uuid4().hex[:12]}"
-    written = []
-    for r in range(2):  # the core's two ranks each write their dim-0 chunk
-        board = SharedWeights(board_name(base, r), shard_layout(full, 2, r), create=True)
-        board.write([(n, t.narrow(0, *shard_rows(t.shape[0], 2, r))) for n, t in full], version=4)
-        written.append(board)
-    # Opened as the core's own (attaching in the creating process would unregister it).
-    boards = BoardShards("shared_memory", base, full, 2, opened=dict(enumerate(written)))
-    try:
+    with published(full, version=4) as boards:
         path = tmp_path / "model.safetensors"
         boards.write_safetensors(4, path, dtype)
         loaded = safetensors.torch.load_file(str(path))
@@ -100,7 +120,47 @@ def test_sharded_boards_write_one_safetensors_file_shard_by_shard(
             torch.testing.assert_close(loaded[name], tensor.to(dtype), rtol=0, atol=0)
         with pytest.raises(StaleWeights, match="not 5"):
             boards.write_safetensors(5, path, dtype)
+
+
+def test_an_untied_lm_head_goes_through_the_boards_to_the_engine_and_to_disk(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The boards hold ``lm_head.weight`` only for an untied model (a tied one lists the
+    shared matrix once, as the embedding); both the embedded engine and the safetensors
+    file a server engine loads take the new head."""
+    assert "lm_head.weight" not in dict(model_parameters(tiny_model_dir))
+    model_dir = cached_tiny_model("test", cache_dir=tiny_model_dir.parent, tie_embeddings=False)
+    engine = EmbeddedEngine(model_dir, capacity=2, max_context=128)
+    try:
+        new = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        layout = {n: t.shape for n, t in model_parameters(model_dir)}  # what a cell publishes
+        assert layout == {n: t.shape for n, t in new.items()} and "lm_head.weight" in layout
+        head = torch.randn(new["lm_head.weight"].shape, generator=torch.Generator().manual_seed(5))
+        new["lm_head.weight"] = head * 0.1  # only the output layer changes
+        on_disk = tmp_path / "v1"
+        shutil.copytree(model_dir, on_disk, ignore=shutil.ignore_patterns("*.safetensors"))
+        with published(list(new.items()), version=1) as boards:
+            asyncio.run(engine.update_weights(boards.source(1), version=1))
+            boards.write_safetensors(1, on_disk / "model.safetensors", torch.float32)
+        embed = engine.model.get_input_embeddings().weight
+        assert torch.equal(engine.model.lm_head.weight, new["lm_head.weight"])
+        assert torch.equal(embed, new["model.embed_tokens.weight"])
+        reference = AutoModelForCausalLM.from_pretrained(on_disk).eval()
+        assert torch.equal(reference.lm_head.weight, new["lm_head.weight"])
+
+        prompt = [5, 17, 300, 42, 7]
+        request = GenerateRequest("untied", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        result = asyncio.run(engine.generate(request))
+        assert result.versions == (1,) * 8
+        ids = torch.tensor([[*prompt, *result.output_ids]])
+        output = ids[0, len(prompt) :]
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(prompt) - 1 : -1]
+            old_logits = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits[0]
+        served = torch.tensor(result.logprobs)
+        expected = behaviour_logprobs(logits, output, 1.0)
+        torch.testing.assert_close(served, expected, rtol=0, atol=1e-4)
+        old = behaviour_logprobs(old_logits[len(prompt) - 1 : -1], output, 1.0)
+        assert (served - old).abs().max() > 0.1  # the new head is what changed them
     finally:
-        boards.close()
-        for board in written:
-            board.close()
+        engine.close()

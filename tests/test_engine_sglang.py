@@ -1,22 +1,26 @@
-"""SGLangEngine against the contract fake of SGLang's HTTP API (tests/sglang_fake.py),
-plus one real-server test where sglang and a GPU are present."""
+"""SGLangEngine against the contract fake of SGLang's HTTP API (tests/sglang_fake.py)
+and a recorder of its tensor route, plus one real-server test where sglang and a GPU
+are present."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.util
 import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from qwengyre.engines import sglang as sglang_mod
 from qwengyre.engines.base import (
     EngineAborted,
     GenerateRequest,
@@ -30,7 +34,11 @@ from qwengyre.engines.sglang import (
     SGLangEngine,
     SGLangNotInstalled,
     SGLangServerSpec,
+    TensorRoute,
+    TensorRouteUnavailable,
     launch_sglang,
+    serialize_tensors,
+    tensor_buckets,
     wait_until_healthy,
 )
 from qwengyre.proxy.routing import Router
@@ -311,13 +319,126 @@ def test_update_weights_failure_raises_runtime_error() -> None:
     run_with_fake(t)
 
 
-def test_weights_in_memory_not_supported() -> None:
+def test_weights_in_memory_need_a_tensor_route() -> None:
     async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
-        with pytest.raises(NotImplementedError, match="WeightsOnDisk"):
-            await engine.update_weights(WeightsInMemory({}), version=1)
+        with pytest.raises(ValueError, match="tensor_route"):
+            await engine.update_weights(WeightsInMemory({"w": torch.ones(2)}), version=1)
         assert fake.bodies("/update_weights_from_disk") == []
 
     run_with_fake(t)
+
+
+def test_a_server_without_the_tensor_route_says_so() -> None:
+    """An SGLang without /pause_generation or /update_weights_from_tensor (404 here):
+    the host falls back to disk on this error."""
+
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        engine.tensor_route = TensorRoute("cpu")
+        with pytest.raises(TensorRouteUnavailable, match="404"):
+            await engine.update_weights(WeightsInMemory({"w": torch.ones(2)}), version=1)
+        assert engine.policy_version == 0
+
+    run_with_fake(t)
+
+
+def test_payload_decodes_as_sglang_decodes_it() -> None:
+    named = [("model.embed.weight", torch.randn(4, 3)), ("model.norm.bias", torch.arange(5))]
+    payload = serialize_tensors(named)
+    decoded = ForkingPickler.loads(base64.b64decode(payload))  # MultiprocessingSerializer
+    assert [name for name, _ in decoded] == [name for name, _ in named]
+    for (_, got), (_, sent) in zip(decoded, named, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+def test_buckets_are_bounded_and_keep_the_order() -> None:
+    tensors = {"a": torch.zeros(4), "b": torch.zeros(2), "c": torch.zeros(64), "d": torch.zeros(1)}
+    buckets = tensor_buckets(tensors, max_bytes=24)  # float32: 16, 8, 256, 4 bytes
+    assert [[name for name, _ in b] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+
+
+def test_a_tensor_route_off_the_gpu_reaches_one_process_only() -> None:
+    with pytest.raises(ValueError, match="tp_size must be 1"):
+        TensorRoute("cpu", tp_size=2)
+    assert TensorRoute("cuda:1", tp_size=2).tp_size == 2
+
+
+class _TensorServer:
+    """What SGLang's tensor route sees of a load: the paths called, and each
+    bucket's bodies with its payloads decoded as SGLang decodes them."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if request.path == "/update_weights_from_tensor":
+            payloads = body.pop("serialized_named_tensors")
+            body["tensors"] = [ForkingPickler.loads(base64.b64decode(p)) for p in payloads]
+            if self.fail:
+                return web.json_response({"success": False, "message": "bad shape"}, status=400)
+            self.calls.append((request.path, body))
+            return web.json_response({"success": True, "message": "Success"})
+        self.calls.append((request.path, body))
+        return web.json_response({"message": "ok", "status": "ok"})
+
+
+async def _serving(server: _TensorServer) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/{path}", server.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+def test_weights_from_tensors_travel_in_buckets_while_generation_is_paused() -> None:
+    tensors = {"a": torch.randn(4), "b": torch.randn(2), "c": torch.randn(64)}
+
+    async def main() -> None:
+        server = _TensorServer()
+        runner, url = await _serving(server)
+        route = TensorRoute("cpu", bucket_bytes=24)
+        try:
+            async with SGLangEngine(url, "sg0", tensor_route=route) as engine:
+                await engine.update_weights(WeightsInMemory(tensors), version=3)
+                assert engine.policy_version == 3
+        finally:
+            await runner.cleanup()
+        paths = [path for path, _ in server.calls]
+        assert paths == [
+            "/pause_generation",
+            "/update_weights_from_tensor",
+            "/update_weights_from_tensor",
+            "/continue_generation",
+        ]
+        assert server.calls[0][1] == {"mode": "retract"}
+        first, last = server.calls[1][1], server.calls[2][1]
+        assert first["flush_cache"] is False and "weight_version" not in first
+        assert last["flush_cache"] is True and last["weight_version"] == "3"
+        (first_rank,), (last_rank,) = first["tensors"], last["tensors"]  # one per TP rank
+        sent = first_rank + last_rank
+        assert [name for name, _ in sent] == ["a", "b", "c"]
+        assert all(torch.equal(got, tensors[name]) for name, got in sent)
+
+    asyncio.run(main())
+
+
+def test_a_refused_tensor_load_raises_and_generation_continues() -> None:
+    async def main() -> None:
+        server = _TensorServer(fail=True)
+        runner, url = await _serving(server)
+        try:
+            async with SGLangEngine(url, "sg0", tensor_route=TensorRoute("cpu")) as engine:
+                with pytest.raises(RuntimeError, match="bad shape"):
+                    await engine.update_weights(WeightsInMemory({"a": torch.ones(2)}), 4)
+                assert engine.policy_version == 0
+        finally:
+            await runner.cleanup()
+        assert [path for path, _ in server.calls] == ["/pause_generation", "/continue_generation"]
+
+    asyncio.run(main())
 
 
 def test_release_and_resume() -> None:
@@ -431,34 +552,47 @@ def test_api_key_is_sent() -> None:
     run_with_fake(t, api_key="s3cret")
 
 
-def test_server_spec_command() -> None:
+def test_server_spec_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QWENGYRE_SGLANG_PYTHON", raising=False)
     spec = SGLangServerSpec(
         model_path="/ckpt/qwen",
         port=30001,
         host="0.0.0.0",
-        extra_args=("--tp", "2", "--mem-fraction-static", "0.8"),
+        api_key="-k3y",  # as a URL-safe token may begin
+        tp_size=2,
+        context_length=4096,
+        weight_version="7",
+        extra_args=("--mem-fraction-static", "0.8"),
+        extra_env={"CUDA_VISIBLE_DEVICES": "2,3"},
     )
     argv = spec.command()
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    assert argv[argv.index("--model-path") + 1] == "/ckpt/qwen"
-    assert argv[argv.index("--host") + 1] == "0.0.0.0"
-    assert argv[argv.index("--port") + 1] == "30001"
+    flags = {
+        "--model-path": "/ckpt/qwen",
+        "--host": "0.0.0.0",
+        "--port": "30001",
+        "--tp-size": "2",
+        "--context-length": "4096",
+        "--weight-version": "7",
+    }
+    for flag, value in flags.items():
+        assert argv[argv.index(flag) + 1] == value
+    assert "--api-key=-k3y" in argv
     assert "--enable-memory-saver" in argv
-    assert argv[-4:] == ["--tp", "2", "--mem-fraction-static", "0.8"]
+    assert argv[-2:] == ["--mem-fraction-static", "0.8"]
+    assert spec.env()["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert spec.base_url == "http://0.0.0.0:30001"
     plain = SGLangServerSpec("/m", port=1, enable_memory_saver=False).command()
-    assert "--enable-memory-saver" not in plain
+    assert not {"--enable-memory-saver", "--weight-version"} & set(plain)
+    assert not any(arg.startswith("--api-key") for arg in plain)
+    monkeypatch.setenv("QWENGYRE_SGLANG_PYTHON", "/opt/sglang/bin/python")
+    assert SGLangServerSpec("/m", port=1).command()[0] == "/opt/sglang/bin/python"
 
 
-def test_launch_errors_clearly_without_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        sglang_mod.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "sglang" else real_find_spec(name, *a),
-    )
-    with pytest.raises(SGLangNotInstalled, match="'sglang' package is not installed"):
-        launch_sglang(SGLangServerSpec("/m", port=1))
+def test_launch_errors_clearly_without_sglang(tmp_path: Path) -> None:
+    python = str(tmp_path / "no-python")
+    with pytest.raises(SGLangNotInstalled, match=f"{python} cannot import 'sglang'"):
+        launch_sglang(SGLangServerSpec("/m", port=1, python=python))
 
 
 def test_wait_until_healthy_times_out() -> None:

@@ -1,4 +1,5 @@
-"""VLLMEngine against a real vLLM CPU server (one for the module) with a tiny model.
+"""VLLMEngine against real vLLM CPU servers with a tiny model: one for the module with
+tied embeddings, and one more, for one test, with an untied ``lm_head``.
 
 The server runs from the Python named by ``QWENGYRE_VLLM_PYTHON`` (a vLLM venv:
 ``scripts/vllm_venv.sh``); without it the server tests skip. Run this module without
@@ -10,6 +11,7 @@ server. The model is the "demo" tiny model: vLLM's CPU attention has no kernel f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import re
@@ -30,6 +32,7 @@ from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsOnDisk,
 from qwengyre.engines.sglang import wait_until_healthy
 from qwengyre.engines.vllm import VLLMEngine, VLLMServerSpec, launch_vllm, vllm_available
 from qwengyre.models import cached_tiny_model
+from qwengyre.proxy.routing import Router
 from qwengyre.types import SamplingParams
 
 PYTHON = os.environ.get("QWENGYRE_VLLM_PYTHON")
@@ -50,15 +53,16 @@ class Server:
     log: Path
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextlib.contextmanager
+def serving(tmp_path_factory: pytest.TempPathFactory, *, tie_embeddings: bool) -> Iterator[Server]:
+    """A vLLM CPU server of the demo tiny model, tied or untied, healthy until exit."""
     if not PYTHON:
         pytest.skip("QWENGYRE_VLLM_PYTHON is not set (the python of a vLLM venv)")
     if not vllm_available(PYTHON):
         pytest.skip(f"QWENGYRE_VLLM_PYTHON={PYTHON} cannot import vllm")
     env = os.environ.get("QWENGYRE_CACHE")
     cache = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
-    model = cached_tiny_model("demo", cache_dir=cache)
+    model = cached_tiny_model("demo", cache_dir=cache, tie_embeddings=tie_embeddings)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -96,6 +100,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(tmp_path_factory, tie_embeddings=True) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def untied_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The untied model's own server (a tied one cannot load an untied checkpoint)."""
+    with serving(tmp_path_factory, tie_embeddings=False) as started:
+        yield started
 
 
 def run(server: Server, test: Callable[[VLLMEngine], Awaitable[None]], timeout: float = 60) -> None:
@@ -144,29 +161,33 @@ def assert_close(got: tuple[float, ...], expected: list[float], tol: float = 1e-
 
 @pytest.mark.parametrize(("temperature", "top_k"), [(1.0, -1), (0.7, 50)])
 def test_sampled_logprobs_match_hf(server: Server, temperature: float, top_k: int) -> None:
-    async def t(engine: VLLMEngine) -> None:
-        result = await engine.generate(
-            req("lp", max_tokens=48, temperature=temperature, top_k=top_k, ignore_eos=True)
-        )
-        assert len(result.output_ids) == 48 and result.finish_reason == "length"
-        assert result.versions == (0,) * 48
-        expected = hf_logprobs(server.model, PROMPT, result.output_ids, temperature, top_k)
-        assert_close(result.logprobs, expected)
+    run(server, functools.partial(_sampled_logprobs_match_hf, server, temperature, top_k))
 
-    run(server, t)
+
+async def _sampled_logprobs_match_hf(
+    server: Server, temperature: float, top_k: int, engine: VLLMEngine
+) -> None:
+    result = await engine.generate(
+        req("lp", max_tokens=48, temperature=temperature, top_k=top_k, ignore_eos=True)
+    )
+    assert len(result.output_ids) == 48 and result.finish_reason == "length"
+    assert result.versions == (0,) * 48
+    expected = hf_logprobs(server.model, PROMPT, result.output_ids, temperature, top_k)
+    assert_close(result.logprobs, expected)
 
 
 def test_greedy_output_is_hf_greedy(server: Server) -> None:
-    async def t(engine: VLLMEngine) -> None:
-        result = await engine.generate(req("greedy", max_tokens=24, temperature=0))
-        with torch.no_grad():
-            hf = hf_model(server.model).generate(
-                torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False
-            )
-        assert result.output_ids == tuple(hf[0, len(PROMPT) :].tolist())
-        assert_close(result.logprobs, hf_logprobs(server.model, PROMPT, result.output_ids))
+    run(server, functools.partial(_greedy_output_is_hf_greedy, server))
 
-    run(server, t)
+
+async def _greedy_output_is_hf_greedy(server: Server, engine: VLLMEngine) -> None:
+    result = await engine.generate(req("greedy", max_tokens=24, temperature=0))
+    with torch.no_grad():
+        hf = hf_model(server.model).generate(
+            torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False
+        )
+    assert result.output_ids == tuple(hf[0, len(PROMPT) :].tolist())
+    assert_close(result.logprobs, hf_logprobs(server.model, PROMPT, result.output_ids))
 
 
 def test_stream_deltas_join_to_the_generate_result(server: Server) -> None:
@@ -222,6 +243,34 @@ def test_bad_requests_raise_value_error(server: Server) -> None:
     run(server, t)
 
 
+def test_a_call_drained_mid_generation_continues_on_another_engine(server: Server) -> None:
+    """A reroute (issue 18, item 4): the call starts on engine "a", which is drained
+    after some tokens (its cell moves to training); "b" (a second client of the same
+    server: to the router, another engine) continues from the prompt plus those tokens.
+    One reply, the budget spent once, every log-prob that of the whole context."""
+
+    async def t(a: VLLMEngine) -> None:
+        async with VLLMEngine(server.base_url, "b", api_key=server.api_key) as b:
+            a.name = "a"
+            router = Router()
+            router.register(b, preference=0)
+            router.register(a, preference=1)
+            call = req("moved", max_tokens=64, ignore_eos=True)
+            got: list[tuple[str, Any]] = []
+            async for name, delta in router.stream("ex", call):
+                got.append((name, delta))
+                if name == "a" and sum(len(d.output_ids) for _, d in got) >= 4:
+                    await router.drain("a")
+        tokens = tuple(t for _, d in got for t in d.output_ids)
+        logprobs = tuple(lp for _, d in got for lp in d.logprobs)
+        assert len(tokens) == 64 and got[-1][1].finish_reason == "length"
+        assert {name for name, _ in got} == {"a", "b"}  # moved mid-generation
+        assert {v for _, d in got for v in d.versions} == {0}
+        assert_close(logprobs, hf_logprobs(server.model, PROMPT, tokens))
+
+    run(server, t)
+
+
 def test_abort_mid_generation_raises_engine_aborted(server: Server) -> None:
     async def t(engine: VLLMEngine) -> None:
         stream = engine.stream(req("victim", max_tokens=1500, ignore_eos=True))
@@ -259,12 +308,13 @@ def test_a_consumer_that_leaves_frees_the_server(server: Server) -> None:
 
 
 def _perturbed_copy(model: Path, out: Path) -> Path:
+    """``model`` with noise on every parameter: the embedding, and ``lm_head`` apart
+    from it when untied (both far from their old values: std 0.05 against 0.02)."""
     perturbed = type(hf_model(model)).from_pretrained(model, dtype=torch.float32)
     noise = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for p in perturbed.parameters():  # the (tied) embedding too
+        for p in perturbed.parameters():
             p.add_(torch.randn(p.shape, generator=noise) * 0.05)
-    assert perturbed.config.tie_word_embeddings
     perturbed.save_pretrained(out)
     return out
 
@@ -272,40 +322,44 @@ def _perturbed_copy(model: Path, out: Path) -> Path:
 def test_weight_update_mid_request(server: Server, tmp_path: Path) -> None:
     """Tokens after the update carry version 1 and match the new weights given the whole
     context (vLLM recomputes the request's KV cache), those before match the old ones."""
-    new = _perturbed_copy(server.model, tmp_path / "v1")
+    assert hf_model(server.model).config.tie_word_embeddings
+    run(server, functools.partial(_update_mid_request, server, tmp_path / "v1"))
 
-    async def t(engine: VLLMEngine) -> None:
-        deltas = []
-        updated_at = None
-        try:
-            async for delta in engine.stream(req("upd", max_tokens=800, ignore_eos=True)):
-                deltas.append(delta)
-                received = sum(len(d.output_ids) for d in deltas)
-                if updated_at is None and received >= 20:
-                    updated_at = received
-                    await engine.update_weights(WeightsOnDisk(str(new)), version=1)
-            result = await collect(_replay(deltas))
-            assert engine.policy_version == 1
-            k = result.versions.index(1)
-            assert updated_at is not None and updated_at <= k < 800
-            assert result.versions == (0,) * k + (1,) * (800 - k)
-            # the tokens of unknown version waited for the last chunk's spans
-            assert all(set(d.versions) == {0} for d in deltas[:-1])
-            old = hf_logprobs(server.model, PROMPT, result.output_ids[:k])
-            assert_close(result.logprobs[:k], old)
-            after = hf_logprobs(new, [*PROMPT, *result.output_ids[:k]], result.output_ids[k:])
-            assert_close(result.logprobs[k:], after)
 
-            fresh = await engine.generate(req("fresh", max_tokens=32, ignore_eos=True))
-            assert fresh.versions == (1,) * 32
-            assert_close(fresh.logprobs, hf_logprobs(new, PROMPT, fresh.output_ids))
-        finally:
-            await engine.update_weights(WeightsOnDisk(str(server.model)), version=2)
-        back = await engine.generate(req("back", max_tokens=32, ignore_eos=True))
-        assert back.versions == (2,) * 32
-        assert_close(back.logprobs, hf_logprobs(server.model, PROMPT, back.output_ids))
+async def _update_mid_request(server: Server, out: Path, engine: VLLMEngine) -> None:
+    """An update to a perturbed copy of the server's model, written to ``out``, while a
+    request runs; then a fresh request on it; then back to the model as version 2."""
+    new = _perturbed_copy(server.model, out)
 
-    run(server, t)
+    deltas = []
+    updated_at = None
+    try:
+        async for delta in engine.stream(req("upd", max_tokens=800, ignore_eos=True)):
+            deltas.append(delta)
+            received = sum(len(d.output_ids) for d in deltas)
+            if updated_at is None and received >= 20:
+                updated_at = received
+                await engine.update_weights(WeightsOnDisk(str(new)), version=1)
+        result = await collect(_replay(deltas))
+        assert engine.policy_version == 1
+        k = result.versions.index(1)
+        assert updated_at is not None and updated_at <= k < 800
+        assert result.versions == (0,) * k + (1,) * (800 - k)
+        # the tokens of unknown version waited for the last chunk's spans
+        assert all(set(d.versions) == {0} for d in deltas[:-1])
+        old = hf_logprobs(server.model, PROMPT, result.output_ids[:k])
+        assert_close(result.logprobs[:k], old)
+        after = hf_logprobs(new, [*PROMPT, *result.output_ids[:k]], result.output_ids[k:])
+        assert_close(result.logprobs[k:], after)
+
+        fresh = await engine.generate(req("fresh", max_tokens=32, ignore_eos=True))
+        assert fresh.versions == (1,) * 32
+        assert_close(fresh.logprobs, hf_logprobs(new, PROMPT, fresh.output_ids))
+    finally:
+        await engine.update_weights(WeightsOnDisk(str(server.model)), version=2)
+    back = await engine.generate(req("back", max_tokens=32, ignore_eos=True))
+    assert back.versions == (2,) * 32
+    assert_close(back.logprobs, hf_logprobs(server.model, PROMPT, back.output_ids))
 
 
 def test_failed_weight_update_keeps_serving_the_old_weights(server: Server) -> None:
@@ -350,6 +404,23 @@ def test_a_wrong_api_key_is_refused_on_every_path(server: Server) -> None:
         assert (await engine.generate(req("owner"))).finish_reason == "length"  # not paused
 
     run(server, t)
+
+
+def test_an_untied_model_serves_and_reloads_its_own_lm_head(
+    untied_server: Server, tmp_path: Path
+) -> None:
+    """The untied demo model (``lm_head.weight`` apart from the embedding; the worker
+    extension repacks nothing for it): greedy output and sampled log-probs match HF from
+    the start, and after an update mid-request (its head perturbed independently of the
+    embedding) the new weights' log-probs: vLLM's reload really loads the new head."""
+    assert not hf_model(untied_server.model).config.tie_word_embeddings
+
+    async def t(engine: VLLMEngine) -> None:
+        await _greedy_output_is_hf_greedy(untied_server, engine)
+        await _sampled_logprobs_match_hf(untied_server, 0.7, 50, engine)
+        await _update_mid_request(untied_server, tmp_path / "v1", engine)
+
+    run(untied_server, t, timeout=120)
 
 
 # -- without a server --------------------------------------------------------------------

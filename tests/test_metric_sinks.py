@@ -96,7 +96,7 @@ def test_tensorboard_event_files_hold_the_run_scalars(tmp_path: Path):
         assert [s.name for s in writer.sinks] == ["tensorboard"]
         for record in _records():
             writer.write(record)
-    assert len(read_metrics(tmp_path)) == len(_records()) - 1  # usage is not counted there
+    assert len(read_metrics(tmp_path)) == len(_records())
     scalars = _scalars(tmp_path / "tensorboard")
 
     def values(tag: str) -> list[tuple[int, float]]:

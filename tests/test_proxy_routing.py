@@ -251,3 +251,48 @@ def test_generate_collects_the_stream_and_names_the_finishing_engine() -> None:
 
     assert engine == "b"
     assert result == GenerateResult((1, 2, 3), (-0.5,) * 3, (7,) * 3, "stop")
+
+
+@dataclass
+class TransferHandoff:
+    """A KV-transfer engine's handoff: the destination gets the prompt alone plus a
+    handle to the source's state (a tag here), never the produced tokens to recompute."""
+
+    calls: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
+
+    async def continuation(
+        self, source: Any, source_request_id: str, request: GenerateRequest, produced: Any
+    ) -> GenerateRequest:
+        self.calls.append((source.name, source_request_id, tuple(produced)))
+        tags = {**request.tags, "kv_from": f"{source.name}/{source_request_id}"}
+        return GenerateRequest(request.request_id, request.input_ids, request.sampling, tags)
+
+
+def test_a_plugged_in_handoff_decides_what_the_destination_runs() -> None:
+    a = FakeEngine("a", [[((1, 2), None), WAIT]])
+    b = FakeEngine("b", [[((3,), "stop")]])
+    router = router_with(a, b)
+    router.handoff = handoff = TransferHandoff()
+
+    async def drain() -> None:
+        await router.drain("a")
+
+    items = asyncio.run(consume(router, 20, after_first=drain))
+
+    assert ids_of(items) == [1, 2, 3]
+    (first,) = a.requests
+    (second,) = b.requests
+    assert handoff.calls == [("a", first.request_id, (1, 2))]
+    assert tuple(second.input_ids) == PROMPT  # the handoff's request, as it made it
+    assert second.tags == {"a": "b", "kv_from": f"a/{first.request_id}"}
+    assert second.sampling.max_tokens == 18  # the budget is still the router's
+
+
+def test_no_handoff_for_a_call_that_produced_nothing() -> None:
+    a = FakeEngine("a", [[ConnectionResetError("gone")]])
+    b = FakeEngine("b", [[((3,), "stop")]])
+    router = router_with(a, b)
+    router.handoff = handoff = TransferHandoff()
+
+    assert ids_of(asyncio.run(consume(router))) == [3]
+    assert handoff.calls == [] and tuple(b.requests[0].input_ids) == PROMPT

@@ -18,6 +18,7 @@ from qwengyre.report import (
     LoadRecord,
     MetricsError,
     MetricsWriter,
+    PublicationRecord,
     Record,
     RoleRecord,
     RunMetrics,
@@ -71,6 +72,7 @@ def _records() -> list[Record]:
             predicted_staleness=1.5,
             group_size=8,
             batch=4,
+            engine_backend="vllm",
         )
     ]
     records += [RoleRecord(0.0, cell, Role.ROLLOUT.value) for cell in range(3)]
@@ -78,10 +80,10 @@ def _records() -> list[Record]:
     # Cell 1 goes to training at 100 s (5 s switch) and back at 400 s (3 s switch).
     records += [
         RoleRecord(100.0, 1, Role.TO_TRAINING.value),
-        SwitchRecord(105.0, 1, "training", 5.0),
+        SwitchRecord(105.0, 1, "training", 5.0, "stopped"),
         RoleRecord(105.0, 1, Role.TRAINING.value),
         RoleRecord(400.0, 1, Role.TO_ROLLOUT.value),
-        SwitchRecord(403.0, 1, "rollout", 3.0),
+        SwitchRecord(403.0, 1, "rollout", 3.0, "stopped"),
         RoleRecord(403.0, 1, Role.ROLLOUT.value),
         # Cell 2 switches to training at 500 s (7 s) and stays there to the end.
         RoleRecord(500.0, 2, Role.TO_TRAINING.value),
@@ -92,6 +94,7 @@ def _records() -> list[Record]:
         LoadRecord(50.0 * i, running=10 - i % 3, queued=i % 4, capacity=12) for i in range(20)
     ]
     records += [_step(s, 100.0 * (s + 1)) for s in range(STEPS)]
+    records += [PublicationRecord(100.0 * s + 50.0, s, 0.5 * s) for s in (1, 2, 3)]
     records += [
         GroupRecord(
             time_s=100.0 * (3 + g),
@@ -327,8 +330,12 @@ def test_write_report_writes_a_page_and_valid_pngs(tmp_path: Path):
         "executions launched with</th><td class='num'>1.250</td>",
         "<th>mean reward, first fifth of steps</th><td class='num'>0.050</td>",
         "<th>mean reward, last fifth of steps</th><td class='num'>0.850</td>",
-        "mean switch time to training</th><td class='num'>6.00 s (2 switches)",
-        "mean switch time to rollout</th><td class='num'>3.00 s (1 switches)",
+        # cell 2's switch was logged before the engine's way was recorded
+        "mean switch time to training</th><td class='num'>6.00 s (2 switches; engine "
+        "memory stopped)",
+        "mean switch time to rollout</th><td class='num'>3.00 s (1 switches; engine "
+        "memory stopped)",
+        "mean publication time (vllm engines)</th><td class='num'>1.00 s (3 publications)",
         "cell 0 (core): time in training</th><td class='num'>100.0%",
         "cell 1: time in training</th><td class='num'>29.5%",
         "cell 2: time in training</th><td class='num'>49.3%",

@@ -137,43 +137,6 @@ def sampled_versions(run_dir: Path) -> set[int]:
         store.close()
 
 
-def test_ray_placement_on_two_nodes_runs_cells_of_two_ranks(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """The same job on a two-node Ray cluster (each node its own raylet and object
-    store, on this machine) with two cells of two FSDP2 ranks: four one-CPU bundles on
-    two-CPU nodes, so the ranks span both nodes and shards travel between them."""
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
-    from ray.cluster_utils import Cluster
-
-    node = {"num_cpus": 2, "object_store_memory": 100 * 2**20}
-    cluster = Cluster(
-        initialize_head=True, connect=True, head_node_args={**node, "include_dashboard": False}
-    )
-    try:
-        cluster.add_node(**node)
-        cluster.wait_for_nodes()
-        run_dir = run(
-            tmp_path,
-            tiny_model_dir,
-            "run.steps=3",
-            "run.placement=ray",
-            "cells.count=2",
-            "cells.devices_per_cell=2",
-        )
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    metrics = read_metrics(run_dir)
-    assert [s.version for s in metrics.steps] == [1, 2, 3]
-    # Rollout engines sampled with the weights published at version 2 (mu=2), which
-    # they read shard by shard from the Ray boards.
-    versions = sampled_versions(run_dir)
-    assert 2 in versions, versions
-    trained = [g.group_id for g in metrics.groups]
-    assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
-
-
 def start_train(
     tmp_path: Path, model_dir: Path, steps: int, *extra: str
 ) -> subprocess.Popen[bytes]:
@@ -377,3 +340,31 @@ def test_vllm_cells_serve_rollout_and_take_every_publication(
     assert versions - {0}, versions  # tokens sampled by vLLM after a publication
     trained = [g.group_id for g in metrics.groups]
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
+
+
+def test_sglang_cells_switch_roles_and_take_every_publication(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``engine.backend=sglang``, with a stand-in for SGLang's launcher that serves
+    qwengyre's own engine behind SGLang's HTTP API (tests/fake_sglang: real SGLang needs
+    CUDA): each cell launches its server, the core's weights reach it after every
+    update, and a cell moving to training releases the server's memory (elastic)."""
+    fake = Path(__file__).parent / "fake_sglang"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("QWENGYRE_SGLANG_PYTHON", raising=False)
+    run_dir = run(
+        tmp_path,
+        tiny_model_dir,
+        "run.steps=2",
+        "cells.count=2",
+        "engine.backend=sglang",
+        "scheduler.target_staleness=null",
+        "scheduler.mu=1",  # a publication after step 1 that step 2's rollout samples with
+        "scheduler.phi=0",
+    )
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1, 2]
+    assert metrics.run is not None and metrics.run.engine_backend == "sglang"
+    assert sampled_versions(run_dir) - {0}  # tokens the servers sampled after a publication
+    moves = [s for s in metrics.switches if s.to == "training"]
+    assert moves and {s.engine for s in moves} == {"asleep"}  # SGLang's memory release

@@ -7,9 +7,10 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -372,6 +373,40 @@ def test_cached_model_is_built_once_and_shared(tmp_path: Path) -> None:
     other = cached_tiny_model("test", 1, cache)
     assert other != path
     assert (other / "model.safetensors").read_bytes() != (path / "model.safetensors").read_bytes()
+
+
+def test_untied_model_has_its_own_lm_head_and_stays_untied(tmp_path: Path) -> None:
+    path = build_tiny_model(tmp_path / "untied", "test", tie_embeddings=False)
+    saved = safetensors.torch.load_file(str(path / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    head, embed = model.lm_head.weight, model.get_input_embeddings().weight
+    assert model.config.tie_word_embeddings is False
+    assert head.untyped_storage().data_ptr() != embed.untyped_storage().data_ptr()
+    assert not torch.allclose(head, embed, atol=1e-3)  # initialised independently
+    assert torch.equal(head, saved["lm_head.weight"])
+    assert torch.equal(embed, saved["model.embed_tokens.weight"])
+    with torch.no_grad():
+        head.mul_(2)
+    model.save_pretrained(tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert again.config.tie_word_embeddings is False
+    assert torch.equal(again.lm_head.weight, 2 * saved["lm_head.weight"])
+    assert torch.equal(again.get_input_embeddings().weight, saved["model.embed_tokens.weight"])
+    tied = build_tiny_model(tmp_path / "tied", "test")
+    assert "lm_head.weight" not in safetensors.torch.load_file(str(tied / "model.safetensors"))
+    with pytest.raises(TypeError, match="tie_embeddings must be a bool"):
+        build_tiny_model(tmp_path / "bad", "test", tie_embeddings=cast(Any, "no"))
+
+
+def test_untied_model_is_cached_apart_from_the_tied_one(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    tied = cached_tiny_model("test", 0, cache)
+    untied = cached_tiny_model("test", 0, cache, tie_embeddings=False)
+    assert untied != tied and "untied" in untied.name and "untied" not in tied.name
+    assert cached_tiny_model("test", 0, cache, tie_embeddings=False) == untied
+    direct = build_tiny_model(tmp_path / "direct", "test", tie_embeddings=False)
+    assert _file_bytes(untied) == _file_bytes(direct)
+    assert json.loads((untied / "config.json").read_text())["tie_word_embeddings"] is False
 
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

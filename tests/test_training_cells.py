@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from qwengyre.cluster.cell import Cell, CellSpec
 from qwengyre.cluster.local import ActorError, ProcessActor
+from qwengyre.cluster.net import free_port
 from qwengyre.cluster.placement import CellHandle, start_cells, stop_cells
 from qwengyre.config import TrainerConfig
-from qwengyre.runtime.train import free_port
 from qwengyre.training.buffers import BatchSummary, MicroStep, PackingBuffer, TrajectoryBuffer
 from qwengyre.training.distributed import CellComm
 from qwengyre.training.trainer import Trainer

@@ -305,6 +305,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         resume=args.resume,
         device=config.run.device,
         dtype=config.engine.dtype,
+        backend=config.engine.backend,
         temperature=config.trainer.temperature,
         max_context=config.run.max_context,
     )
@@ -317,8 +318,15 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     from qwengyre.models import build_tiny_model
 
-    out = build_tiny_model(Path(args.dir), size=args.size, seed=args.seed, overwrite=args.force)
-    print(f"built the {args.size} tiny model in {out}")
+    out = build_tiny_model(
+        Path(args.dir),
+        size=args.size,
+        seed=args.seed,
+        tie_embeddings=not args.untied,
+        overwrite=args.force,
+    )
+    kind = "untied" if args.untied else "tied"
+    print(f"built the {args.size} tiny model ({kind} embeddings) in {out}")
     return 0
 
 
@@ -448,7 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model through the proxy: the OpenAI and Anthropic APIs and an "
         "admin API. It binds proxy.host (127.0.0.1) and every admin call needs the admin "
         "token. The engine is proxy.engine (scripted: proxy.script; embedded: the model on "
-        "run.device, engine.dtype); every call samples at trainer.temperature (see "
+        "run.device, engine.dtype, served by engine.backend: in-process, or a vLLM or SGLang "
+        "server launched for it); every call samples at trainer.temperature (see "
         "proxy.harness_sampling) and is capped at run.max_context tokens.",
         epilog=_epilog("proxy"),
     )
@@ -472,8 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout",
         help="run a task set's executions through the proxy (no training)",
         description="Run every task's group of executions through an in-process proxy and "
-        "the embedded engine, with the settings train uses: groups.size valid executions "
-        "per task (+ groups.oversample, groups.min_valid), cells.capacity at once, "
+        "the model's engine (engine.backend), with the settings train uses: groups.size "
+        "valid executions per task (+ groups.oversample, groups.min_valid), cells.capacity "
+        "at once, "
         "run.harness within run.harness_s / run.overall_s, on run.device, sampling at "
         "trainer.temperature.",
         epilog=_epilog("rollout"),
@@ -522,6 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--size", choices=["test", "demo"], default="demo")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
+    tiny.add_argument(
+        "--untied",
+        action="store_true",
+        help="give lm_head its own weight instead of sharing the input embedding's",
+    )
     tiny.set_defaults(func=cmd_model_init_tiny)
     export = model_sub.add_parser(
         "export",

@@ -26,6 +26,7 @@ from qwengyre.scheduler.staleness import burst_for_staleness
 
 Policy = Literal["elastic", "async", "colocate"]
 Dispatch = Literal["boundary", "continuous"]
+EngineBackend = Literal["embedded", "vllm", "sglang"]
 
 
 class ConfigError(ValueError):
@@ -266,6 +267,25 @@ class RunConfig(_Section):
         description="times a run that lost a cell resumes itself from its newest checkpoint "
         "(as --resume does) before it gives up",
     )
+    harness_hosts: Literal["local", "ray"] = Field(
+        "local",
+        description="where harnesses run and are evaluated: local = this process's machine;"
+        " ray = one harness host per alive Ray node with CPUs, executions spread by free"
+        " slots (needs run.placement=ray or Ray initialised; the proxy then binds"
+        " proxy.host, which every node must reach)",
+    )
+    harness_slots: int | None = Field(
+        None,
+        ge=1,
+        description="executions one harness host runs at once (more wait for a slot); None ="
+        " the rollout capacity (cells.count x cells.capacity + cells.standalone_capacity)"
+        " divided over the hosts, so that no execution waits for a host",
+    )
+    harness_dir: Path | None = Field(
+        None,
+        description="ray harness hosts: the directory on each node for workspaces and logs;"
+        " None = the run directory's path (the same directory on a shared filesystem)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -311,9 +331,11 @@ class ProxyConfig(_Section):
     """``qwengyre proxy serve``: the OpenAI/Anthropic-API proxy as a server of its own.
 
     It samples at ``trainer.temperature`` and caps each call at ``run.max_context``, as
-    the proxy inside ``train`` and ``rollout`` does (that one binds 127.0.0.1 on a free
-    port and takes its other settings from here too where they apply). Its embedded
-    engine runs on ``run.device`` with ``engine.dtype``. The admin token itself is never
+    the proxy inside ``train`` and ``rollout`` does (that one binds a free port on
+    127.0.0.1, or on ``host`` when ``run.harness_hosts=ray`` puts harnesses on other
+    nodes, and takes its other settings from here too where they apply). Its model
+    engine runs on ``run.device`` with ``engine.dtype``, served by ``engine.backend``.
+    The admin token itself is never
     a config key: ``--admin-token``, ``proxy.admin_token_file``, ``$QWENGYRE_ADMIN_TOKEN``,
     or generated and printed.
     """
@@ -321,7 +343,8 @@ class ProxyConfig(_Section):
     host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1: this machine only")
     port: int = Field(8080, ge=1, le=65535, description="port to bind")
     engine: Literal["scripted", "embedded"] = Field(
-        "scripted", description="scripted: replies from proxy.script; embedded: the model"
+        "scripted",
+        description="scripted: replies from proxy.script; embedded: the model (engine.backend)",
     )
     script: Path | None = Field(None, description="JSON replies by request class (scripted)")
     store: Path | None = Field(
@@ -346,9 +369,12 @@ class ProxyConfig(_Section):
 
 
 class EngineConfig(_Section):
-    """The embedded inference engine: ``qwengyre engine serve`` (SGLang's HTTP API), and
-    the engine of ``proxy serve`` (``proxy.engine=embedded``) and of ``rollout``.
-    ``train``'s cells and standalone pool bind their engines on ``host`` too (on a free
+    """The inference engine. ``backend`` serves rollout in ``train`` (one server per
+    cell, and the standalone pool's), ``rollout`` and ``proxy serve``
+    (``proxy.engine=embedded``): the embedded engine in-process, or a vLLM / SGLang
+    server launched on the same devices (tensor parallel over a cell's devices), with a
+    fresh API key, stopped with its owner. ``qwengyre engine serve`` serves the embedded
+    engine alone (SGLang's HTTP API). ``train``'s engines bind ``host`` (on a free
     port): ``0.0.0.0`` lets a proxy on another node reach them, at this node's address.
 
     As in ``train``'s cells, it runs on ``run.device``, serves ``cells.capacity``
@@ -357,10 +383,10 @@ class EngineConfig(_Section):
     printed.
     """
 
-    backend: Literal["embedded", "vllm"] = Field(
+    backend: EngineBackend = Field(
         "embedded",
-        description="train's rollout servers: embedded (this package's engine, SGLang's "
-        "API) or vllm (a vLLM server per cell; python from $QWENGYRE_VLLM_PYTHON)",
+        description="rollout servers: embedded (this package's engine), vllm (python from "
+        "$QWENGYRE_VLLM_PYTHON) or sglang (python from $QWENGYRE_SGLANG_PYTHON)",
     )
     host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1: this machine only")
     port: int = Field(30000, ge=1, le=65535, description="port to bind")

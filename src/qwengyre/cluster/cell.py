@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from qwengyre.cluster.devices import physical_gpu
 from qwengyre.cluster.engine_host import Endpoint, RolloutHost, rollout_host
 from qwengyre.cluster.weights import (
     BoardKind,
@@ -41,7 +42,7 @@ from qwengyre.cluster.weights import (
     open_board,
     shard_layout,
 )
-from qwengyre.config import TrainerConfig
+from qwengyre.config import EngineBackend, TrainerConfig
 from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.training.buffers import BatchSummary, MicroStep
 from qwengyre.training.checkpoint import load_sharded, save_sharded_checkpoint
@@ -74,7 +75,7 @@ class CellSpec:
     shard: int = 0  # this rank's index within the cell
     shards: int = 1  # G, ranks per cell
     engine_host: str = "127.0.0.1"  # the engine's bind address (engine.host)
-    engine_backend: Literal["embedded", "vllm"] = "embedded"  # engine.backend
+    engine_backend: EngineBackend = "embedded"  # engine.backend
 
     @property
     def name(self) -> str:
@@ -98,6 +99,7 @@ class Cell:
         self.trainer: Trainer | None = None
         self.engine: RolloutHost | None = None
         self._boards: BoardShards | None = None
+        self._gpus: tuple[str, ...] = ()  # the cell's GPUs, for its engine's tensor parallel
 
     @property
     def rank(self) -> int:
@@ -132,6 +134,8 @@ class Cell:
         if board is None:
             board = open_board(spec.board_kind, name, layout)
         self.trainer = Trainer(self.model, spec.trainer, comm, version=spec.version, board=board)
+        gpus = comm.cell_gather(physical_gpu(spec.device))
+        self._gpus = tuple(str(g) for g in gpus if g is not None)
         if core:
             if spec.checkpoint is not None:
                 load_sharded(spec.checkpoint, self.trainer)
@@ -187,19 +191,21 @@ class Cell:
             max_context=self.spec.max_context,
             seed=self.spec.seed + 1000 * self.rank,
             host=self.spec.engine_host,
+            gpus=self._gpus,
         )
         endpoint = self.engine.start()
         self.engine.load_newest(self._board_shards())
         return endpoint
 
-    def release_engine(self, timeout_s: float = 60.0) -> None:
+    def release_engine(self, timeout_s: float = 60.0) -> str:
         """Free the engine's memory once the requests the proxy aborted have left, and
-        bring the trainer state back to the device."""
-        if self._serves:
-            self._engine().release(timeout_s)
+        bring the trainer state back to the device. Answers how the engine freed it
+        (:meth:`~qwengyre.cluster.engine_host.RolloutHost.release`; "" off shard 0)."""
+        how = self._engine().release(timeout_s) if self._serves else ""
         trainer = self._trainer()
         if trainer.offloaded:
             trainer.restore()
+        return how
 
     def resume_engine(self) -> int:
         """Serve rollout again with the newest weights; returns their version. On an

@@ -7,45 +7,39 @@ API key either way; the proxy drives it with
 :class:`~qwengyre.engines.sglang.SGLangEngine`, as it would a real SGLang server), in an
 event loop on its own thread, so the process's synchronous actor methods can call it.
 Elastic cells (:class:`~qwengyre.cluster.cell.Cell`) and the standalone pool
-(:class:`~qwengyre.cluster.standalone.StandalonePool`) both host their engine with it:
-weights come from the core's weights board either way.
+(:class:`~qwengyre.cluster.standalone.StandalonePool`) both host their engine with it,
+or with a server host of another ``engine.backend`` (:func:`rollout_host`): weights
+come from the core's weights board either way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, get_args
 
 from aiohttp import web
 
+from qwengyre.cluster.net import advertised
 from qwengyre.cluster.weights import BoardShards
-from qwengyre.engines.base import InferenceEngine, StaleWeights
+from qwengyre.engines.base import InferenceEngine
 from qwengyre.engines.embedded import EmbeddedEngine
 from qwengyre.engines.server import engine_app
 from qwengyre.engines.sglang import SGLangEngine
 
-__all__ = ["Endpoint", "EngineHost", "RolloutHost", "advertised", "rollout_host"]
+if TYPE_CHECKING:
+    from qwengyre.cluster.server_host import ServerHost
+
+__all__ = ["Backend", "Endpoint", "EngineHost", "RolloutHost", "rollout_host"]
 
 T = TypeVar("T")
 
-
-def advertised(host: str) -> str:
-    """The address to reach a server bound to ``host``: this node's own address for
-    the wildcard (``0.0.0.0``, ``::``), else ``host`` itself (IPv6 in brackets)."""
-    if host in ("0.0.0.0", "::", ""):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:  # no packet is sent: connecting a UDP socket only picks the route
-                probe.connect(("10.255.255.255", 1))
-                return str(probe.getsockname()[0])
-            except OSError:
-                return socket.gethostbyname(socket.gethostname())
-    return f"[{host}]" if ":" in host else host
+Backend = Literal["embedded", "vllm", "sglang"]
+"""What serves rollout (``engine.backend``)."""
 
 
 @dataclass(frozen=True)
@@ -71,14 +65,19 @@ class Endpoint:
 
 class RolloutHost(Protocol):
     """A cell's (or the standalone pool's) rollout server, one kind per engine backend:
-    :class:`EngineHost` (embedded), :class:`~qwengyre.cluster.vllm_host.VLLMHost`."""
+    :class:`EngineHost` (embedded), :class:`~qwengyre.cluster.vllm_host.VLLMHost`,
+    :class:`~qwengyre.cluster.sglang_host.SGLangHost`."""
 
     def start(self) -> Endpoint:
         """Serve; where, with which key and API."""
         ...
 
-    def release(self, timeout_s: float = 60.0) -> None:
-        """Free the server's device memory once the proxy drained it."""
+    def release(self, timeout_s: float = 60.0) -> str:
+        """Free the server's device memory once the proxy drained it; what freed it:
+        ``"released"`` (the embedded engine let go of its weights and KV cache),
+        ``"asleep"`` (a server put them aside: vLLM's sleep, SGLang's
+        ``release_memory_occupation``) or ``"stopped"`` (the server was stopped: vLLM
+        on the CPU, where its sleep frees nothing)."""
         ...
 
     def resume(self, boards: BoardShards) -> int:
@@ -93,7 +92,7 @@ class RolloutHost(Protocol):
 
 
 def rollout_host(
-    backend: Literal["embedded", "vllm"],
+    backend: Backend,
     model_dir: str,
     *,
     name: str,
@@ -102,22 +101,48 @@ def rollout_host(
     max_context: int | None,
     seed: int,
     host: str,
+    gpus: tuple[str, ...] = (),
+    version: int = -1,
 ) -> RolloutHost:
-    """The rollout server of ``backend`` (``engine.backend``) for one cell or pool. It
-    serves the core's weights once :meth:`RolloutHost.load_newest` loaded them."""
+    """The rollout server of ``backend`` (``engine.backend``) for one cell or pool.
+
+    ``gpus``: the physical ids of the cell's GPUs, a server's tensor parallel group
+    (the embedded engine has no tensor parallelism: it runs on ``device`` alone).
+    ``version``: the policy version of ``model_dir``'s weights; -1 serves nothing of
+    the run's until :meth:`RolloutHost.load_newest` loaded the core's weights (a
+    server still needs weights to start: it starts from ``model_dir``'s, labelled -1).
+    ``capacity`` and ``seed`` concern the embedded engine only.
+    """
+    if backend == "embedded":
+        return EngineHost(
+            model_dir,
+            name=name,
+            capacity=capacity,
+            device=device,
+            max_context=max_context,
+            seed=seed,
+            version=version,
+            host=host,
+        )
+    server_host: type[ServerHost[Any]]
     if backend == "vllm":
         from qwengyre.cluster.vllm_host import VLLMHost
 
-        return VLLMHost(model_dir, name=name, device=device, max_context=max_context, host=host)
-    return EngineHost(
+        server_host = VLLMHost
+    elif backend == "sglang":
+        from qwengyre.cluster.sglang_host import SGLangHost
+
+        server_host = SGLangHost
+    else:
+        raise ValueError(f"engine.backend {backend!r}: use one of {', '.join(get_args(Backend))}")
+    return server_host(
         model_dir,
         name=name,
-        capacity=capacity,
         device=device,
+        gpus=gpus,
         max_context=max_context,
-        seed=seed,
-        version=-1,  # whatever model_dir holds, serve the core's weights
         host=host,
+        version=version,
     )
 
 
@@ -172,34 +197,31 @@ class EngineHost:
         port = self._on_loop(serve())
         return Endpoint(f"http://{advertised(self.host)}:{port}", api_key, "sglang")
 
-    def release(self, timeout_s: float = 60.0) -> None:
-        """Free the engine's memory once the requests the proxy aborted have left."""
+    def release(self, timeout_s: float = 60.0) -> str:
+        """Free the engine's memory once the requests the proxy aborted have left;
+        ``"released"``."""
         deadline = time.monotonic() + timeout_s
         while self.engine.load:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.engine.name}: {self.engine.load} requests did not drain")
             time.sleep(0.01)
         self._on_loop(self.engine.release_memory())
+        return "released"
 
     def resume(self, boards: BoardShards) -> int:
         """Serve again with the boards' newest weights; returns their version."""
         self._on_loop(self.engine.resume_memory())
         return self.load_newest(boards)
 
-    def load_newest(self, boards: BoardShards, attempts: int = 3) -> int:
+    def load_newest(self, boards: BoardShards) -> int:
         """Load the boards' weights (between decode steps, shard by shard) if newer;
-        returns the engine's version. A shard the core rewrote during the load makes
-        it start over with the newer version."""
-        for attempt in range(attempts):
-            version = boards.version
-            if version <= self.engine.version:
-                break
-            try:
-                self._on_loop(self.engine.update_weights(boards.source(version), version))
-            except StaleWeights:
-                if attempt == attempts - 1:
-                    raise
-        return self.engine.version
+        returns the engine's version."""
+        return boards.load_newest(
+            self.engine.version,
+            lambda version: self._on_loop(
+                self.engine.update_weights(boards.source(version), version)
+            ),
+        )
 
     def close(self) -> None:
         self.engine.close()

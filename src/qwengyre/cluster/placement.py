@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from qwengyre.cluster.cell import Cell, CellSpec
+from qwengyre.cluster.devices import rank_device
 from qwengyre.cluster.local import ProcessActor
 from qwengyre.cluster.standalone import STANDALONE_NAME, StandalonePool, StandaloneSpec
 
 __all__ = [
     "CellGroup",
     "CellHandle",
-    "rank_device",
     "start_cells",
     "start_standalone",
     "stop_cells",
@@ -86,20 +86,6 @@ class CellGroup:
             rank.close()
 
 
-def rank_device(device: str, index: int) -> str:
-    """The device of process ``index`` (``cell * G + shard``) on its node: ``"cuda"``
-    spreads the ranks over the visible GPUs, anything else (``"cpu"``, ``"cuda:1"``)
-    is used as it is."""
-    if device != "cuda":
-        return device
-    import torch
-
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise ValueError("run.device is 'cuda' but no CUDA device is visible")
-    return f"cuda:{index % count}"
-
-
 def _on_device(spec: CellSpec, device: str) -> CellSpec:
     """``spec`` on ``device``, with the collectives' backend for it."""
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else spec.backend
@@ -115,10 +101,10 @@ def start_cells(
     gpus_per_cell: float = 0.0,
     strategy: Literal["PACK", "SPREAD"] = "PACK",
 ) -> list[CellHandle]:
-    """Build one process per spec (a rank of a cell) on its device (:func:`rank_device`
-    locally; one GPU per rank under Ray); one handle per cell, in cell order.
-    ``cpus_per_cell``, ``gpus_per_cell`` (per rank) and ``strategy`` (placement-group
-    strategy) apply to Ray."""
+    """Build one process per spec (a rank of a cell) on its device
+    (:func:`~qwengyre.cluster.devices.rank_device` locally; one GPU per rank under Ray);
+    one handle per cell, in cell order. ``cpus_per_cell``, ``gpus_per_cell`` (per rank)
+    and ``strategy`` (placement-group strategy) apply to Ray."""
     specs = sorted(specs, key=lambda spec: (spec.rank, spec.shard))
     if backend == "local":
         specs = [_on_device(spec, rank_device(spec.device, i)) for i, spec in enumerate(specs)]

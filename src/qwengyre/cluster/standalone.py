@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from qwengyre.cluster.devices import physical_gpu
 from qwengyre.cluster.engine_host import Endpoint, rollout_host
 from qwengyre.cluster.weights import BoardKind, BoardShards, model_parameters
+from qwengyre.config import EngineBackend
 
 __all__ = ["STANDALONE_NAME", "StandalonePool", "StandaloneSpec"]
 
@@ -41,7 +42,7 @@ class StandaloneSpec:
     max_context: int | None = None
     shards: int = 1  # G: the core's weights come as this many shards
     engine_host: str = "127.0.0.1"  # the engine's bind address (engine.host)
-    engine_backend: Literal["embedded", "vllm"] = "embedded"  # engine.backend
+    engine_backend: EngineBackend = "embedded"  # engine.backend
 
 
 class StandalonePool:
@@ -50,6 +51,7 @@ class StandalonePool:
     def __init__(self, spec: StandaloneSpec) -> None:
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
+        gpu = physical_gpu(spec.device)  # one: the cells hold the other GPUs
         self.host = rollout_host(
             spec.engine_backend,
             spec.model_dir,
@@ -59,6 +61,7 @@ class StandalonePool:
             max_context=spec.max_context,
             seed=spec.seed + 999_983,  # sampling streams apart from every cell's
             host=spec.engine_host,
+            gpus=(gpu,) if gpu is not None else (),
         )
         self.board: BoardShards | None = None
 

@@ -23,7 +23,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -270,6 +270,23 @@ class BoardShards:
             return tensors
 
         return WeightsInShards(len(self.boards), read)
+
+    def load_newest(self, loaded: int, load: Callable[[int], object], attempts: int = 3) -> int:
+        """``load(version)`` of the boards' version if it is newer than ``loaded``, the
+        version an engine holds; returns the version the engine holds then. A shard the
+        core rewrote during the load (:class:`~qwengyre.engines.base.StaleWeights`)
+        makes it start over with the newer version, up to ``attempts`` times."""
+        for attempt in range(attempts):
+            version = self.version
+            if version <= loaded:
+                break
+            try:
+                load(version)
+                return version
+            except StaleWeights:
+                if attempt == attempts - 1:
+                    raise
+        return loaded
 
     def write_safetensors(self, version: int, path: Path, dtype: torch.dtype) -> None:
         """Write the weights of ``version`` as one safetensors file at ``path`` in

@@ -92,7 +92,10 @@ class HTTPEngineClient:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=self.force_close),
+                # No pool limit (aiohttp's default is 100): a stream holds its connection
+                # to the end, and the proxy runs up to `capacity` of them besides short
+                # calls; a cap below that would stall the short calls behind the streams.
+                connector=aiohttp.TCPConnector(force_close=self.force_close, limit=0),
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             )

@@ -24,18 +24,34 @@ dataclasses of ``sglang/srt/managers/io_struct.py``):
 - ``POST /update_weights_from_disk`` with ``UpdateWeightFromDiskReqInput``
   (``model_path``, ``weight_version``); answers ``{"success", "message",
   "num_paused_requests"}``, 400 when ``success`` is false.
+- ``POST /update_weights_from_tensor`` with ``UpdateWeightsFromTensorReqInput``
+  (``serialized_named_tensors``: one entry per tensor-parallel rank, each the base64
+  of a ``ForkingPickler`` dump of ``[(name, tensor), ...]`` as SGLang's
+  ``MultiprocessingSerializer`` writes it; ``flush_cache``; ``weight_version``);
+  answers ``{"success", "message"}``, 400 when ``success`` is false. CUDA tensors
+  travel as CUDA IPC handles, their device named by its UUID (SGLang's
+  ``monkey_patch_torch_reductions``: the server sees other device indices), so the
+  tensors must stay alive on a GPU of the server's node until the call returns.
+- ``POST /pause_generation`` with ``{"mode": "retract"}`` and ``POST
+  /continue_generation`` with ``{}`` around a load from tensors (below).
 - ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation`` with
   ``{}`` (all tags: weights and KV cache); the server must run with
   ``--enable-memory-saver`` for memory to be actually freed.
 - ``POST /flush_cache``; ``GET /health`` (200 healthy, 503 not).
 
 Weight versions: SGLang reports no per-token version. ``update_weights_from_disk``
-takes the tokenizer manager's model-update writer lock, so (unless the server was put
-in a paused state with ``/pause_generation``, which this engine never does) a load
-waits for the requests in flight and applies between requests; every token of one
-answer therefore comes from one version. The engine sends its integer version as
-SGLang's ``weight_version`` string and reads it back from ``meta_info.weight_version``
-when the server reports it, falling back to the version it recorded itself.
+takes the tokenizer manager's model-update writer lock, so a load waits for the
+requests in flight and applies between requests; every token of one answer therefore
+comes from one version. Weights from tensors come in buckets of bounded size
+(:class:`TensorRoute`), one call each, so the engine first pauses the server with
+``mode=retract`` (the requests in flight go back to the queue and give up their KV
+cache; a paused server loads without the lock), loads every bucket, flushes the
+prefix cache and sets the version with the last, and continues: a request in flight
+recomputes its KV cache with the new weights, and its later tokens carry the new
+version. (Older servers pause by aborting the requests in flight, which the router
+retries elsewhere.) The engine sends its integer version as SGLang's
+``weight_version`` string and reads it back from ``meta_info.weight_version`` when
+the server reports it, falling back to the version it recorded itself.
 
 Caveat: SGLang's scheduler matches ``/abort_request`` rids by *prefix*
 (``req.rid.startswith(rid)``), so aborting ``"x-1"`` also aborts a running ``"x-10"``.
@@ -45,16 +61,19 @@ The aborted one raises :class:`EngineAborted` and is retried by the router.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
-import importlib.util
+import io
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -71,20 +90,56 @@ from qwengyre.engines.base import (
 )
 from qwengyre.engines.http_client import HTTPEngineClient, error_message, sse_data
 
+if TYPE_CHECKING:
+    from torch import Tensor
+
 log = logging.getLogger(__name__)
 
 _FINISH_TYPES: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+_TENSOR_PATHS = ("/pause_generation", "/update_weights_from_tensor", "/continue_generation")
+_WEIGHT_PATHS = ("/update_weights_from_disk", *_TENSOR_PATHS)
 
 
 class SGLangNotInstalled(RuntimeError):
     """``sglang`` cannot be imported in this environment."""
 
 
+class TensorRouteUnavailable(RuntimeError):
+    """The server does not take weights from tensors (an older SGLang): load from disk."""
+
+
+@dataclass(frozen=True)
+class TensorRoute:
+    """How in-memory weights reach a server on this node: moved to ``device``, in
+    buckets of at most ``bucket_bytes`` (a larger tensor goes alone), each sent once
+    per tensor-parallel rank (``tp_size``). On a GPU of the server's node they travel
+    by CUDA IPC; on the CPU as shared memory that one process can open (``tp_size``
+    1 only)."""
+
+    device: str
+    tp_size: int = 1
+    bucket_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.bucket_bytes < 1:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) and bucket_bytes ({self.bucket_bytes}) must be "
+                "at least 1"
+            )
+        if not self.device.startswith("cuda") and self.tp_size > 1:
+            raise ValueError(
+                f"tensors on {self.device!r} reach one server process only: tp_size must "
+                f"be 1, not {self.tp_size} (or use a GPU, cuda[:N])"
+            )
+
+
 class SGLangEngine(HTTPEngineClient):
     """:class:`~qwengyre.engines.base.InferenceEngine` over one SGLang server.
 
     Errors: HTTP 4xx raises ``ValueError`` with SGLang's message (a bad request, not
-    an engine failure); a connection that cannot be made or is lost raises an
+    an engine failure; a weight load's 4xx raises RuntimeError, or
+    :class:`TensorRouteUnavailable`); a connection that cannot be made or is lost raises an
     ``OSError`` (``ConnectionError`` wrapping aiohttp's errors that are not already
     ``OSError``), HTTP 5xx raises ``ConnectionError`` too, and a request that the
     server aborted raises :class:`EngineAborted`; the router reroutes on all three. A
@@ -94,11 +149,22 @@ class SGLangEngine(HTTPEngineClient):
 
     server = "SGLang"
 
+    def __init__(self, *args: Any, tensor_route: TensorRoute | None = None, **kwargs: Any) -> None:
+        """:class:`~qwengyre.engines.http_client.HTTPEngineClient`'s arguments;
+        ``tensor_route``: how :class:`~qwengyre.engines.base.WeightsInMemory` reach the
+        server (None: this client loads weights from disk only)."""
+        super().__init__(*args, **kwargs)
+        self.tensor_route = tensor_route
+
     def _raise_for_status(self, path: str, status: int, text: str) -> None:
         message = error_message(status, text)
         if status == 503 and "abort" in message.lower():
             # a running request aborted with status 503 (e.g. timeout) comes back this way
             raise EngineAborted(message)
+        if 400 <= status < 500 and path in _WEIGHT_PATHS:
+            if path in _TENSOR_PATHS and not _is_load_answer(text):
+                raise TensorRouteUnavailable(f"SGLang {self.name} {path} ({status}): {message}")
+            raise RuntimeError(f"SGLang {self.name} could not load weights ({path}): {message}")
         super()._raise_for_status(path, status, text)
 
     # -- generation ------------------------------------------------------------------
@@ -228,28 +294,50 @@ class SGLangEngine(HTTPEngineClient):
     # -- weights and memory ------------------------------------------------------------
 
     async def update_weights(self, source: WeightSource, version: int) -> None:
+        """Load from disk (``WeightsOnDisk``) or from tensors (``WeightsInMemory``, with
+        a :attr:`tensor_route`); see the module docstring. A load the server refuses
+        raises RuntimeError, a server without the tensor route
+        :class:`TensorRouteUnavailable`."""
         if isinstance(source, WeightsInMemory):
-            raise NotImplementedError(
-                "SGLangEngine cannot take in-process tensors: the SGLang server runs in "
-                "another process. Save a HuggingFace checkpoint and pass WeightsOnDisk(path) "
-                "(POST /update_weights_from_disk); NCCL broadcast "
-                "(/update_weights_from_distributed) is not wired up."
-            )
-        if not isinstance(source, WeightsOnDisk):
-            raise TypeError(f"unknown weight source {source!r}")
-        body = {"model_path": source.path, "weight_version": str(version)}
-        try:
-            _status, text = await self._call("POST", "/update_weights_from_disk", body)
-        except ValueError as exc:  # SGLang answers 400 with success=false
-            raise RuntimeError(f"SGLang {self.name} could not load {source.path}: {exc}") from exc
-        try:
-            answer = json.loads(text)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict) or not answer.get("success"):
-            message = answer.get("message") if isinstance(answer, dict) else text
-            raise RuntimeError(f"SGLang {self.name} could not load {source.path}: {message}")
+            await self._update_from_tensors(source.tensors, version)
+        elif isinstance(source, WeightsOnDisk):
+            body = {"model_path": source.path, "weight_version": str(version)}
+            await self._load("/update_weights_from_disk", body)
+        else:
+            raise TypeError(f"SGLang {self.name} cannot load weights from {source!r}")
         self.policy_version = version
+
+    async def _update_from_tensors(self, tensors: Mapping[str, Tensor], version: int) -> None:
+        route = self.tensor_route
+        if route is None:
+            raise ValueError(
+                f"SGLang {self.name} takes in-memory weights from a process of its node "
+                "only (by CUDA IPC from a GPU): give its client a tensor_route, or load "
+                "WeightsOnDisk"
+            )
+        if not tensors:
+            raise ValueError(f"SGLang {self.name}: no tensors to load")
+        buckets = tensor_buckets(tensors, route.bucket_bytes)
+        await self._call("POST", "/pause_generation", {"mode": "retract"})
+        try:
+            for i, bucket in enumerate(buckets, start=1):
+                moved = [(name, tensor.detach().to(route.device)) for name, tensor in bucket]
+                body: dict[str, Any] = {
+                    "serialized_named_tensors": [serialize_tensors(moved)] * route.tp_size,
+                    "flush_cache": i == len(buckets),
+                }
+                if i == len(buckets):
+                    body["weight_version"] = str(version)
+                await self._load("/update_weights_from_tensor", body)
+                del moved, body  # before the next bucket is moved: one on the device at a time
+        finally:
+            await self._call("POST", "/continue_generation", {})
+            _free_ipc_memory()
+
+    async def _load(self, path: str, body: Mapping[str, Any]) -> None:
+        _status, text = await self._call("POST", path, body)
+        if not _is_load_answer(text) or not json.loads(text)["success"]:
+            raise RuntimeError(f"SGLang {self.name} could not load weights ({path}): {text[:300]}")
 
     async def release_memory(self) -> None:
         """Free weights and KV cache (``--enable-memory-saver``); nothing may be in flight."""
@@ -285,21 +373,38 @@ class SGLangEngine(HTTPEngineClient):
 # -- launching a server ----------------------------------------------------------------
 
 
+def _default_python() -> str:
+    return os.environ.get("QWENGYRE_SGLANG_PYTHON") or sys.executable
+
+
 @dataclass(frozen=True)
 class SGLangServerSpec:
-    """How to start ``python -m sglang.launch_server``.
+    """How to start ``python -m sglang.launch_server`` (flags of SGLang's
+    ``server_args.py``).
 
-    ``extra_args`` pass through as given (e.g. ``("--tp", "2", "--mem-fraction-static",
-    "0.8")``). ``enable_memory_saver`` adds ``--enable-memory-saver``, without which
-    ``/release_memory_occupation`` frees nothing.
+    ``python`` is the interpreter of SGLang's environment (``$QWENGYRE_SGLANG_PYTHON``,
+    else this one). ``api_key`` (``--api-key``: on the command line, as SGLang takes
+    it) guards every path but ``/health``. ``tp_size`` (``--tp-size``): tensor
+    parallel over the GPUs the server sees (``CUDA_VISIBLE_DEVICES`` in
+    ``extra_env``). ``context_length`` (``--context-length``) caps prompt plus output.
+    ``weight_version`` (``--weight-version``) labels the weights it starts with (SGLang
+    says ``default`` otherwise). ``enable_memory_saver`` adds ``--enable-memory-saver``,
+    without which ``/release_memory_occupation`` frees nothing (GPU only).
+    ``extra_args`` pass through as given (e.g. ``("--mem-fraction-static", "0.8")``),
+    ``extra_env`` adds to the environment.
     """
 
     model_path: str
     port: int
     host: str = "127.0.0.1"
-    extra_args: tuple[str, ...] = ()
+    api_key: str | None = None
+    tp_size: int = 1
+    context_length: int | None = None
+    weight_version: str | None = None
     enable_memory_saver: bool = True
-    python: str = sys.executable
+    python: str = field(default_factory=_default_python)
+    extra_args: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -316,26 +421,45 @@ class SGLangServerSpec:
             self.host,
             "--port",
             str(self.port),
+            "--tp-size",
+            str(self.tp_size),
         ]
+        if self.api_key is not None:
+            argv.append(f"--api-key={self.api_key}")  # one argument: a key may begin with -
+        if self.context_length is not None:
+            argv += ["--context-length", str(self.context_length)]
+        if self.weight_version is not None:
+            argv += ["--weight-version", self.weight_version]
         if self.enable_memory_saver and "--enable-memory-saver" not in self.extra_args:
             argv.append("--enable-memory-saver")
-        argv.extend(self.extra_args)
-        return argv
+        return argv + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The server's environment: this one, plus :attr:`extra_env`."""
+        return {**os.environ, **self.extra_env}
 
 
-def sglang_available() -> bool:
-    return importlib.util.find_spec("sglang") is not None
+def sglang_available(python: str = sys.executable, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``python`` (in ``env``) can import ``sglang`` (without importing it)."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        done = subprocess.run([python, "-c", code], env=env, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def launch_sglang(spec: SGLangServerSpec, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
     """Start an SGLang server; wait for it with :func:`wait_until_healthy`."""
-    if not sglang_available():
+    env = spec.env()
+    if not sglang_available(spec.python, env):
         raise SGLangNotInstalled(
-            "cannot launch an SGLang server: the 'sglang' package is not installed in this "
-            "Python environment (pip install 'sglang[all]' on a GPU machine), or use another "
-            "engine (scripted, embedded)"
+            f"cannot launch an SGLang server: {spec.python} cannot import 'sglang' (install "
+            "'sglang[all]' into that environment on a GPU machine, or point "
+            "$QWENGYRE_SGLANG_PYTHON at the python of one that has it), or use another "
+            "engine backend (embedded, vllm)"
         )
-    return subprocess.Popen(spec.command(), **popen_kwargs)
+    return subprocess.Popen(spec.command(), env=env, **popen_kwargs)
 
 
 class HealthChecked(Protocol):
@@ -373,11 +497,82 @@ async def wait_until_healthy(
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
+# -- weights as tensors ----------------------------------------------------------------
+
+
+def _is_load_answer(text: str) -> bool:
+    """Whether ``text`` is a weight load's answer (``{"success", "message"}``)."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(answer, dict) and isinstance(answer.get("success"), bool)
+
+
+def tensor_buckets(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[tuple[str, Tensor]]]:
+    """``tensors`` in order, cut into buckets of at most ``max_bytes`` (a larger tensor
+    in a bucket of its own)."""
+    buckets: list[list[tuple[str, Tensor]]] = []
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if not buckets or size + nbytes > max_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return buckets
+
+
+_DEVICE_ARG = 6
+"""Where ``torch.multiprocessing.reductions.reduce_tensor`` puts a CUDA tensor's device
+in its rebuild arguments (SGLang's ``patch_torch`` relies on the same place)."""
+
+
+def _reduce_naming_device_uuid(tensor: Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """torch's reduction of ``tensor``, with a CUDA device given by its UUID: the
+    server's rebuild (patched by SGLang) finds the device whatever it numbers it."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda and isinstance(args[_DEVICE_ARG], int):
+        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
+        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
+def serialize_tensors(named: Sequence[tuple[str, Tensor]]) -> str:
+    """``named`` as SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)``
+    writes it: a ``ForkingPickler`` dump (CUDA tensors as IPC handles, CPU tensors in
+    shared memory), base64. The tensors must stay alive until the server loaded them."""
+    import torch
+
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer)
+    pickler.dispatch_table[torch.Tensor] = _reduce_naming_device_uuid
+    pickler.dump(list(named))
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _free_ipc_memory() -> None:
+    """Hand back to the device the buckets the server has released (CUDA only)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+
+
 __all__: Sequence[str] = (
     "SGLangEngine",
     "SGLangNotInstalled",
     "SGLangServerSpec",
+    "TensorRoute",
+    "TensorRouteUnavailable",
     "launch_sglang",
+    "serialize_tensors",
     "sglang_available",
+    "tensor_buckets",
     "wait_until_healthy",
 )

@@ -34,8 +34,9 @@ was sampled with, but reports the labels (spans) on a request's last chunk only;
 current label is ``GET /weight_info``. Whoever updates the server (the proxy's client,
 or a cell publishing through its own), an update sets the label before ``/resume``,
 so tokens that arrived while ``/weight_info`` still gives the label the request
-started with cannot come from newer weights: a stream asks after each chunk and
-yields them at once with that version. Once the label changed, the request's further
+started with cannot come from newer weights: a stream asks after each chunk (the
+client's streams share one read sent after the chunk arrived) and yields them at once
+with that version. Once the label changed, the request's further
 tokens are held back and yielded with its last chunk, labelled from the spans (a
 request in flight across an update streams the rest of its output at the end); a
 label that is not an integer (``"default"``: the weights the server started with)
@@ -74,6 +75,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +123,7 @@ class VLLMEngine(HTTPEngineClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._update_lock = asyncio.Lock()
+        self._probe: tuple[float, asyncio.Future[str]] | None = None  # (sent at, label)
 
     # -- generation ------------------------------------------------------------------
 
@@ -228,7 +231,8 @@ class VLLMEngine(HTTPEngineClient):
                         if finish is None:
                             if not held:
                                 continue
-                            changed = changed or await self._label() != label
+                            arrived = time.monotonic()
+                            changed = changed or await self._label_since(arrived) != label
                             if changed:
                                 continue  # of unknown version until the spans
                             versions = (version,) * len(held)
@@ -307,6 +311,14 @@ class VLLMEngine(HTTPEngineClient):
         """The server's current weight-version label (``GET /weight_info``)."""
         answer = await self._json("GET", "/weight_info", timeout_s=30)
         return str(answer.get("weight_version"))
+
+    async def _label_since(self, arrived: float) -> str:
+        """The label as read by a ``/weight_info`` sent at ``arrived`` or later: what a
+        chunk that arrived then needs (an update sets the label before it resumes). The
+        client's streams share one read in flight instead of each sending its own."""
+        if self._probe is None or self._probe[0] < arrived:
+            self._probe = (time.monotonic(), asyncio.ensure_future(self._label()))
+        return await asyncio.shield(self._probe[1])
 
     def _version_of(self, label: str) -> int:
         return int(label) if label.lstrip("-").isdigit() else self.policy_version

@@ -3,7 +3,8 @@
 Nothing here touches the network: the tokenizer is a byte-level BPE trained with the
 ``tokenizers`` library on ``corpus.txt`` (shipped with the package), the chat template is
 ``chat_template.jinja`` (also shipped), and the weights are a seeded random init of a Qwen3
-(or, on older transformers, Qwen2) architecture.
+(or, on older transformers, Qwen2) architecture, with the output layer tied to the input
+embedding (as Qwen3-0.6B) or, on request, a separate one (as Qwen3-8B and larger).
 """
 
 from __future__ import annotations
@@ -223,6 +224,7 @@ def build_tiny_model(
     size: TinySize = "test",
     seed: int = 0,
     *,
+    tie_embeddings: bool = True,
     overwrite: bool = False,
 ) -> Path:
     """Build a tiny random causal LM (weights, tokenizer, chat template) into ``out_dir``.
@@ -236,6 +238,9 @@ def build_tiny_model(
             are written over the existing ones (other files are left in place).
         size: a key of :data:`TINY_SIZES`.
         seed: seed of the random weight init.
+        tie_embeddings: share one matrix between the input embedding and ``lm_head``
+            (``tie_word_embeddings``); false gives ``lm_head`` its own, independently
+            initialised weight, saved as ``lm_head.weight``.
         overwrite: allow building into a non-empty directory.
 
     Returns:
@@ -244,6 +249,8 @@ def build_tiny_model(
     spec = _spec(size)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    if not isinstance(tie_embeddings, bool):
+        raise TypeError(f"tie_embeddings must be a bool, got {tie_embeddings!r}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out} exists and is not a directory")
@@ -269,7 +276,7 @@ def build_tiny_model(
         num_key_value_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,  # Qwen3Config defaults to 128 otherwise
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
         use_sliding_window=False,
         bos_token_id=pad_id,  # as Qwen: <|endoftext|>; the tokenizer prepends no BOS
         eos_token_id=eos_id,
@@ -297,12 +304,13 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "qwengyre" / "models"
 
 
-def _cache_key(size: str, seed: int) -> str:
+def _cache_key(size: str, seed: int, tie_embeddings: bool) -> str:
     h = hashlib.sha256()
     parts: list[bytes] = [
         str(_BUILDER_VERSION).encode(),
         json.dumps(dataclasses.asdict(_spec(size)), sort_keys=True).encode(),
         str(seed).encode(),
+        str(tie_embeddings).encode(),
         _resource_bytes(_CORPUS_FILE),
         _resource_bytes(_TEMPLATE_FILE),
         Path(__file__).read_bytes(),
@@ -320,24 +328,33 @@ def cached_tiny_model(
     size: TinySize = "test",
     seed: int = 0,
     cache_dir: str | Path | None = None,
+    *,
+    tie_embeddings: bool = True,
 ) -> Path:
     """Return the directory of a tiny model, building it into a cache on first use.
 
-    The cache entry is keyed by size, seed and a hash of everything the build depends on
+    The cache entry is keyed by size, seed, ``tie_embeddings`` (see :func:`build_tiny_model`;
+    an untied entry's name says ``untied``) and a hash of everything the build depends on
     (sizes table, corpus, template, builder source, library versions). It is built in a
     temporary directory and renamed into place, so concurrent callers (pytest-xdist
     workers) never see a half-written model; a loser of the race discards its copy.
     """
     _spec(size)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    final = root / f"{size}-seed{seed}-{_cache_key(size, seed)}"
+    untied = "" if tie_embeddings else "-untied"
+    final = root / f"{size}-seed{seed}{untied}-{_cache_key(size, seed, tie_embeddings)}"
     if (final / _DONE_MARKER).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
-        build_tiny_model(tmp, size=size, seed=seed, overwrite=True)
-        marker = {"size": size, "seed": seed, "key": final.name.rsplit("-", 1)[-1]}
+        build_tiny_model(tmp, size, seed, tie_embeddings=tie_embeddings, overwrite=True)
+        marker = {
+            "size": size,
+            "seed": seed,
+            "tie_embeddings": tie_embeddings,
+            "key": final.name.rsplit("-", 1)[-1],
+        }
         (tmp / _DONE_MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n")
         try:
             os.rename(tmp, final)

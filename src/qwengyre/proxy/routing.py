@@ -10,8 +10,12 @@ An engine that fails outright is drained the same way.
 
 A call streams (:meth:`Router.stream`): tokens reach the harness as they are sampled,
 so a call moved after it produced some continues at its new engine from where it
-stopped (prompt + tokens so far) rather than starting over, which would contradict
-what the harness has already been sent.
+stopped rather than starting over, which would contradict what the harness has
+already been sent. How the new engine gets the state the old one built is a
+:class:`Handoff`: :class:`Recompute` (the default, the recompute form of the paper's KV
+handoff) sends it the prompt plus the tokens so far, whose KV it computes again; a
+KV-transfer engine plugs in its own handoff (e.g. attaching the source's transfer
+handle to the continued request) and touches nothing else here.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from qwengyre.engines.base import (
     EngineAborted,
@@ -32,6 +37,38 @@ from qwengyre.engines.base import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class Handoff(Protocol):
+    """How a call moved from one engine to another continues there."""
+
+    async def continuation(
+        self,
+        source: InferenceEngine,
+        source_request_id: str,
+        request: GenerateRequest,
+        produced: Sequence[int],
+    ) -> GenerateRequest:
+        """The request the destination runs. ``request`` is the original call with a
+        fresh id and what is left of the token budget; ``produced`` are the tokens the
+        harness already has (their log-probs and versions are recorded), which the
+        destination must continue after and never generate again. ``source`` and
+        ``source_request_id`` name the attempt that was moved (aborted or failed)."""
+        ...
+
+
+class Recompute:
+    """The destination recomputes: its input is the prompt followed by the tokens
+    already produced."""
+
+    async def continuation(
+        self,
+        source: InferenceEngine,
+        source_request_id: str,
+        request: GenerateRequest,
+        produced: Sequence[int],
+    ) -> GenerateRequest:
+        return dataclasses.replace(request, input_ids=[*request.input_ids, *produced])
 
 
 class NoEngineAvailable(Exception):
@@ -49,8 +86,9 @@ class _Slot:
 class Router:
     """Routes every call of an execution to one engine, and moves them when asked."""
 
-    def __init__(self, max_attempts: int = 5) -> None:
+    def __init__(self, max_attempts: int = 5, handoff: Handoff | None = None) -> None:
         self.max_attempts = max_attempts
+        self.handoff: Handoff = handoff or Recompute()
         self._slots: dict[str, _Slot] = {}
         self._routes: dict[str, str] = {}
         self._ids = itertools.count()
@@ -124,16 +162,17 @@ class Router:
         happened underneath: an attempt that ends in :class:`EngineAborted` (the engine
         is draining) or in a connection failure (the engine is drained here) is retried
         at the execution's route, up to ``max_attempts`` attempts in all, and once tokens
-        have been produced the retry continues them: its input is the prompt plus those
-        tokens and its ``max_tokens`` what is left of the budget (none left: a last
-        empty delta finishing with ``"length"``). Raises :class:`NoEngineAvailable`
-        when no engine accepts or the attempts run out.
+        have been produced the retry continues them (:attr:`handoff`; by default its
+        input is the prompt plus those tokens) and its ``max_tokens`` is what is left of
+        the budget (none left: a last empty delta finishing with ``"length"``). Raises
+        :class:`NoEngineAvailable` when no engine accepts or the attempts run out.
 
         Closing the stream early (``aclose()``, or cancelling the consuming task) closes
         the engine's stream, which aborts the request there.
         """
         produced: list[int] = []
         engine = ""
+        moved: tuple[InferenceEngine, str] | None = None  # the last attempt, once it failed
         last: Exception | None = None
         for tries in itertools.count():
             sampling = request.sampling
@@ -149,8 +188,9 @@ class Router:
             slot = self._slots[engine]
             # Fixed width: SGLang aborts every rid that starts with the one it is given.
             request_id = f"{request.request_id}-{next(self._ids):010d}"
-            input_ids = [*request.input_ids, *produced] if produced else request.input_ids
-            attempt = GenerateRequest(request_id, input_ids, sampling, request.tags)
+            attempt = GenerateRequest(request_id, request.input_ids, sampling, request.tags)
+            if produced and moved is not None:
+                attempt = await self.handoff.continuation(*moved, attempt, tuple(produced))
             slot.inflight[request_id] = execution_id
             deltas = slot.engine.stream(attempt)
             try:
@@ -167,6 +207,7 @@ class Router:
             finally:
                 await deltas.aclose()  # early (the consumer left): aborts on the engine
                 slot.inflight.pop(request_id, None)
+            moved = (slot.engine, request_id)
 
     async def drain(self, name: str) -> list[str]:
         """Stop ``name`` accepting, move its routes, abort its calls; the moved executions."""

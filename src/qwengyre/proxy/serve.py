@@ -6,17 +6,19 @@ Its settings come from the config tree (:meth:`ServeOptions.from_config`); it bi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from qwengyre.config import Config
+from qwengyre.config import Config, EngineBackend
 from qwengyre.engines.base import InferenceEngine
+from qwengyre.engines.http_client import HTTPEngineClient
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
@@ -28,7 +30,8 @@ from qwengyre.proxy.store import Store
 class ServeOptions:
     model: Path
     store: Path
-    engine: str = "scripted"  # or "embedded"
+    engine: str = "scripted"  # or "embedded": the model, served by backend
+    backend: EngineBackend = "embedded"  # engine.backend
     script: Path | None = None  # the scripted engine's replies
     device: str = "cpu"  # the embedded engine's device
     dtype: str = "float32"  # and its torch dtype
@@ -46,9 +49,10 @@ class ServeOptions:
     @classmethod
     def from_config(cls, config: Config, admin_token: str | None) -> ServeOptions:
         """``qwengyre proxy serve``'s options from the config tree: the ``proxy`` section,
-        ``model.path`` (None: the tiny model, built on first use), ``run.device`` and
-        ``engine.dtype`` for the embedded engine, ``cells.capacity`` concurrent requests,
-        ``trainer.temperature`` and ``run.max_context`` as in ``train``."""
+        ``model.path`` (None: the tiny model, built on first use), ``run.device``,
+        ``engine.dtype`` and ``engine.backend`` for the model's engine, ``cells.capacity``
+        concurrent requests, ``trainer.temperature`` and ``run.max_context`` as in
+        ``train``."""
         p = config.proxy
         if p.store is None:
             raise ValueError("proxy serve needs a store directory: --store DIR or proxy.store=DIR")
@@ -56,6 +60,7 @@ class ServeOptions:
             model=model_dir(config),
             store=p.store,
             engine=p.engine,
+            backend=config.engine.backend,
             script=p.script,
             device=config.run.device,
             dtype=config.engine.dtype,
@@ -127,40 +132,72 @@ def resolve_admin_token(
     return token
 
 
-def build_engine(options: ServeOptions, tokenizer: Any) -> InferenceEngine:
+@contextlib.contextmanager
+def model_engine(options: ServeOptions, tokenizer: Any) -> Iterator[InferenceEngine]:
+    """The engine the proxy routes to, for as long as the block runs: the scripted
+    replies, the embedded engine in this process (``engine.backend=embedded``), or a
+    vLLM / SGLang server launched for the block on ``options.device`` (tensor parallel
+    over all visible GPUs for ``cuda``) with a fresh API key, serving the model's
+    weights as policy version 0, and stopped when the block ends."""
     if options.engine == "scripted":
         if options.script is None:
             raise ValueError(
                 "proxy.engine=scripted needs proxy.script=FILE (JSON replies by request class)"
             )
-        return ScriptedEngine.from_file(tokenizer, options.script)
-    if options.engine == "embedded":
+        yield ScriptedEngine.from_file(tokenizer, options.script)
+        return
+    if options.engine != "embedded":
+        raise ValueError(f"unknown engine {options.engine!r}; allowed: scripted, embedded")
+    if options.backend == "embedded":
         import torch
 
         from qwengyre.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(
+        yield EmbeddedEngine(
             options.model,
             capacity=options.capacity,
             device=options.device,
             dtype=getattr(torch, options.dtype),
             max_context=options.max_context,
         )
-    raise ValueError(f"unknown engine {options.engine!r}; allowed: scripted, embedded")
+        return
+    from qwengyre.cluster.devices import visible_gpus
+    from qwengyre.cluster.engine_host import rollout_host
+
+    host = rollout_host(
+        options.backend,
+        str(options.model),
+        name=options.backend,
+        capacity=options.capacity,
+        device=options.device,
+        max_context=options.max_context,
+        seed=0,
+        host="127.0.0.1",  # only this process's proxy talks to it
+        gpus=visible_gpus(options.device),
+        version=0,
+    )
+    try:
+        yield host.start().client(options.backend, options.capacity, version=0)
+    finally:
+        host.close()
 
 
-def build_proxy(options: ServeOptions) -> ProxyServer:
-    """A proxy over one engine, with the model's tokenizer and chat template."""
-    from transformers import AutoConfig, AutoTokenizer
+async def close_engine(engine: InferenceEngine) -> None:
+    """Close a server engine's HTTP session (in the loop that used it)."""
+    if isinstance(engine, HTTPEngineClient):
+        await engine.close()
 
-    if not (options.model / "config.json").exists():
-        raise ValueError(f"{options.model} is not a HuggingFace model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(options.model)
+
+def build_proxy(options: ServeOptions, engine: InferenceEngine, tokenizer: Any) -> ProxyServer:
+    """A proxy over ``engine`` (:func:`model_engine`), with the model's tokenizer
+    (:func:`load_tokenizer`) and chat template."""
+    from transformers import AutoConfig
+
     max_context = (
         options.max_context or AutoConfig.from_pretrained(options.model).max_position_embeddings
     )
     router = Router()
-    router.register(build_engine(options, tokenizer), preference=0)
+    router.register(engine, preference=0)
     server = ProxyServer(
         ChatRenderer(tokenizer),
         router,
@@ -178,8 +215,21 @@ def build_proxy(options: ServeOptions) -> ProxyServer:
     return server
 
 
+def load_tokenizer(model: Path) -> Any:
+    """The model directory's tokenizer; ValueError when it is not a model directory."""
+    from transformers import AutoTokenizer
+
+    if not (model / "config.json").exists():
+        raise ValueError(f"{model} is not a HuggingFace model directory (no config.json)")
+    return AutoTokenizer.from_pretrained(model)
+
+
 def serve(options: ServeOptions) -> None:
-    server = build_proxy(options)
-    if options.admin_token is None:
-        print(f"admin token: {server.admin_token}", flush=True)
-    web.run_app(server.app(), host=options.host, port=options.port, print=None)
+    tokenizer = load_tokenizer(options.model)
+    with model_engine(options, tokenizer) as engine:
+        server = build_proxy(options, engine, tokenizer)
+        if options.admin_token is None:
+            print(f"admin token: {server.admin_token}", flush=True)
+        app = server.app()
+        app.on_cleanup.append(lambda _app: close_engine(engine))
+        web.run_app(app, host=options.host, port=options.port, print=None)

@@ -134,6 +134,12 @@ class Summary:
     mean_switch_s: dict[str, float] = field(default_factory=dict)
     """Mean measured switch seconds by direction (``training``, ``rollout``)."""
     switches: dict[str, int] = field(default_factory=dict)
+    switch_engines: dict[str, str] = field(default_factory=dict)
+    """By direction: how the engines freed their memory (SwitchRecord.engine), joined."""
+    engine_backend: str = "embedded"
+    mean_publication_s: float = math.nan
+    """Mean seconds for a publication to reach every rollout engine."""
+    publications: int = 0
     training_fraction: list[float] = field(default_factory=list)
     """Each cell's fraction of the wall time in the training role."""
     idle_fraction: list[float] = field(default_factory=list)
@@ -185,6 +191,13 @@ def summarize(metrics: RunMetrics) -> Summary:
             d: _mean([s.seconds for s in metrics.switches if s.to == d]) for d in SWITCH_DIRECTIONS
         },
         switches={d: sum(1 for s in metrics.switches if s.to == d) for d in SWITCH_DIRECTIONS},
+        switch_engines={
+            d: ", ".join(sorted({s.engine for s in metrics.switches if s.to == d and s.engine}))
+            for d in SWITCH_DIRECTIONS
+        },
+        engine_backend=run.engine_backend if run is not None else "embedded",
+        mean_publication_s=_mean([p.seconds for p in metrics.publications]),
+        publications=len(metrics.publications),
         training_fraction=training_fractions(spans, cells, end_s) if metrics.roles else [],
         idle_fraction=idle_fractions(metrics),
         steps_by_cells=dict(sorted(Counter(s.cells for s in metrics.steps).items())),
@@ -365,9 +378,15 @@ def _rows(summary: Summary) -> list[tuple[str, str]]:
     for direction in SWITCH_DIRECTIONS:
         count = summary.switches.get(direction, 0)
         mean = summary.mean_switch_s.get(direction, math.nan)
-        rows.append(
-            (f"mean switch time to {direction}", f"{_num(mean, 2, ' s')} ({count} switches)")
+        how = summary.switch_engines.get(direction)
+        detail = f"{count} switches" + (f"; engine memory {how}" if how else "")
+        rows.append((f"mean switch time to {direction}", f"{_num(mean, 2, ' s')} ({detail})"))
+    rows.append(
+        (
+            f"mean publication time ({summary.engine_backend} engines)",
+            f"{_num(summary.mean_publication_s, 2, ' s')} ({summary.publications} publications)",
         )
+    )
     if summary.steps:
         none = summary.no_signal_steps
         rows.append(

@@ -142,6 +142,9 @@ class RunRecord(_Record):
     """``boundary`` or ``continuous`` (``scheduler.dispatch``)."""
     streaming: bool = True
     """Whether training streams on ready groups (``scheduler.streaming``)."""
+    engine_backend: str = "embedded"
+    """What serves rollout (``engine.backend``): the publications' and switches' cost
+    depends on it."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,11 @@ class SwitchRecord(_Record):
     to: str
     """``"training"`` or ``"rollout"``."""
     seconds: float
+    engine: str = ""
+    """How the cell's rollout engine gave its device memory up for this stint in
+    training: ``released`` (embedded), ``asleep`` (vLLM sleep, SGLang memory release),
+    ``stopped`` (a vLLM server on the CPU, whose sleep frees nothing, is stopped and
+    restarted); empty in logs written before this field existed."""
 
     def validate(self) -> None:
         if self.to not in SWITCH_DIRECTIONS:
@@ -356,22 +364,26 @@ class RunMetrics:
         """The run's shape: the last ``run`` record (a resumed run writes another)."""
         return self.runs[-1] if self.runs else None
 
+    def _kinds(self) -> tuple[Sequence[Record], ...]:
+        return (
+            self.runs,
+            self.steps,
+            self.roles,
+            self.switches,
+            self.loads,
+            self.groups,
+            self.usage,
+            self.publications,
+        )
+
     @property
     def end_s(self) -> float:
         """The latest time any record carries (0 for an empty log)."""
-        times = [
-            r.time_s
-            for rs in (self.runs, self.steps, self.roles, self.switches, self.loads, self.groups)
-            for r in rs
-            if math.isfinite(r.time_s)
-        ]
+        times = [t for rs in self._kinds() for r in rs if math.isfinite(t := r.time_s)]
         return max(times, default=0.0)
 
     def __len__(self) -> int:
-        return sum(
-            len(rs)
-            for rs in (self.runs, self.steps, self.roles, self.switches, self.loads, self.groups)
-        )
+        return sum(len(rs) for rs in self._kinds())
 
 
 def read_metrics(path: Path) -> RunMetrics:

@@ -77,7 +77,8 @@ class ExecutionResult:
 
     ``assessments``: every assessment of the execution, in the order made (intermediate,
     then final attempts or the placeholder); write them with
-    :class:`~qwengyre.rollout.assessments.AssessmentLog`.
+    :class:`~qwengyre.rollout.assessments.AssessmentLog`. ``host``: the name of the
+    harness host that ran it (:mod:`qwengyre.rollout.hosts`; empty when none did).
     """
 
     execution_id: str
@@ -89,6 +90,7 @@ class ExecutionResult:
     harness: HarnessRun | None
     assessments: tuple[Assessment, ...] = field(default=())
     detail: str = ""
+    host: str = ""
 
 
 async def _prepare_workspace(task: Task, workspace: Path, timeout_s: float) -> str | None:
@@ -168,7 +170,10 @@ async def _digest(workspace: Path) -> str | None:
 
 
 async def _model_calls(hub: AssessmentHub | None, execution_id: str) -> int | None:
-    """How many model calls the proxy recorded for the execution (None: unknown)."""
+    """How many model calls the proxy recorded for the execution (None: unknown).
+
+    Only the length of the tree's ``nodes`` is read, so a hub away from the proxy can
+    answer with the admin API's JSON tree (:mod:`qwengyre.cluster.ray_harness`)."""
     if hub is None:
         return None
     try:
@@ -195,9 +200,10 @@ async def run_execution(
 
     ``evaluation`` sets the retry pacing, the optional attempt cap and the intermediate
     schedule (default :class:`EvaluationOptions()`: retries until the overall budget,
-    no schedule). ``hub`` (the proxy serving ``base_url``; its
-    ``execution_id`` must be this one) receives the intermediate assessor while the
-    harness runs and is asked for the model-call count (:func:`infrastructure_failure`).
+    no schedule). ``hub`` (the proxy serving ``base_url``, or a stand-in for it on the
+    harness's node; its ``execution_id`` must be this one) receives the intermediate
+    assessor while the harness runs and is asked for the model-call count
+    (:func:`infrastructure_failure`, :func:`_model_calls`).
     """
     options = evaluation or EvaluationOptions()
     started = time.monotonic()

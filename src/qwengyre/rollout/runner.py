@@ -3,7 +3,8 @@
 ``qwengyre rollout`` — the evaluation mode users run on a checkpoint (``model.path``: a
 HuggingFace directory, which ``qwengyre model export`` makes of one). For every task,
 N executions run (bounded concurrency) with a harness that reaches the model only
-through an in-process proxy (embedded engine). Each finished execution is committed to
+through an in-process proxy (the engine of ``engine.backend``: embedded, or a vLLM /
+SGLang server launched for the run). Each finished execution is committed to
 the run's SQLite store (the same file as the proxy's TITO records) before it counts,
 appends every one of its assessments (final attempts, intermediate ones, placeholders)
 to ``assessments.jsonl`` (:class:`~qwengyre.rollout.assessments.AssessmentLog`) and
@@ -32,7 +33,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from qwengyre.proxy.serve import ServeOptions, build_proxy
+from qwengyre.config import EngineBackend
+from qwengyre.proxy.serve import (
+    ServeOptions,
+    build_proxy,
+    close_engine,
+    load_tokenizer,
+    model_engine,
+)
+from qwengyre.proxy.server import ProxyServer
 from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
@@ -74,6 +83,7 @@ class RolloutOptions:
     resume: bool = False
     device: str = "cpu"
     dtype: str = "float32"  # the embedded engine's weights and KV cache
+    backend: EngineBackend = "embedded"  # what serves the model (engine.backend)
     temperature: float = 1.0  # what every call samples at (trainer.temperature)
     max_context: int | None = None  # tokens per model call; None: the model's limit
     evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)  # retries, schedule
@@ -181,25 +191,31 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     with one line naming it, and a new run's directory must be empty (bar the lock file).
     Resuming an empty one runs everything, as a new run does."""
     with lock_run_dir(options.run_dir, new=not options.resume):
-        return await _rollout(options)
-
-
-async def _rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | None]]:
-    tasks = load_tasks(options.tasks)
-    spec = harness_spec(options.harness, options.harness_s)
-    budgets = Budgets(options.harness_s, options.overall_s)
-    run_dir = options.run_dir
-    server = build_proxy(
-        ServeOptions(
+        serving = ServeOptions(
             model=options.model,
-            store=run_dir,
+            store=options.run_dir,
             engine="embedded",
+            backend=options.backend,
             device=options.device,
             dtype=options.dtype,
             temperature=options.temperature,
             max_context=options.max_context,
         )
-    )
+        tokenizer = load_tokenizer(options.model)
+        with model_engine(serving, tokenizer) as engine:
+            try:
+                return await _rollout(options, build_proxy(serving, engine, tokenizer))
+            finally:
+                await close_engine(engine)
+
+
+async def _rollout(
+    options: RolloutOptions, server: ProxyServer
+) -> list[tuple[str, int, str, float | None]]:
+    tasks = load_tasks(options.tasks)
+    spec = harness_spec(options.harness, options.harness_s)
+    budgets = Budgets(options.harness_s, options.overall_s)
+    run_dir = options.run_dir
     results = ResultStore(run_dir / "proxy.sqlite")
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()

@@ -53,9 +53,10 @@ from qwengyre.report.metrics import (
 )
 from qwengyre.rollout.assessments import AssessmentLog
 from qwengyre.rollout.evaluation import EvaluationOptions
-from qwengyre.rollout.execution import Budgets, run_execution
+from qwengyre.rollout.execution import Budgets
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec
+from qwengyre.rollout.hosts import ExecutionRequest, HostPool
 from qwengyre.rollout.runner import trace_record
 from qwengyre.rollout.tasks import Task
 from qwengyre.runtime.ledger import Ledger
@@ -126,9 +127,9 @@ class _Execution:
     group: int
     index: int
     proxy_id: str
-    cancel: asyncio.Event
     started_s: float
     version: int  # the policy version published when it launched
+    ended: bool = False  # its harness host answered: nothing left to cancel
 
 
 @dataclass
@@ -155,6 +156,7 @@ class Controller:
         harness: HarnessSpec,
         outputs: RunOutputs,
         *,
+        hosts: HostPool,
         trajectories: TrajectoryBuffer | None = None,
         trained: Sequence[int] = (),
         standalone: CellHandle | None = None,
@@ -167,6 +169,7 @@ class Controller:
         self.tasks = list(tasks)
         self.harness = harness
         self.outputs = outputs
+        self.hosts = hosts  # where executions run (qwengyre.rollout.hosts)
         self.budgets = Budgets(config.run.harness_s, config.run.overall_s)
         self.evaluation = EvaluationOptions.from_config(config.evaluation)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
@@ -189,6 +192,7 @@ class Controller:
         self._last_load = (-1, -1, -1, -1)
         self._busy_s = [0.0] * len(self._roles)  # per cell, see UsageRecord
         self._serving = [False] * len(self._roles)  # rollout with executions routed to it
+        self._freed: dict[int, str] = {}  # cell: how its engine freed memory (SwitchRecord)
         self._accounted_at = 0.0
         self.failure: BaseException | None = None
         self.step_records: list[StepRecord] = []
@@ -264,7 +268,7 @@ class Controller:
             case Launch():
                 await self._launch(action)
             case Cancel():
-                self._executions[action.execution_id].cancel.set()
+                await self._cancel(self._executions[action.execution_id])
             case Reroute():
                 proxy_id = self._executions[action.execution_id].proxy_id
                 self.proxy.router.assign(proxy_id, engine_name(action.destination))
@@ -290,7 +294,6 @@ class Controller:
             action.group_id,
             action.index,
             info["id"],
-            asyncio.Event(),
             self.now(),
             action.version,
         )
@@ -299,18 +302,17 @@ class Controller:
 
     async def _run_execution(self, ex: _Execution, info: dict[str, str]) -> None:
         task = self._group_task[ex.group]
-        result = await run_execution(
+        request = ExecutionRequest(
             task,
             self.harness,
             self.budgets,
-            execution_id=ex.proxy_id,
-            run_dir=self.outputs.run_dir,
-            base_url=info["base_url"],
-            api_key=info["key"],
-            cancel=ex.cancel,
-            evaluation=self.evaluation,
-            hub=self.proxy,  # intermediate assessments; its call count tells crashes apart
+            ex.proxy_id,
+            info["base_url"],
+            info["key"],
+            self.evaluation,
         )
+        result = await self.hosts.run(request)
+        ex.ended = True
         await asyncio.to_thread(  # durable before the execution counts
             self.outputs.assessments.write,
             ex.proxy_id,
@@ -321,12 +323,17 @@ class Controller:
         )
         await self.proxy.revoke_execution(ex.proxy_id)
         nodes = (await self.proxy.tree(ex.proxy_id)).to_json()["nodes"]
-        self.outputs.traces.write(
-            trace_record(
-                task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0, ex.version
-            )
+        record = trace_record(
+            task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0, ex.version
         )
+        self.outputs.traces.write(record.model_copy(update={"host": result.host or None}))
         self._emit(lambda t: ExecutionFinished(t, ex.id, result.outcome, result.reward))
+
+    async def _cancel(self, ex: _Execution) -> None:
+        """Kill the execution's harness on its host; it ends ``cancelled``. The pool
+        hears only of executions it has not answered yet (it would keep the others)."""
+        if not ex.ended:
+            await self.hosts.cancel(ex.proxy_id)
 
     async def _buffer_if_ready(self, group_id: int) -> None:
         """A group that has its valid rewards and is not buffered yet: admit its
@@ -357,12 +364,14 @@ class Controller:
         name = engine_name(cell)
         if role is Role.TRAINING:
             await self.proxy.router.drain(name)  # calls in flight retry at their new engine
-            await self.cells[cell].call("release_engine")
+            self._freed[cell] = await self.cells[cell].call("release_engine")
         else:
             await self.cells[cell].call("resume_engine")
             self.proxy.router.resume(name)
         to = "training" if role is Role.TRAINING else "rollout"
-        self.outputs.metrics.write(SwitchRecord(self.now(), cell, to, self.now() - start))
+        seconds = self.now() - start
+        how = self._freed.get(cell, "")  # the way back undoes what the way out did
+        self.outputs.metrics.write(SwitchRecord(self.now(), cell, to, seconds, how))
         self._emit(lambda t: CellMoved(t, cell))
 
     def _observe_roles(self) -> None:
@@ -549,7 +558,7 @@ class Controller:
     async def shutdown(self) -> None:
         """Stop every execution (their harnesses are killed) and every background task."""
         for ex in self._executions.values():
-            ex.cancel.set()
+            await self._cancel(ex)
         pending = [t for t in self._tasks if not t.done()]
         for task in pending:
             if task.get_name() != "execution":

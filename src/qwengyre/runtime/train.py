@@ -10,7 +10,7 @@ Everything lives under the run directory::
     metrics.jsonl      steps, roles, switches, load, groups (qwengyre.report.metrics)
     traces.jsonl       one line per execution, in the simulator's trace format
     checkpoints/       model + optimizer + what a resumed run needs (every step)
-    workspaces/, logs/ per execution
+    workspaces/, logs/ per execution (with Ray harness hosts: under run.harness_dir, per node)
     report/            the HTML report, written at the end
 
 Resume (``--resume RUN_DIR``): the newest checkpoint gives the weights, the optimizer,
@@ -23,8 +23,8 @@ run that loses a cell resumes itself so, up to ``run.restarts`` times.
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
-import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,6 +35,7 @@ from aiohttp import web
 from qwengyre.cluster.cell import CellSpec
 from qwengyre.cluster.engine_host import Endpoint
 from qwengyre.cluster.local import ActorDied
+from qwengyre.cluster.net import advertised, free_port
 from qwengyre.cluster.placement import CellHandle, start_cells, start_standalone, stop_cells
 from qwengyre.cluster.standalone import StandaloneSpec
 from qwengyre.config import Config, config_to_yaml, load_config
@@ -46,6 +47,7 @@ from qwengyre.report.metrics import RunRecord
 from qwengyre.report.sinks import check_metrics, open_metrics
 from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.rollout.harness import kill_orphaned_harness
+from qwengyre.rollout.hosts import HostPool, LocalHarnessHost
 from qwengyre.rollout.runner import harness_spec
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.runtime.controller import Controller, RunOutputs, engine_name
@@ -59,7 +61,7 @@ from qwengyre.sim.trace import TraceWriter
 from qwengyre.training.buffers import TrajectoryBuffer
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 
-__all__ = ["Resumed", "TrainOptions", "free_port", "train"]
+__all__ = ["Resumed", "TrainOptions", "train"]
 
 CONFIG_FILE = "config.yaml"
 
@@ -85,13 +87,6 @@ class Resumed:
     ready: list[tuple[int, int]]  # (group id, v_d) of the ready, untrained groups
     next_group: int
     next_execution: int
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for the cells' torch.distributed rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prepare_run_dir(options: TrainOptions) -> Config:
@@ -205,9 +200,32 @@ async def _start_proxy(
     )
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    server.base_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    # Harnesses on other nodes reach the proxy at proxy.host; local ones on loopback.
+    host = config.proxy.host if config.run.harness_hosts == "ray" else "127.0.0.1"
+    await web.TCPSite(runner, host, 0).start()
+    server.base_url = f"http://{advertised(host)}:{runner.addresses[0][1]}"
     return server, runner
+
+
+def _harness_hosts(config: Config, run_dir: Path, proxy: ProxyServer) -> HostPool:
+    """The run's harness hosts (``run.harness_hosts``), ``run.harness_slots`` executions
+    each; by default the rollout capacity over the hosts, so none waits for a host."""
+    rollout = config.cells.count * config.cells.capacity + config.cells.standalone_capacity
+    if config.run.harness_hosts == "local":
+        slots = config.run.harness_slots or rollout
+        return HostPool([LocalHarnessHost(run_dir, capacity=slots, hub=proxy)])
+    from qwengyre.cluster.ray_harness import harness_nodes, start_ray_hosts
+
+    nodes = harness_nodes()
+    hosts = start_ray_hosts(
+        nodes,
+        capacity=config.run.harness_slots or math.ceil(rollout / len(nodes)),
+        harness_dir=config.run.harness_dir or run_dir.resolve(),
+        hub=proxy,
+        proxy_url=proxy.base_url,
+        admin_token=proxy.admin_token,
+    )
+    return HostPool(hosts)
 
 
 @dataclass
@@ -323,6 +341,10 @@ async def train(options: TrainOptions) -> Controller:
 async def _train_once(options: TrainOptions) -> Controller:
     config = prepare_run_dir(options)
     check_metrics(config)  # a sink that cannot work fails before the warm start
+    if config.run.harness_hosts == "ray" and config.run.placement != "ray":
+        from qwengyre.cluster.ray_harness import require_ray
+
+        require_ray()  # before the warm start; run.placement=ray starts Ray later
     run_dir, log = options.run_dir, options.log
     if options.resume:
         log(f"resume: stopped {stop_orphans(run_dir)} orphaned harness process groups")
@@ -364,11 +386,14 @@ async def _train_once(options: TrainOptions) -> Controller:
             config.cells.standalone_capacity,
             s.dispatch,
             s.streaming,
+            config.engine.backend,
         )
     )
     engines = Engines([])
+    hosts: HostPool | None = None
     try:
         engines = await _start_engines(config, resumed, run_dir, proxy)
+        hosts = _harness_hosts(config, run_dir, proxy)  # after the cells: Ray is up
         controller = Controller(
             config,
             scheduler,
@@ -383,6 +408,7 @@ async def _train_once(options: TrainOptions) -> Controller:
                 Ledger(run_dir / "ledger.jsonl"),
                 AssessmentLog(run_dir / ASSESSMENTS_FILE),
             ),
+            hosts=hosts,
             trajectories=resumed.trajectories,
             trained=resumed.trained,
             standalone=engines.standalone,
@@ -396,6 +422,8 @@ async def _train_once(options: TrainOptions) -> Controller:
             await controller.shutdown()
         return controller
     finally:
+        if hosts is not None:
+            await hosts.close()  # no harness outlives the run
         await site.cleanup()  # no new calls reach the cells while they stop
         engines.stop()
         proxy.store.close()

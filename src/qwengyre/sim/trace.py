@@ -19,7 +19,9 @@ The live runtime writes it (with :class:`TraceWriter`) and the simulator replays
   token counts;
 - ``version`` (optional, default ``null``): the policy version published when the
   execution launched (the scheduler's ``Launch.version``); a top-up launched after a
-  publication has a newer one than its group.
+  publication has a newer one than its group;
+- ``host`` (optional, default ``null``): the harness host that ran the execution
+  (:mod:`qwengyre.rollout.hosts`; ``null`` when none did, e.g. cancelled while waiting).
 
 Unknown fields are rejected, times and counts are non-negative and finite, and an end
 never precedes its start.  :func:`read_trace` reports the file, line and field of the
@@ -91,6 +93,7 @@ class TraceRecord(BaseModel):
     train_tokens: Count = 0
     calls: list[TraceCall] = Field(default_factory=list)
     version: Count | None = None
+    host: StrictStr | None = None
 
     @field_validator("end_s")
     @classmethod

@@ -169,6 +169,14 @@ class CellComm:
         dist.broadcast_object_list(box, group_src=0, group=self.cell_group)
         return box[0]
 
+    def cell_gather(self, value: object) -> list[object]:
+        """Every rank's ``value``, in shard order, on every rank of the cell."""
+        if self.shards == 1:
+            return [value]
+        gathered: list[object] = [None] * self.shards
+        dist.all_gather_object(gathered, value, group=self.cell_group)
+        return gathered
+
     def cell_barrier(self) -> None:
         if self.shards > 1:
             dist.barrier(group=self.cell_group)

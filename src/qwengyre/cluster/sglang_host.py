@@ -1,0 +1,112 @@
+"""An SGLang server as a cell's rollout server (``engine.backend=sglang``).
+
+:class:`SGLangHost` is a :class:`~qwengyre.cluster.server_host.ServerHost` that launches
+``python -m sglang.launch_server`` (the interpreter of ``$QWENGYRE_SGLANG_PYTHON``, else
+this one) with ``--api-key``, ``--tp-size`` over the cell's GPUs, ``--context-length``
+(``engine.max_context``), ``--weight-version`` when it starts from a published version
+and, on a GPU, ``--enable-memory-saver``; the proxy drives it with
+:class:`~qwengyre.engines.sglang.SGLangEngine`.
+
+Weights: on a GPU they travel as tensors. The boards' shards are put together into
+whole tensors in host memory, one shard at a time, and sent in buckets of bounded size
+through the host's GPU by CUDA IPC (``/update_weights_from_tensor``, see
+:class:`~qwengyre.engines.sglang.TensorRoute`). The host runs on the node and the
+devices of its server, so CUDA IPC always reaches it: no NCCL group between trainer and
+server (``/update_weights_from_distributed``) is needed. A server that does not take
+tensors (an older SGLang answers 4xx) gets its weights from disk from then on, as on the
+CPU: a model directory per version (the base host's), ``/update_weights_from_disk``.
+
+Role switches: ``release`` frees the server's weights and KV cache
+(``/release_memory_occupation``; memory leaves the GPU with ``--enable-memory-saver``)
+and answers ``"asleep"``; ``resume`` brings them back (``/resume_memory_occupation``)
+and loads the newest weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from typing import Any
+
+from torch import Tensor
+
+from qwengyre.cluster.server_host import ServerHost
+from qwengyre.cluster.weights import BoardShards
+from qwengyre.engines.base import WeightsInMemory
+from qwengyre.engines.sglang import (
+    SGLangEngine,
+    SGLangServerSpec,
+    TensorRoute,
+    TensorRouteUnavailable,
+    launch_sglang,
+)
+from qwengyre.training.sharding import shard_rows
+
+__all__ = ["SGLangHost"]
+
+log = logging.getLogger(__name__)
+
+
+def whole_tensors(boards: BoardShards, version: int) -> dict[str, Tensor]:
+    """The boards' tensors of ``version``, each whole (its shards' rows put together),
+    read one shard at a time. Raises :class:`~qwengyre.engines.base.StaleWeights` if a
+    shard moved on."""
+    source = boards.source(version)
+    whole: dict[str, Tensor] = {}
+    for r in range(source.count):
+        for name, rows in source.read(r).items():
+            shape = boards.shapes[name]
+            if tuple(rows.shape) == shape:  # one shard holds it all
+                whole[name] = rows
+                continue
+            if name not in whole:
+                whole[name] = rows.new_empty(shape)
+            first = shard_rows(shape[0], source.count, r)[0]
+            whole[name][first : first + rows.shape[0]] = rows
+    return whole
+
+
+class SGLangHost(ServerHost[SGLangEngine]):
+    """One SGLang server for a cell or the standalone pool; see the module docstring."""
+
+    api = "sglang"
+
+    def server_spec(self, model: str | None = None) -> SGLangServerSpec:
+        """How the server starts, on the weights in ``model`` (default: the base model)."""
+        return SGLangServerSpec(
+            model_path=model or str(self.model_dir),
+            port=self.port,
+            host=self.host,
+            api_key=self.api_key,
+            tp_size=self.tp_size,
+            context_length=self.max_context,
+            weight_version=str(self.version) if self.version >= 0 else None,
+            enable_memory_saver=self.device != "cpu",
+            extra_env=self.gpu_env(),
+        )
+
+    def _popen(self, model: str, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+        return launch_sglang(self.server_spec(model), **popen_kwargs)
+
+    def _new_client(self) -> SGLangEngine:
+        on_gpu = self.device.startswith("cuda")
+        return SGLangEngine(
+            self.url,
+            self.name,
+            capacity=1,
+            api_key=self.api_key,
+            policy_version=self.version,
+            tensor_route=TensorRoute(self.device, self.tp_size) if on_gpu else None,
+        )
+
+    def _load(self, boards: BoardShards, version: int) -> None:
+        client = self._engine()
+        if client.tensor_route is not None:
+            try:
+                tensors = WeightsInMemory(whole_tensors(boards, version))
+                self._on_loop(client.update_weights(tensors, version))
+                return
+            except TensorRouteUnavailable as exc:
+                log.warning("%s: %s; loading weights from disk from now on", self.name, exc)
+                client.tensor_route = None
+        self._load_from_disk(boards, version)

@@ -1,0 +1,232 @@
+"""Harness hosts: where executions run, and the pool that spreads them (issue 18).
+
+A :class:`HarnessHost` starts, watches and kills the harness processes of the
+executions it is given, with their workspaces on its machine, and evaluates them there
+(:func:`~qwengyre.rollout.execution.run_execution`). Kinds:
+
+- :class:`LocalHarnessHost`: in this process, workspaces and logs under one directory
+  (``train``'s run directory): what ``qwengyre train`` does by default;
+- :class:`~qwengyre.cluster.ray_harness.RayHarnessHost`: an async Ray actor pinned to
+  one node (``run.harness_hosts=ray``), one per node.
+
+:class:`HostPool` spreads executions over its hosts by free capacity: a new execution
+goes to the host with the most free slots (then the fewest running, then the first);
+no host runs more than its ``capacity``; when every host is full the execution waits
+for a slot. The pool remembers which host runs which execution, so a cancel goes there.
+The controller talks only to the pool, so a new kind of host changes no controller code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+from qwengyre.rollout.assessments import AssessmentHub
+from qwengyre.rollout.evaluation import EvaluationOptions
+from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
+from qwengyre.rollout.harness import HarnessSpec
+from qwengyre.rollout.tasks import Task
+from qwengyre.types import Outcome
+
+__all__ = ["ExecutionRequest", "HarnessHost", "HostPool", "LocalHarnessHost"]
+
+
+@dataclass(frozen=True)
+class ExecutionRequest:
+    """Everything a host needs to run one execution (picklable: it travels to a node).
+
+    ``base_url`` and ``api_key`` are the proxy's for this execution
+    (:meth:`~qwengyre.proxy.server.ProxyServer.create_execution`); the URL must be
+    reachable from the host's machine.
+    """
+
+    task: Task
+    harness: HarnessSpec
+    budgets: Budgets
+    execution_id: str
+    base_url: str
+    api_key: str
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
+
+
+class HarnessHost(Protocol):
+    """Runs executions on one machine; at most ``capacity`` at once (the pool's rule)."""
+
+    name: str
+    capacity: int
+
+    async def run(self, request: ExecutionRequest) -> ExecutionResult:
+        """Run the execution to its one outcome; ``result.host`` is this host's name."""
+        ...
+
+    async def cancel(self, execution_id: str) -> None:
+        """Stop a running execution (its harness is killed, outcome ``cancelled``);
+        one not running here is left alone."""
+        ...
+
+    async def close(self) -> None:
+        """Stop every execution here (harnesses killed) and release the host."""
+        ...
+
+
+class LocalHarnessHost:
+    """Executions in this process: workspaces and logs under ``run_dir``, intermediate
+    assessments and model-call counts through ``hub`` (the proxy, or a stand-in for it
+    on another node)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        capacity: int,
+        hub: AssessmentHub | None = None,
+        name: str = "local",
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"harness host {name!r}: capacity must be >= 1, got {capacity}")
+        self.run_dir = Path(run_dir)
+        self.capacity = capacity
+        self.hub = hub
+        self.name = name
+        self._running: dict[str, tuple[asyncio.Event, asyncio.Task[ExecutionResult]]] = {}
+
+    def start(self, request: ExecutionRequest) -> asyncio.Task[ExecutionResult]:
+        """Begin the execution; :meth:`cancel` reaches it from the moment this returns."""
+        execution_id = request.execution_id
+        if execution_id in self._running:
+            raise ValueError(f"execution {execution_id} is already running on {self.name}")
+        cancel = asyncio.Event()
+        task = asyncio.ensure_future(self._execute(request, cancel))
+        self._running[execution_id] = (cancel, task)
+        task.add_done_callback(lambda _: self._running.pop(execution_id, None))
+        return task
+
+    async def run(self, request: ExecutionRequest) -> ExecutionResult:
+        return await self.start(request)
+
+    async def _execute(self, request: ExecutionRequest, cancel: asyncio.Event) -> ExecutionResult:
+        result = await run_execution(
+            request.task,
+            request.harness,
+            request.budgets,
+            execution_id=request.execution_id,
+            run_dir=self.run_dir,
+            base_url=request.base_url,
+            api_key=request.api_key,
+            cancel=cancel,
+            evaluation=request.evaluation,
+            hub=self.hub,
+        )
+        return replace(result, host=self.name)
+
+    async def cancel(self, execution_id: str) -> None:
+        running = self._running.get(execution_id)
+        if running is not None:
+            running[0].set()
+
+    async def close(self) -> None:
+        running = list(self._running.values())
+        for cancel, _ in running:
+            cancel.set()
+        await asyncio.gather(*(task for _, task in running), return_exceptions=True)
+
+
+def _cancelled_before_start(request: ExecutionRequest, why: str) -> ExecutionResult:
+    """The result of an execution cancelled before any host ran it."""
+    now = time.monotonic()
+    return ExecutionResult(
+        request.execution_id, request.task.id, Outcome.CANCELLED, None, now, now, None, (), why
+    )
+
+
+class HostPool:
+    """Spreads executions over ``hosts`` by free capacity (module docstring)."""
+
+    def __init__(self, hosts: Sequence[HarnessHost]) -> None:
+        names = [host.name for host in hosts]
+        if not hosts or len(set(names)) != len(names):
+            raise ValueError(f"a host pool needs one or more hosts of distinct names, got {names}")
+        self.hosts = list(hosts)
+        self._running = [0] * len(self.hosts)
+        self._where: dict[str, int] = {}  # execution id -> index of the host running it
+        self._cancelled: set[str] = set()  # cancelled before they got a host
+        self._waiters: list[asyncio.Future[None]] = []
+        self._closed = False
+
+    @property
+    def capacity(self) -> int:
+        """Executions the pool runs at once (more wait for a slot)."""
+        return sum(host.capacity for host in self.hosts)
+
+    def running(self) -> dict[str, int]:
+        """Executions running now, by host name."""
+        return {host.name: n for host, n in zip(self.hosts, self._running, strict=True)}
+
+    async def run(self, request: ExecutionRequest) -> ExecutionResult:
+        """Run ``request`` on the host with the most free slots, waiting for one if all
+        are full. One cancelled before it got a host is not run (outcome ``cancelled``,
+        ``host`` empty). A host that raises frees its slot; the error propagates."""
+        execution_id = request.execution_id
+        index = await self._acquire(execution_id)
+        if index is None:
+            return _cancelled_before_start(request, "cancelled before a harness host was free")
+        self._where[execution_id] = index
+        try:
+            return await self.hosts[index].run(request)
+        finally:
+            del self._where[execution_id]
+            self._running[index] -= 1
+            self._wake()
+
+    async def cancel(self, execution_id: str) -> None:
+        """Cancel on the host that runs it; one that has no host yet (or whose
+        :meth:`run` has not been called yet) will not start. Call it only for an
+        execution whose :meth:`run` has not returned: the pool keeps a cancel it cannot
+        place until that run comes."""
+        index = self._where.get(execution_id)
+        if index is not None:
+            await self.hosts[index].cancel(execution_id)
+            return
+        self._cancelled.add(execution_id)
+        self._wake()
+
+    async def close(self) -> None:
+        """No execution starts any more; every host is closed (its harnesses killed)."""
+        self._closed = True
+        self._wake()
+        await asyncio.gather(*(host.close() for host in self.hosts))
+
+    async def _acquire(self, execution_id: str) -> int | None:
+        """The index of the host that takes the execution (its slot counted), or None
+        when it was cancelled (or the pool closed) before a slot was free."""
+        while True:
+            if execution_id in self._cancelled or self._closed:
+                self._cancelled.discard(execution_id)
+                return None
+            index = self._pick()
+            if index is not None:
+                self._running[index] += 1
+                return index
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+    def _pick(self) -> int | None:
+        """The host with the most free slots, then the fewest running; None if all full."""
+        free = [
+            (host.capacity - n, -n, -i)
+            for i, (host, n) in enumerate(zip(self.hosts, self._running, strict=True))
+            if n < host.capacity
+        ]
+        return -max(free)[2] if free else None
+
+    def _wake(self) -> None:
+        """Every waiting execution looks again (in the order they came)."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)

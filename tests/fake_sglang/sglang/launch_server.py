@@ -1,0 +1,72 @@
+"""``python -m sglang.launch_server`` for tests: qwengyre's engine server
+(:func:`qwengyre.engines.server.engine_app`, SGLang's native HTTP API) over a real
+:class:`~qwengyre.engines.embedded.EmbeddedEngine` on the CPU, generating from the
+model at ``--model-path``.
+
+It parses the flags of SGLang's ``server_args.py`` that qwengyre passes, strictly: an
+unknown flag, or an abbreviation of one, is an error (exit code 2), so that a test
+catches a wrongly named flag. ``--api-key`` is required (the fake serves with a key
+only). ``--tp-size`` and ``--enable-memory-saver`` are accepted and otherwise ignored
+(one CPU process; releasing memory works anyway). ``--weight-version`` labels the
+tokens when it is an integer, else (SGLang's ``default``) they are labelled -1.
+
+With ``$QWENGYRE_FAKE_SGLANG_RECORD`` set, it first writes its arguments and
+``CUDA_VISIBLE_DEVICES`` there as JSON: ``{"argv": [...], "cuda_visible_devices": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from aiohttp import web
+
+from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.engines.server import engine_app
+
+
+def parser() -> argparse.ArgumentParser:
+    """SGLang's names for the flags the fake knows (``server_args.py``)."""
+    p = argparse.ArgumentParser(prog="sglang.launch_server", allow_abbrev=False)
+    p.add_argument("--model-path", "--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", required=True)
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--enable-memory-saver", action="store_true")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    record = os.environ.get("QWENGYRE_FAKE_SGLANG_RECORD")
+    if record:
+        with open(record, "w") as f:
+            json.dump(
+                {
+                    "argv": argv,
+                    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    "pid": os.getpid(),
+                },
+                f,
+            )
+    args = parser().parse_args(argv)
+    engine = EmbeddedEngine(
+        args.model_path, name="fake-sglang", capacity=4, max_context=args.context_length
+    )
+    version = args.weight_version
+    engine.version = int(version) if version.lstrip("-").isdigit() else -1
+
+    async def close(app: web.Application) -> None:
+        engine.close()
+
+    app = engine_app(engine, args.api_key)
+    app.on_cleanup.append(close)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

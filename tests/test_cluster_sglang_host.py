@@ -1,0 +1,251 @@
+"""A cell's SGLang server (``engine.backend=sglang``) against the fake launcher in
+tests/fake_sglang (qwengyre's engine server behind SGLang's API and flags, generating
+from the tiny model): its flags and key, the boards' weights published through disk,
+a role switch, its end; and the tensor parallel commands of both server hosts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from tests.core_boards import core_boards
+from transformers import AutoModelForCausalLM
+
+from qwengyre.cluster.engine_host import Endpoint, rollout_host
+from qwengyre.cluster.sglang_host import SGLangHost
+from qwengyre.cluster.vllm_host import VLLMHost
+from qwengyre.cluster.weights import BoardShards, SharedWeights
+from qwengyre.engines.base import (
+    EngineAborted,
+    GenerateRequest,
+    GenerateResult,
+    WeightsInMemory,
+)
+from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.engines.sglang import SGLangEngine
+from qwengyre.proxy.serve import ServeOptions, close_engine, load_tokenizer, model_engine
+from qwengyre.types import SamplingParams
+
+FAKE = Path(__file__).parent / "fake_sglang"
+GREEDY = GenerateRequest("r", (5, 6, 7, 8), SamplingParams(6, 0.0, ignore_eos=True))
+
+
+@dataclass
+class Cell:
+    """A host serving the fake, the boards it loads from, and what the fake recorded."""
+
+    host: SGLangHost
+    endpoint: Endpoint
+    board: SharedWeights
+    boards: BoardShards
+    record: Path
+
+
+def use_fake(env: pytest.MonkeyPatch, record: Path) -> Path:
+    """``python -m sglang.launch_server`` runs the fake, which records into ``record``."""
+    env.setenv("PYTHONPATH", os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")]))
+    env.delenv("QWENGYRE_SGLANG_PYTHON", raising=False)
+    env.setenv("QWENGYRE_FAKE_SGLANG_RECORD", str(record))
+    return record
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    return use_fake(monkeypatch, tmp_path / "record.json")
+
+
+@pytest.fixture(scope="module")
+def cell(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cell]:
+    """One host for the module's tests: each starts from the version the last left."""
+    with pytest.MonkeyPatch.context() as env, core_boards(tiny_model_dir) as (board, boards):
+        record = use_fake(env, tmp_path_factory.mktemp("sglang") / "record.json")
+        host = rollout_host(
+            "sglang",
+            str(tiny_model_dir),
+            name="cell-1",
+            capacity=4,
+            device="cpu",
+            max_context=256,
+            seed=0,
+            host="127.0.0.1",
+        )
+        assert isinstance(host, SGLangHost)
+        try:
+            yield Cell(host, host.start(), board, boards, record)
+        finally:
+            host.close()
+
+
+def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The model's weights, moved a little (what the core publishes after a step)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: p.detach() + 0.05 * torch.randn(p.shape, generator=generator)
+        for name, p in model.named_parameters()
+    }
+
+
+def generate(endpoint: Endpoint) -> GenerateResult:
+    """Greedy tokens from the proxy's client of ``endpoint``."""
+
+    async def main() -> GenerateResult:
+        engine = endpoint.client("proxy", 1, version=-1)
+        assert isinstance(engine, SGLangEngine)
+        async with engine:
+            return await engine.generate(GREEDY)
+
+    return asyncio.run(main())
+
+
+def test_the_host_launches_sglang_with_its_flags_and_key(cell: Cell, tiny_model_dir: Path) -> None:
+    recorded = json.loads(cell.record.read_text())
+    argv = recorded["argv"]
+    flags = {
+        "--model-path": str(tiny_model_dir),
+        "--host": "127.0.0.1",
+        "--port": cell.endpoint.url.rsplit(":", 1)[1],
+        "--tp-size": "1",
+        "--context-length": "256",
+    }
+    assert {flag: argv[argv.index(flag) + 1] for flag in flags} == flags
+    assert f"--api-key={cell.endpoint.api_key}" in argv
+    assert "--enable-memory-saver" not in argv  # CPU: nothing to free
+    assert "--weight-version" not in argv  # nothing of the run's yet
+    assert recorded["cuda_visible_devices"] == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert cell.endpoint.api == "sglang"
+
+    result = generate(cell.endpoint)
+    assert len(result.output_ids) == len(result.logprobs) == 6
+    assert all(lp <= 0.0 for lp in result.logprobs)
+    assert result.versions == (cell.host.version,) * 6  # -1 until the boards' are loaded
+
+    async def anonymous() -> int:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{cell.endpoint.url}/generate", json={"input_ids": [5]}) as answer,
+        ):
+            return answer.status
+
+    assert asyncio.run(anonymous()) == 401
+
+
+def test_load_newest_publishes_the_boards_weights(cell: Cell, tiny_model_dir: Path) -> None:
+    before = generate(cell.endpoint)
+    version = max(cell.host.version, 0) + 1
+    weights = perturbed(tiny_model_dir, seed=version)
+    cell.board.write(weights.items(), version)  # the core published a version
+    assert cell.host.load_newest(cell.boards) == version
+    after = generate(cell.endpoint)
+    assert after.versions == (version,) * 6
+    assert after.logprobs != before.logprobs
+
+    reference = EmbeddedEngine(tiny_model_dir, name="reference", capacity=1)
+    try:
+        asyncio.run(reference.update_weights(WeightsInMemory(weights), version))
+        expected = asyncio.run(reference.generate(GREEDY))
+    finally:
+        reference.close()
+    assert after.output_ids == expected.output_ids
+    assert after.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+
+    cell.board.write(perturbed(tiny_model_dir, seed=version + 1).items(), version + 1)
+    assert cell.host.load_newest(cell.boards) == version + 1
+    assert cell.host.load_newest(cell.boards) == version + 1  # nothing newer: nothing loaded
+    assert [p.name for p in cell.host._work.iterdir()] == [f"v{version + 1}"]  # newest only
+
+
+def test_release_puts_it_to_sleep_and_resume_serves_the_newest(
+    cell: Cell, tiny_model_dir: Path
+) -> None:
+    assert cell.host.release() == "asleep"
+    with pytest.raises(EngineAborted, match="released"):  # asleep: the server refuses
+        generate(cell.endpoint)
+    version = max(cell.host.version, 0) + 1
+    cell.board.write(perturbed(tiny_model_dir, seed=version).items(), version)
+    assert cell.host.resume(cell.boards) == version
+    assert generate(cell.endpoint).versions == (version,) * 6
+
+
+def test_a_host_serves_its_model_as_the_version_given_and_closes_for_good(
+    tiny_model_dir: Path, fake_sglang: Path
+) -> None:
+    host = SGLangHost(
+        str(tiny_model_dir),
+        name="rollout",
+        device="cpu",
+        gpus=(),
+        max_context=None,
+        host="127.0.0.1",
+        version=7,
+    )
+    host.api_key = f"-{host.api_key}"  # as a URL-safe token may begin: still its value
+    try:
+        endpoint = host.start()
+        argv = json.loads(fake_sglang.read_text())["argv"]
+        assert argv[argv.index("--weight-version") + 1] == "7"
+        assert "--context-length" not in argv
+        assert generate(endpoint).versions == (7,) * 6
+        assert host._process is not None
+        group, work = host._process.pid, host._work
+    finally:
+        host.close()
+    with pytest.raises(ProcessLookupError):  # no process of the server's group is left
+        os.killpg(group, 0)
+    assert not work.exists()
+
+
+def test_proxy_serve_and_rollout_launch_the_backend_for_their_block(
+    tiny_model_dir: Path, fake_sglang: Path, tmp_path: Path
+) -> None:
+    """``engine.backend=sglang`` in ``proxy serve`` / ``rollout``: the proxy's engine is a
+    server launched for the run, serving the model as version 0, stopped at its end."""
+    options = ServeOptions(
+        model=tiny_model_dir, store=tmp_path, engine="embedded", backend="sglang"
+    )
+    with model_engine(options, load_tokenizer(tiny_model_dir)) as engine:
+        assert isinstance(engine, SGLangEngine) and engine.name == "sglang"
+
+        async def call() -> GenerateResult:
+            try:
+                return await engine.generate(GREEDY)
+            finally:
+                await close_engine(engine)
+
+        assert asyncio.run(call()).versions == (0,) * 6
+        pid = json.loads(fake_sglang.read_text())["pid"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("kind", [SGLangHost, VLLMHost])
+def test_a_server_runs_tensor_parallel_over_the_cells_gpus(
+    kind: type[SGLangHost] | type[VLLMHost],
+) -> None:
+    tp_flag = {SGLangHost: "--tp-size", VLLMHost: "--tensor-parallel-size"}[kind]
+    free_flag = {SGLangHost: "--enable-memory-saver", VLLMHost: "--enable-sleep-mode"}[kind]
+    hosts = [
+        kind(
+            "/m", name="c", device=device, gpus=gpus, max_context=None, host="127.0.0.1", version=-1
+        )
+        for device, gpus in [("cuda:0", ("2", "3")), ("cuda:1", ())]
+    ]
+    try:
+        (pair, own) = (host.server_spec() for host in hosts)
+        argv = pair.command()
+        assert argv[argv.index(tp_flag) + 1] == "2"
+        assert free_flag in argv
+        assert pair.env()["CUDA_VISIBLE_DEVICES"] == "2,3"
+        argv = own.command()  # no ids given: the device's own index
+        assert argv[argv.index(tp_flag) + 1] == "1"
+        assert own.env()["CUDA_VISIBLE_DEVICES"] == "1"
+    finally:
+        for host in hosts:
+            host.close()

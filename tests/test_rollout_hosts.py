@@ -1,0 +1,198 @@
+"""Harness hosts (issue 18): the pool spreads executions by free capacity, never
+overfills a host, waits when all are full, sends a cancel to the host that runs the
+execution, and frees the slot of a host that raised; the in-process host runs, cancels
+and closes real executions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwengyre.rollout.execution import Budgets, ExecutionResult
+from qwengyre.rollout.harness import HarnessSpec
+from qwengyre.rollout.hosts import ExecutionRequest, HostPool, LocalHarnessHost
+from qwengyre.rollout.tasks import CommandEvaluator, Task
+from qwengyre.types import Outcome
+
+SCORE = "import json; print(json.dumps({'score': 1.0, 'valid': True}))"
+TASK = Task(
+    id="t", instructions="go", evaluator=CommandEvaluator(command=[sys.executable, "-c", SCORE])
+)
+
+
+def request(execution_id: str, *command: str) -> ExecutionRequest:
+    spec = HarnessSpec(command=command or ("true",), deadline_s=20)
+    return ExecutionRequest(TASK, spec, Budgets(20, 30), execution_id, "http://127.0.0.1:9", "k")
+
+
+def result(execution_id: str, outcome: Outcome) -> ExecutionResult:
+    return ExecutionResult(execution_id, "t", outcome, None, 0.0, 0.0, None)
+
+
+class FakeHost:
+    """A host whose executions end when the test says so."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name, self.capacity = name, capacity
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+        self.closed = False
+        self._ends: dict[str, asyncio.Future[ExecutionResult]] = {}
+
+    async def run(self, request: ExecutionRequest) -> ExecutionResult:
+        self.started.append(request.execution_id)
+        end = self._ends[request.execution_id] = asyncio.get_running_loop().create_future()
+        return await end
+
+    def finish(self, execution_id: str, outcome: Outcome = Outcome.COMPLETED) -> None:
+        self._ends[execution_id].set_result(result(execution_id, outcome))
+
+    def fail(self, execution_id: str) -> None:
+        self._ends[execution_id].set_exception(RuntimeError(f"{self.name} broke"))
+
+    async def cancel(self, execution_id: str) -> None:
+        self.cancelled.append(execution_id)
+        self.finish(execution_id, Outcome.CANCELLED)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def settle() -> None:
+    """Let every ready task run until it waits again."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def start(pool: HostPool, *ids: str) -> dict[str, asyncio.Task[ExecutionResult]]:
+    return {i: asyncio.ensure_future(pool.run(request(i))) for i in ids}
+
+
+def test_the_pool_fills_the_most_free_host_first_and_waits_when_all_are_full() -> None:
+    async def scenario() -> None:
+        a, b, c = FakeHost("a", 1), FakeHost("b", 2), FakeHost("c", 3)
+        pool = HostPool([a, b, c])
+        assert pool.capacity == 6
+        runs = start(pool, *(f"e{i}" for i in range(7)))
+        await settle()
+        # Most free slots first, then the fewest running: c(3) b(2, none running) c a b c.
+        assert (a.started, b.started, c.started) == (["e3"], ["e1", "e4"], ["e0", "e2", "e5"])
+        assert pool.running() == {"a": 1, "b": 2, "c": 3}  # e6 waits: every host is full
+        b.finish("e4")
+        await settle()
+        assert b.started == ["e1", "e4", "e6"] and pool.running() == {"a": 1, "b": 2, "c": 3}
+        assert (await runs["e4"]).outcome is Outcome.COMPLETED
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_goes_to_the_host_that_runs_it_and_a_waiting_one_never_starts() -> None:
+    async def scenario() -> None:
+        a, b = FakeHost("a", 1), FakeHost("b", 1)
+        pool = HostPool([a, b])
+        runs = start(pool, "e0", "e1", "e2")
+        await settle()
+        await pool.cancel("e1")
+        assert (a.cancelled, b.cancelled) == ([], ["e1"])
+        assert (await runs["e1"]).outcome is Outcome.CANCELLED
+        await settle()
+        assert b.started == ["e1", "e2"]  # the freed slot went to the waiting one
+        runs |= start(pool, "e3")  # waits: both hosts are full
+        await settle()
+        await pool.cancel("e3")
+        early = await runs["e3"]
+        assert early.outcome is Outcome.CANCELLED and early.host == "" and early.reward is None
+        await pool.cancel("e4")  # before its run is even asked for
+        assert (await pool.run(request("e4"))).outcome is Outcome.CANCELLED
+        assert "e3" not in a.started + b.started and "e4" not in a.started + b.started
+        assert pool.running() == {"a": 1, "b": 1}
+
+    asyncio.run(scenario())
+
+
+def test_a_host_whose_run_raises_frees_its_slot() -> None:
+    async def scenario() -> None:
+        a = FakeHost("a", 1)
+        pool = HostPool([a])
+        runs = start(pool, "e0", "e1")
+        await settle()
+        assert a.started == ["e0"]
+        a.fail("e0")
+        with pytest.raises(RuntimeError, match="a broke"):
+            await runs["e0"]
+        await settle()
+        assert a.started == ["e0", "e1"] and pool.running() == {"a": 1}
+        a.finish("e1")
+        assert (await runs["e1"]).outcome is Outcome.COMPLETED and pool.running() == {"a": 0}
+
+    asyncio.run(scenario())
+
+
+def test_closing_the_pool_closes_every_host_and_starts_nothing_more() -> None:
+    async def scenario() -> None:
+        a, b = FakeHost("a", 1), FakeHost("b", 1)
+        pool = HostPool([a, b])
+        runs = start(pool, "e0", "e1", "e2")
+        await settle()
+        await pool.close()
+        assert a.closed and b.closed
+        assert (await runs["e2"]).outcome is Outcome.CANCELLED
+        assert (await pool.run(request("e3"))).outcome is Outcome.CANCELLED
+        assert a.started + b.started == ["e0", "e1"]
+
+    asyncio.run(scenario())
+
+
+def test_a_pool_needs_hosts_of_distinct_names() -> None:
+    with pytest.raises(ValueError, match="one or more hosts"):
+        HostPool([])
+    with pytest.raises(ValueError, match=r"distinct names, got \['a', 'a'\]"):
+        HostPool([FakeHost("a", 1), FakeHost("a", 2)])
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        LocalHarnessHost(Path("."), capacity=0)
+
+
+def gone(pid: int) -> bool:
+    """The process is no more (a harness is reaped before its execution returns)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_the_local_host_runs_cancels_and_closes_real_executions(tmp_path: Path) -> None:
+    """In this process, workspaces under its directory: one execution completes, a
+    cancelled one and one running at close have their harnesses killed."""
+    sleeper = ("sh", "-c", "echo $$ > pid; exec sleep 60")
+
+    async def pid_of(execution_id: str) -> int:
+        path = tmp_path / "workspaces" / execution_id / "pid"
+        while not path.exists() or not path.read_text().strip():
+            await asyncio.sleep(0.02)
+        return int(path.read_text())
+
+    async def scenario() -> tuple[list[ExecutionResult], list[int]]:
+        host = LocalHarnessHost(tmp_path, capacity=3, name="here")
+        done = await host.run(request("ex_done", "sh", "-c", "echo 1 > a.txt"))
+        cancelled, closed = (
+            host.start(request("ex_c", *sleeper)),
+            host.start(request("ex_k", *sleeper)),
+        )
+        pids = [await pid_of("ex_c"), await pid_of("ex_k")]
+        await host.cancel("ex_c")
+        await host.cancel("ex_unknown")  # not running here: nothing to stop
+        assert (await cancelled).outcome is Outcome.CANCELLED and not closed.done()
+        await host.close()
+        return [done, cancelled.result(), closed.result()], pids
+
+    (done, cancelled, closed), pids = asyncio.run(scenario())
+    assert done.outcome is Outcome.COMPLETED and done.reward == 1.0 and done.host == "here"
+    assert (tmp_path / "workspaces" / "ex_done" / "a.txt").exists()
+    assert cancelled.outcome is closed.outcome is Outcome.CANCELLED
+    assert cancelled.host == closed.host == "here"
+    assert all(gone(pid) for pid in pids)
