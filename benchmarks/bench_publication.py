@@ -40,7 +40,8 @@ def measure(backend: str, model: Path, publications: int) -> tuple[float, float,
     base = f"qg-bench-{uuid.uuid4().hex[:12]}"
     board = SharedWeights(board_name(base, 0), shard_layout(named, 1, 0), create=True)
     boards = BoardShards("shared_memory", base, named, 1, opened={0: board})
-    weights = {k: v.detach().clone() for k, v in _model_state(model).items() if k in named}
+    names = {name for name, _ in named}
+    weights = {k: v.detach().clone() for k, v in _model_state(model).items() if k in names}
     host = rollout_host(
         backend,  # type: ignore[arg-type]
         str(model),
