@@ -1,6 +1,7 @@
 """A cell's vLLM server (``engine.backend=vllm``; issue 18): it takes the core's
-published weights from the boards through disk, and on the CPU a role switch stops and
-restarts it, still serving (and labelling its tokens with) the newest version."""
+published weights from the boards through disk (an untied model's own ``lm_head``
+included), and on the CPU a role switch stops and restarts it, still serving (and
+labelling its tokens with) the newest version."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.core_boards import core_boards
 from transformers import AutoModelForCausalLM
 
 from qwengyre.cluster.vllm_host import VLLMHost
-from qwengyre.engines.base import GenerateRequest
+from qwengyre.engines.base import GenerateRequest, GenerateResult
 from qwengyre.engines.vllm import VLLMEngine, vllm_available
 from qwengyre.models import cached_tiny_model
 from qwengyre.types import SamplingParams
@@ -25,7 +26,8 @@ def test_a_stopped_and_restarted_server_serves_the_newest_version(tiny_model_dir
     if not python or not vllm_available(python):
         pytest.skip("QWENGYRE_VLLM_PYTHON is not the python of a vLLM venv")
     # The demo model: vLLM's CPU attention has no kernel for the test model's head size.
-    model = cached_tiny_model("demo", cache_dir=tiny_model_dir.parent)
+    # Untied: the published head differs from the embedding, and only the head changes.
+    model = cached_tiny_model("demo", cache_dir=tiny_model_dir.parent, tie_embeddings=False)
     host = VLLMHost(
         str(model),
         name="cell-1",
@@ -36,22 +38,39 @@ def test_a_stopped_and_restarted_server_serves_the_newest_version(tiny_model_dir
         version=-1,
     )
 
-    async def sample(url: str, key: str) -> tuple[int, ...]:
-        async with VLLMEngine(url, "cell-1", api_key=key) as engine:
-            request = GenerateRequest("r", (5, 6, 7), SamplingParams(8, 1.0, ignore_eos=True))
-            return (await engine.generate(request)).versions
+    prompt = (5, 6, 7)
+    weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    assert not weights.config.tie_word_embeddings
+    with torch.no_grad():
+        weights.lm_head.weight.add_(0.05 * torch.randn_like(weights.lm_head.weight))
+
+    def sample(url: str, key: str) -> GenerateResult:
+        async def go() -> GenerateResult:
+            async with VLLMEngine(url, "cell-1", api_key=key) as engine:
+                request = GenerateRequest("r", prompt, SamplingParams(8, 1.0, ignore_eos=True))
+                return await engine.generate(request)
+
+        return asyncio.run(go())
+
+    def served_by_the_published_weights(result: GenerateResult) -> bool:
+        ids = torch.tensor([[*prompt, *result.output_ids]])
+        with torch.no_grad():
+            logits = weights(ids).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+        return bool((expected - torch.tensor(result.logprobs)).abs().max() < 1e-4)
 
     with core_boards(model) as (board, boards):
         try:
-            weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
             board.write(weights.named_parameters(), version=3)  # the core published v3
             endpoint = host.start()
             assert host.load_newest(boards) == 3
-            assert asyncio.run(sample(endpoint.url, endpoint.api_key)) == (3,) * 8
+            first = sample(endpoint.url, endpoint.api_key)
+            assert first.versions == (3,) * 8 and served_by_the_published_weights(first)
             assert host.release() == "stopped"  # on the CPU: vLLM's sleep frees nothing
             with pytest.raises(OSError):
-                asyncio.run(sample(endpoint.url, endpoint.api_key))
+                sample(endpoint.url, endpoint.api_key)
             assert host.resume(boards) == 3  # restarted from the v3 weights it had loaded
-            assert asyncio.run(sample(endpoint.url, endpoint.api_key)) == (3,) * 8
+            again = sample(endpoint.url, endpoint.api_key)
+            assert again.versions == (3,) * 8 and served_by_the_published_weights(again)
         finally:
             host.close()

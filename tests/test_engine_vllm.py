@@ -1,5 +1,5 @@
-"""VLLMEngine against real vLLM CPU servers with a tiny model: one for the module with
-tied embeddings, and one more, for one test, with an untied ``lm_head``.
+"""VLLMEngine against a real vLLM CPU server (one for the module) with a tiny model with
+tied embeddings (an untied one is served in tests/test_cluster_vllm_host.py).
 
 The server runs from the Python named by ``QWENGYRE_VLLM_PYTHON`` (a vLLM venv:
 ``scripts/vllm_venv.sh``); without it the server tests skip. Run this module without
@@ -54,15 +54,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(tmp_path_factory: pytest.TempPathFactory, *, tie_embeddings: bool) -> Iterator[Server]:
-    """A vLLM CPU server of the demo tiny model, tied or untied, healthy until exit."""
+def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A vLLM CPU server of the demo tiny model, healthy until exit."""
     if not PYTHON:
         pytest.skip("QWENGYRE_VLLM_PYTHON is not set (the python of a vLLM venv)")
     if not vllm_available(PYTHON):
         pytest.skip(f"QWENGYRE_VLLM_PYTHON={PYTHON} cannot import vllm")
     env = os.environ.get("QWENGYRE_CACHE")
     cache = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
-    model = cached_tiny_model("demo", cache_dir=cache, tie_embeddings=tie_embeddings)
+    model = cached_tiny_model("demo", cache_dir=cache)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -104,14 +104,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory, *, tie_embeddings: bool) -
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(tmp_path_factory, tie_embeddings=True) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def untied_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The untied model's own server (a tied one cannot load an untied checkpoint)."""
-    with serving(tmp_path_factory, tie_embeddings=False) as started:
+    with serving(tmp_path_factory) as started:
         yield started
 
 
@@ -308,8 +301,8 @@ def test_a_consumer_that_leaves_frees_the_server(server: Server) -> None:
 
 
 def _perturbed_copy(model: Path, out: Path) -> Path:
-    """``model`` with noise on every parameter: the embedding, and ``lm_head`` apart
-    from it when untied (both far from their old values: std 0.05 against 0.02)."""
+    """``model`` with noise on every parameter (far from their old values: std 0.05
+    against 0.02)."""
     perturbed = type(hf_model(model)).from_pretrained(model, dtype=torch.float32)
     noise = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -404,23 +397,6 @@ def test_a_wrong_api_key_is_refused_on_every_path(server: Server) -> None:
         assert (await engine.generate(req("owner"))).finish_reason == "length"  # not paused
 
     run(server, t)
-
-
-def test_an_untied_model_serves_and_reloads_its_own_lm_head(
-    untied_server: Server, tmp_path: Path
-) -> None:
-    """The untied demo model (``lm_head.weight`` apart from the embedding; the worker
-    extension repacks nothing for it): greedy output and sampled log-probs match HF from
-    the start, and after an update mid-request (its head perturbed independently of the
-    embedding) the new weights' log-probs: vLLM's reload really loads the new head."""
-    assert not hf_model(untied_server.model).config.tie_word_embeddings
-
-    async def t(engine: VLLMEngine) -> None:
-        await _greedy_output_is_hf_greedy(untied_server, engine)
-        await _sampled_logprobs_match_hf(untied_server, 0.7, 50, engine)
-        await _update_mid_request(untied_server, tmp_path / "v1", engine)
-
-    run(untied_server, t, timeout=120)
 
 
 # -- without a server --------------------------------------------------------------------
