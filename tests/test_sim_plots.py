@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 
 from qwengyre.config import load_config
 from qwengyre.scheduler.events import Role
+from qwengyre.sim.bound import RunBound
 from qwengyre.sim.plots import (
     DPI,
     FIGSIZE_IN,
@@ -67,7 +68,7 @@ def _synthetic(spans: list[RoleSpan], cells: int, end_s: float) -> SimResult:
         mean_staleness_all=1.0,
         predicted_staleness=1.0,
         mean_execution_staleness=1.0,
-        lower_bound_s=end_s * 0.8,
+        bound=RunBound(resource_s=end_s * 0.8, littles_law_s=0.0, critical_chain_s=0.0),
         cell_training_share=[0.0] * cells,
         rollout_utilisation=0.5,
         launched=10,
@@ -268,11 +269,13 @@ def test_speedup_plot_three_policies(results: dict[str, SimResult], tmp_path: Pa
     for name in ("async", "colocate"):
         assert f"{ratio[name]:.2f}x" in texts
     assert sum(t.endswith("x") for t in texts) == 2  # none on elastic's own bar
-    # the lower bound as one horizontal dashed line
-    dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
-    assert len(dashed) == 1
-    lower = results["elastic"].lower_bound_s / HOUR
-    assert np.asarray(dashed[0].get_ydata(), dtype=float) == pytest.approx([lower, lower])
+    # each run's own lower bound, dashed across its bar
+    marks = [np.asarray(c.get_segments()[0]) for c in ax.collections]
+    assert [float(m[0, 1]) for m in marks] == pytest.approx(
+        [r.bound.seconds / HOUR for r in results.values()]
+    )
+    for mark, bar in zip(marks, bars, strict=True):
+        assert mark[0, 0] < bar.get_x() + bar.get_width() / 2 < mark[1, 0]
     ticks = [t.get_text() for t in ax.get_xticklabels()]
     assert [t.split("\n")[0] for t in ticks] == list(results)
     assert all("μ=" in t and "φ=" in t for t in ticks)
@@ -289,7 +292,7 @@ def test_speedup_plot_bar_colours_in_pixels(results: dict[str, SimResult], tmp_p
 
 
 def test_speedup_plot_bounds_per_bar_when_they_differ(tmp_path: Path) -> None:
-    """Runs of different lengths have different lower bounds: one dashed mark per bar."""
+    """Each run has its own lower bound: one dashed mark per bar, at that run's bound."""
     spans = [RoleSpan(0, Role.ROLLOUT, 0.0, 4 * HOUR)]
     short = _synthetic(spans, 1, 4 * HOUR)
     long = _synthetic([RoleSpan(0, Role.ROLLOUT, 0.0, 6 * HOUR)], 1, 6 * HOUR)

@@ -17,6 +17,7 @@ from qwengyre.sim.workload import (
     WORKLOAD_NAMES,
     ExecutionSpec,
     FixedWorkload,
+    ParametricDraws,
     ParametricWorkload,
     Workload,
     block_stats,
@@ -28,16 +29,19 @@ from qwengyre.sim.workload import (
 from qwengyre.types import Outcome
 
 TEST_SEED = 4242
+# Queries the presets' statistics are measured on: the standard error of the share of
+# >= 4 h queries is then 0.55 points (2p4t), a fifth of the tolerance asserted.
+STATS_QUERIES = 8000
 
 
 @pytest.fixture(scope="module")
 def stats_122b():
-    return workload_stats(paper_122b(TEST_SEED), 2000)
+    return workload_stats(paper_122b(TEST_SEED), STATS_QUERIES)
 
 
 @pytest.fixture(scope="module")
 def stats_2p4t():
-    return workload_stats(paper_2p4t(TEST_SEED), 2000)
+    return workload_stats(paper_2p4t(TEST_SEED), STATS_QUERIES)
 
 
 # -- determinism ---------------------------------------------------------------------
@@ -45,14 +49,16 @@ def stats_2p4t():
 
 @pytest.mark.parametrize("make", [paper_122b, paper_2p4t])
 def test_same_seed_query_index_gives_same_spec_in_any_order(make):
-    keys = [(q, i) for q in range(12) for i in range(20)]
+    # across query blocks (64 queries) and index chunks (16 indices) of the draws
+    keys = [(q, i) for q in [*range(6), *range(60, 68)] for i in range(12, 20)]
+    keys += [(10**9, 0), (10**9, 37)]
     forward = {key: make(7).execution(*key) for key in keys}
     shuffled = list(keys)
     random.Random(3).shuffle(shuffled)
     other = make(7)  # a fresh instance: nothing may be cached across calls
     backward = {key: other.execution(*key) for key in shuffled}
     assert forward == backward
-    assert make(8).execution(3, 4) != forward[(3, 4)]  # the seed matters
+    assert make(8).execution(3, 14) != forward[(3, 14)]  # the seed matters
 
 
 @settings(max_examples=40, deadline=None)
@@ -83,16 +89,31 @@ def test_executions_of_one_query_share_its_difficulty():
     assert between > 1.5 * within / math.sqrt(16)
 
 
-def test_query_stream_is_not_execution_zero_stream():
-    # default_rng([seed, q]) is the same stream as default_rng([seed, q, 0]); the query's
-    # difficulty must not reuse execution 0's random numbers.
-    from qwengyre.sim.workload import _execution_rng, _query_rng
+def test_query_stream_is_no_execution_stream():
+    # default_rng([seed, b]) is the same stream as default_rng([seed, b, 0]) (zero padding);
+    # the queries' difficulties must not reuse any execution tile's random numbers.
+    from qwengyre.sim.workload import _execution_tile_rng, _query_block_rng
 
-    for query_id in range(5):
-        query_bits = _query_rng(9, query_id).random(8)
-        for index in range(3):
-            assert not np.allclose(query_bits, _execution_rng(9, query_id, index).random(8))
-    assert np.allclose(np.random.default_rng([9, 2]).random(8), _execution_rng(9, 2, 0).random(8))
+    for block in range(5):
+        query_bits = _query_block_rng(9, block).random(8)
+        for chunk in range(3):
+            assert not np.allclose(query_bits, _execution_tile_rng(9, block, chunk).random(8))
+    assert np.allclose(
+        np.random.default_rng([9, 2]).random(8), np.random.default_rng([9, 2, 0]).random(8)
+    )
+
+
+def test_sampled_draws_are_the_ones_execution_uses():
+    """A sample straddling query blocks and index chunks is cut from the same tiles."""
+    workload = paper_122b(5)
+    draws = ParametricDraws.sample(5, n_queries=10, n_per_query=20, first_query=60)
+    block = workload.simulate(draws)
+    assert draws.query_ids.tolist() == list(range(60, 70))
+    for row, query_id in enumerate(range(60, 70)):
+        for index in range(20):
+            spec = workload.execution(query_id, index)
+            assert spec.duration_s == block.duration_h[row, index] * 3600.0
+            assert spec.train_tokens == block.train_tokens[row, index]
 
 
 def test_vectorised_statistics_match_execution_by_execution():

@@ -61,6 +61,7 @@ Policies share everything but the grouping of cells into *units* that move toget
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -297,7 +298,18 @@ class Scheduler:
             self.units = [tuple(range(k))]
         else:
             self.units = []
-        self.roles = [Role.ROLLOUT] * k
+        self.roles = [Role.ROLLOUT] * k  # read-only: only _set_role changes a role
+        self._role_counts = {role: 0 for role in Role} | {Role.ROLLOUT: k}
+        self._training: set[int] = set()  # cells in Role.TRAINING
+        self._training_view: tuple[int, ...] | None = ()  # sorted _training, None when stale
+        self._leads = {unit[0] for unit in self.units}
+        self._units_joined = 0  # units whose lead cell trains (they join in prefix order)
+        sizes = [len(unit) for unit in self.units]
+        self._cells_from = [*itertools.accumulate(reversed(sizes), initial=0)][::-1]
+        # Rollout cells that may have room, as a heap of -cell (the highest index first);
+        # every rollout cell with room is in it, stale entries are dropped when met.
+        self._room = [-cell for cell in reversed(range(k))]
+        self._in_room = set(range(k))
         self._return_after_move: set[int] = set()  # ordered back while moving to training
         self.groups: dict[int, Group] = {}
         self.executions: dict[int, Execution] = {}
@@ -307,13 +319,14 @@ class Scheduler:
         self._ready_seq = 0
         self._rollout: set[int] = set()  # groups in ROLLOUT
         self._owing: set[int] = set()  # groups in ROLLOUT with top-ups owed
+        self._topups_open = 0  # sum of _topups_left over the groups in ROLLOUT
         self._dropped_in_burst = 0  # boundary: drops whose slots wait for the boundary
         self._next_group = self._next_execution = 0
         self._d = self._p = self._f = 0
         self._reserve_left = 0  # of the burst's replacement reserve (boundary dispatch)
         self.version = 0  # optimizer steps done
         self.published = 0  # latest published version
-        self._step_assigned = 0  # groups in the current step's batch
+        self._batch: list[int] = []  # groups assigned to the current step
         self._wanted = 0  # groups the packing buffer asked for and has not received
         self._steps_in_burst = 0
         self._publishing = False
@@ -327,8 +340,7 @@ class Scheduler:
 
     @property
     def counters(self) -> Counters:
-        could_need = sum(self._topups_left(self.groups[g]) for g in self._rollout)
-        held = min(self._reserve_left, could_need)
+        held = min(self._reserve_left, self._topups_open)
         return Counters(self._d, self._p, self._f, held)
 
     @property
@@ -339,13 +351,15 @@ class Scheduler:
     @property
     def capacity(self) -> int:
         """Eq 3: rollout capacity of the engines that serve now."""
-        serving = sum(1 for r in self.roles if r is Role.ROLLOUT)
+        serving = self._role_counts[Role.ROLLOUT]
         return serving * self.params.cell_capacity + self.params.standalone_capacity
 
     @property
     def training_cells(self) -> tuple[int, ...]:
         """Cells whose transition to training is done (they may claim micro-steps)."""
-        return tuple(i for i, r in enumerate(self.roles) if r is Role.TRAINING)
+        if self._training_view is None:
+            self._training_view = tuple(sorted(self._training))
+        return self._training_view
 
     @property
     def ready_unassigned(self) -> int:
@@ -354,7 +368,7 @@ class Scheduler:
     @property
     def batch_needs(self) -> int:
         """Groups the current step's batch still needs (0 while publishing)."""
-        return 0 if self._publishing else self.params.batch - self._step_assigned
+        return 0 if self._publishing else self.params.batch - len(self._batch)
 
     @property
     def groups_wanted(self) -> int:
@@ -376,7 +390,7 @@ class Scheduler:
             self.batch_needs > 0
             and self._wanted == 0
             and self.ready_unassigned > 0
-            and queued_micro_steps < len(self.training_cells)
+            and queued_micro_steps < len(self._training)
         )
 
     def consumed(self) -> list[Consumed]:
@@ -463,7 +477,7 @@ class Scheduler:
         self._started = True
         if self.params.policy == "async":
             for cell in range(self.params.async_training_cells):
-                self.roles[cell] = Role.TRAINING
+                self._set_role(cell, Role.TRAINING)
         self._boundary()
 
     def _on_finished(self, event: ExecutionFinished) -> None:
@@ -477,6 +491,8 @@ class Scheduler:
         ex.finished = True
         self._f += 1
         self._load[ex.engine].discard(ex.id)
+        if ex.engine != STANDALONE:
+            self._offer_room(ex.engine)
         group = self.groups[ex.group]
         if ex.id not in group.pending:
             return  # surplus that was cancelled, or part of a dropped group
@@ -497,28 +513,28 @@ class Scheduler:
             raise SchedulerError(f"cell {cell} does not exist (0..{len(self.roles) - 1})")
         role = self.roles[cell]
         if role is Role.TO_TRAINING:
-            self.roles[cell] = Role.TRAINING
+            self._set_role(cell, Role.TRAINING)
             self._supply_since = None  # the timer resets after each transition
             if cell in self._return_after_move:  # its burst ended while it was moving
                 self._return_after_move.discard(cell)
                 self._move(cell, Role.ROLLOUT)
         elif role is Role.TO_ROLLOUT:
-            self.roles[cell] = Role.ROLLOUT
+            self._set_role(cell, Role.ROLLOUT)
         else:
             raise SchedulerError(f"cell {cell} is not in transition (it is {role})")
 
     def _on_step_done(self, step: int) -> None:
-        if step != self.version or self._step_assigned < self.params.batch:
+        if step != self.version or len(self._batch) < self.params.batch:
             raise SchedulerError(
                 f"StepDone({step}) but step {self.version} has"
-                f" {self._step_assigned}/{self.params.batch} groups assigned"
+                f" {len(self._batch)}/{self.params.batch} groups assigned"
             )
-        for group in self.groups.values():
-            if group.state is GroupState.ASSIGNED:
-                group.state = GroupState.TRAINED
+        for gid in self._batch:
+            self.groups[gid].state = GroupState.TRAINED
         self.version += 1
         self._steps_in_burst += 1
-        self._step_assigned = self._wanted = 0
+        self._batch = []
+        self._wanted = 0
         self._supply_since = None  # the timer resets at each batch start
         if self._steps_in_burst == self.params.mu:
             self._end_burst()
@@ -564,7 +580,8 @@ class Scheduler:
         ids: list[int] = []
         for gid in sorted(self._owing):
             group = self.groups[gid]
-            n, group.owed = group.owed, 0
+            n = group.owed
+            self._set_owed(group, 0)
             ids += self._dispatch(group, n, topup=True)
         self._owing.clear()
         # Each group's top-ups jumped ahead of the previous group's: restore id order.
@@ -585,7 +602,7 @@ class Scheduler:
         group yet; otherwise the owed top-ups and the dropped slots are dispatched now."""
         if not self._stalled():
             return
-        if self._steps_in_burst and not self._step_assigned:
+        if self._steps_in_burst and not self._batch:
             self._end_burst()
             return
         self._dispatch_owed()
@@ -600,21 +617,23 @@ class Scheduler:
 
     def _slots_held(self) -> int:
         """Boundary: a group holds its slot until trained. Continuous: until ready."""
-        held = {GroupState.ROLLOUT}
+        held = len(self._rollout)  # ROLLOUT groups; READY ones are _ready, ASSIGNED _batch
         if self.params.dispatch == "boundary":
-            held |= {GroupState.READY, GroupState.ASSIGNED}
-        return sum(1 for g in self.groups.values() if g.state in held)
+            held += len(self._ready) + len(self._batch)
+        return held
 
     def _dispatch_group(self) -> None:
         group = Group(id=self._next_group, v_d=self.published)
         self._next_group += 1
         self.groups[group.id] = group
         self._rollout.add(group.id)
+        self._topups_open += self._topups_left(group)
         self._dispatch(group, self.params.executions_per_group, topup=False)
 
     def _dispatch(self, group: Group, n: int, topup: bool) -> list[int]:
-        """Dispatch ``n`` executions of ``group``: a new group's join the back of the
-        queue; top-ups jump it (their group is already waiting on them)."""
+        """Dispatch ``n`` executions of ``group`` (in rollout): a new group's join the back
+        of the queue; top-ups jump it (their group is already waiting on them)."""
+        left = self._topups_left(group)
         ids = []
         for _ in range(n):
             ex = Execution(id=self._next_execution, group=group.id, index=len(group.executions))
@@ -628,13 +647,13 @@ class Scheduler:
         else:
             self._queue.extend(ids)
         self._d += n
+        self._topups_open += self._topups_left(group) - left
         self._out.append(Dispatch(group.id, tuple(ids), self.published, topup=topup))
         return ids
 
     def _make_ready(self, group: Group) -> None:
         """N valid rewards: the group is ready; its surplus executions are cancelled."""
-        group.state = GroupState.READY
-        self._rollout.discard(group.id)
+        self._leave_rollout(group, GroupState.READY)
         heapq.heappush(self._ready, (group.v_d, self._ready_seq, group.id))
         self._ready_seq += 1
         self._cancel_pending(group)
@@ -645,6 +664,18 @@ class Scheduler:
         """Top-ups ``group`` may still get (its ``max_topups`` allowance, owed ones spent)."""
         p = self.params
         return max(0, p.executions_per_group + p.max_topups - len(group.executions) - group.owed)
+
+    def _set_owed(self, group: Group, owed: int) -> None:
+        """Change the top-ups ``group`` (in rollout) is owed; keeps ``_topups_open``."""
+        left = self._topups_left(group)
+        group.owed = owed
+        self._topups_open += self._topups_left(group) - left
+
+    def _leave_rollout(self, group: Group, state: GroupState) -> None:
+        """``group`` is ready or dropped: it no longer counts as in rollout."""
+        self._topups_open -= self._topups_left(group)
+        self._rollout.discard(group.id)
+        group.state = state
 
     def _top_up_or_drop(self, group: Group) -> None:
         """Replace executions without a valid reward; drop the group past the allowance.
@@ -667,13 +698,12 @@ class Scheduler:
             if now:
                 self._dispatch(group, now, topup=True)
             if shortfall > now:
-                group.owed += shortfall - now
+                self._set_owed(group, group.owed + shortfall - now)
                 self._owing.add(group.id)
 
     def _drop(self, group: Group) -> None:
-        group.state = GroupState.DROPPED
+        self._leave_rollout(group, GroupState.DROPPED)
         group.owed = 0
-        self._rollout.discard(group.id)
         self._owing.discard(group.id)
         self._cancel_pending(group)
         self._out.append(DropGroup(group.id))
@@ -700,7 +730,7 @@ class Scheduler:
         remainder of the batch at once, once it is all ready.
         """
         needs = self.batch_needs
-        if not needs or not self._ready or not self.training_cells:
+        if not needs or not self._ready or not self._training:
             return
         if self.params.streaming:
             n = min(self._wanted, needs, len(self._ready))
@@ -713,8 +743,8 @@ class Scheduler:
         for gid in take:
             self.groups[gid].state = GroupState.ASSIGNED
             self.groups[gid].v_t = self.version
-        self._step_assigned += len(take)
-        closes = self._step_assigned == self.params.batch
+        self._batch += take
+        closes = len(self._batch) == self.params.batch
         self._out.append(AssignGroups(self.version, tuple(take), closes_batch=closes))
 
     def _supply_ok(self) -> bool:
@@ -723,7 +753,7 @@ class Scheduler:
         return available >= self.params.rho_min * self.params.batch
 
     def _capacity_with_units_training(self, n_units: int) -> int:
-        serving = sum(len(u) for u in self.units[n_units:])
+        serving = self._cells_from[n_units]  # cells in units[n_units:]
         return serving * self.params.cell_capacity + self.params.standalone_capacity
 
     def _maybe_join(self) -> None:
@@ -731,9 +761,9 @@ class Scheduler:
         if not self.units or self._publishing:
             self._supply_since = None
             return
-        if any(r in (Role.TO_TRAINING, Role.TO_ROLLOUT) for r in self.roles):
+        if self._role_counts[Role.TO_TRAINING] or self._role_counts[Role.TO_ROLLOUT]:
             return  # cells move serially
-        joined = sum(1 for u in self.units if self.roles[u[0]] is Role.TRAINING)
+        joined = self._units_joined
         if joined == len(self.units):
             return
         if not self._supply_ok():
@@ -791,34 +821,55 @@ class Scheduler:
         if role is Role.ROLLOUT and current is Role.TO_TRAINING:
             self._return_after_move.add(cell)
             return
-        self.roles[cell] = Role.TO_TRAINING if role is Role.TRAINING else Role.TO_ROLLOUT
+        self._set_role(cell, Role.TO_TRAINING if role is Role.TRAINING else Role.TO_ROLLOUT)
         self._out.append(MoveCell(cell, role))
 
-    def _engines_by_preference(self) -> list[int]:
-        """Standalone first, then rollout cells in descending index (they stay longest)."""
-        cells = [c for c in reversed(range(len(self.roles))) if self.roles[c] is Role.ROLLOUT]
-        return [STANDALONE, *cells]
+    def _set_role(self, cell: int, role: Role) -> None:
+        """The one place a role changes; keeps the tallies the rules read per event."""
+        old = self.roles[cell]
+        if old is role:
+            return
+        self.roles[cell] = role
+        self._role_counts[old] -= 1
+        self._role_counts[role] += 1
+        if Role.TRAINING in (old, role):
+            self._training_view = None
+            lead = 1 if cell in self._leads else 0
+            if role is Role.TRAINING:
+                self._training.add(cell)
+                self._units_joined += lead
+            else:
+                self._training.discard(cell)
+                self._units_joined -= lead
+        if role is Role.ROLLOUT:
+            self._offer_room(cell)
 
-    def _engine_capacity(self, engine: int) -> int:
-        if engine == STANDALONE:
-            return self.params.standalone_capacity
-        return self.params.cell_capacity
+    def _offer_room(self, cell: int) -> None:
+        """``cell`` may have room now: it serves rollout again, or an execution on it ended."""
+        if cell not in self._in_room:
+            self._in_room.add(cell)
+            heapq.heappush(self._room, -cell)
 
     def _free_engine(self) -> int | None:
-        for engine in self._engines_by_preference():
-            if len(self._load[engine]) < self._engine_capacity(engine):
-                return engine
+        """The preferred engine with room: standalone first, then the rollout cell with the
+        highest index (it stays in rollout longest); None when all are full."""
+        if len(self._load[STANDALONE]) < self.params.standalone_capacity:
+            return STANDALONE
+        while self._room:
+            cell = -self._room[0]
+            has_room = len(self._load[cell]) < self.params.cell_capacity
+            if has_room and self.roles[cell] is Role.ROLLOUT:
+                return cell
+            heapq.heappop(self._room)
+            self._in_room.discard(cell)
         return None
 
     def _launch(self) -> None:
         """Eq 4: launch ``min(d - p, C(t) - (p - f))`` queued executions."""
-        for engine in self._engines_by_preference():
-            free = self._engine_capacity(engine) - len(self._load[engine])
-            while free > 0 and self._queue:
-                ex = self.executions[self._queue.popleft()]
-                ex.engine = engine
-                self._load[engine].add(ex.id)
-                ex.version = self.published
-                self._p += 1
-                free -= 1
-                self._out.append(Launch(ex.id, ex.group, ex.index, engine, self.published))
+        while self._queue and (engine := self._free_engine()) is not None:
+            ex = self.executions[self._queue.popleft()]
+            ex.engine = engine
+            self._load[engine].add(ex.id)
+            ex.version = self.published
+            self._p += 1
+            self._out.append(Launch(ex.id, ex.group, ex.index, engine, self.published))

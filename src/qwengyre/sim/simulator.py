@@ -49,6 +49,7 @@ from qwengyre.scheduler.events import (
     WakeAt,
 )
 from qwengyre.scheduler.staleness import predicted_staleness, warmup_steps
+from qwengyre.sim.bound import RunBound, run_bound, run_work
 from qwengyre.sim.workload import ExecutionSpec, Workload
 from qwengyre.types import Outcome
 
@@ -106,6 +107,7 @@ class SimResult:
     consumed group counted once. ``mean_execution_staleness`` averages, over the counted
     executions of the same groups, v_t minus the version the execution launched with
     (:attr:`Launch.version`): lower when top-ups launched after a later publication.
+    ``bound`` is this run's lower bound on ``end_to_end_s`` (:mod:`qwengyre.sim.bound`).
     """
 
     policy: str
@@ -118,7 +120,7 @@ class SimResult:
     mean_staleness_all: float
     predicted_staleness: float
     mean_execution_staleness: float
-    lower_bound_s: float
+    bound: RunBound
     cell_training_share: list[float]
     rollout_utilisation: float
     launched: int
@@ -146,7 +148,10 @@ class SimResult:
             "mean_staleness_all_steps": self.mean_staleness_all,
             "predicted_staleness": self.predicted_staleness,
             "mean_execution_staleness": self.mean_execution_staleness,
-            "lower_bound_s": self.lower_bound_s,
+            "lower_bound_s": self.bound.seconds,
+            "lower_bound_terms_s": self.bound.terms(),
+            "lower_bound_binding": self.bound.binding,
+            "time_over_bound": self.end_to_end_s / self.bound.seconds,
             "cell_training_share": self.cell_training_share,
             "rollout_utilisation": self.rollout_utilisation,
             "executions_launched": self.launched,
@@ -167,7 +172,7 @@ class Simulation:
         self, params: SchedulerParams, costs: SimCosts, workload: Workload, steps: int
     ) -> None:
         self.params, self.costs, self.steps = params, costs, steps
-        self.workload = _Memoised(workload)  # the lower bound asks for the same executions
+        self.workload = workload
         self.scheduler = Scheduler(params)
         self.now = 0.0
         self._timers: list[tuple[float, int, int, int]] = []  # (time, kind, seq, payload)
@@ -177,12 +182,14 @@ class Simulation:
         self._finish_timer: dict[int, int] = {}  # execution -> seq of its live finish timer
         self._cancelled: set[int] = set()
         self._micro: deque[float] = deque()  # token counts of unclaimed micro-steps
-        self._busy: set[int] = set()  # training cells working on a micro-step
+        self._busy: set[int] = set()  # cells working on a micro-step (they may have left training)
+        self._idle: set[int] = set()  # training cells not working on a micro-step
         self._batch_closed = False
         self._step_pending = False
         self.step_end_s: list[float] = []
         self.launched = self.cancelled = self.dropped = self.reroutes = 0
-        self._roles = list(self.scheduler.roles)
+        self._roles = list(self.scheduler.roles)  # as last observed
+        self._touched = set(range(params.cells))  # cells whose role may have changed since
         self._role_since = [0.0] * params.cells
         self.role_spans: list[RoleSpan] = []
         self.load: list[LoadSample] = []
@@ -212,12 +219,13 @@ class Simulation:
         self._settle()
 
     def _settle(self) -> None:
-        """After anything happened: cells claim work, the buffer pulls, we observe."""
+        """After anything happened: we observe roles, cells claim work, the buffer pulls."""
+        self._observe_roles()
         self._claim_micro_steps()
         if self.scheduler.wants_groups(len(self._micro)):
             self._deliver(PullGroups(self.now, self.scheduler.version, 1))
         else:
-            self._observe()
+            self._observe_load()
 
     def _execute(self, action: Action) -> None:
         match action:
@@ -226,6 +234,7 @@ class Simulation:
             case Cancel():
                 self._cancel(action.execution_id)
             case MoveCell():
+                self._touched.add(action.cell)
                 to_training = action.role is Role.TRAINING
                 c = self.costs
                 self._after(
@@ -262,9 +271,12 @@ class Simulation:
             spec = self._specs[payload]
             return ExecutionFinished(self.now, payload, spec.outcome, spec.reward)
         if kind == _CELL:
+            self._touched.add(payload)
             return CellMoved(self.now, payload)
         if kind == _MICRO:
             self._busy.discard(payload)
+            if self._roles[payload] is Role.TRAINING:
+                self._idle.add(payload)
             return None
         if kind == _STEP:
             self._step_pending = False
@@ -306,10 +318,11 @@ class Simulation:
     # ------------------------------------------------------------ training
 
     def _claim_micro_steps(self) -> None:
-        """Idle training cells claim micro-steps; a drained, closed batch ends the step."""
-        for cell in self.scheduler.training_cells:
-            if cell in self._busy or not self._micro:
-                continue
+        """Idle training cells claim micro-steps, lowest index first; a drained, closed
+        batch ends the step."""
+        while self._micro and self._idle:
+            cell = min(self._idle)
+            self._idle.remove(cell)
             self._busy.add(cell)
             self._after(self.costs.micro_step_s(self._micro.popleft()), _MICRO, cell)
         if self._batch_closed and not self._micro and not self._busy and not self._step_pending:
@@ -318,17 +331,32 @@ class Simulation:
 
     # ------------------------------------------------------------ observation
 
-    def _observe(self) -> None:
+    def _observe_roles(self) -> None:
+        """Close the spans of cells whose role changed. A role changes only at Start
+        (async's training split), by MoveCell and on CellMoved: only those cells are read."""
         roles = self.scheduler.roles
-        for cell, role in enumerate(roles):
-            if role is not self._roles[cell]:
-                self._close_span(cell)
-                self._roles[cell] = role
+        for cell in sorted(self._touched):
+            role = roles[cell]
+            if role is self._roles[cell]:
+                continue
+            self._close_span(cell)
+            self._roles[cell] = role
+            if role is Role.TRAINING and cell not in self._busy:
+                self._idle.add(cell)
+            else:
+                self._idle.discard(cell)
+        self._touched.clear()
+
+    def _observe_load(self) -> None:
+        """A load sample when the counts changed (the last one at a time stands)."""
         c = self.scheduler.counters
-        sample = LoadSample(self.now, c.running, c.queued, self.scheduler.capacity)
+        counts = (c.running, c.queued, self.scheduler.capacity)
+        if self.load and _counts(self.load[-1]) == counts:
+            return
+        sample = LoadSample(self.now, *counts)
         if self.load and self.load[-1].time_s == self.now:
             self.load[-1] = sample
-        elif not self.load or _counts(self.load[-1]) != _counts(sample):
+        else:
             self.load.append(sample)
 
     def _close_span(self, cell: int) -> None:
@@ -355,6 +383,7 @@ class Simulation:
             if g.v_t >= warmup
             for eid in groups[g.group_id].valid
         ]
+        work = run_work(self.scheduler, self._specs, self.costs, self.steps)
         return SimResult(
             policy=self.params.policy,
             mu=self.params.mu,
@@ -366,8 +395,8 @@ class Simulation:
             mean_staleness_all=_mean([g.staleness for g in consumed]),
             predicted_staleness=predicted_staleness(self.params.mu, self.params.phi),
             mean_execution_staleness=_mean(per_execution),
-            lower_bound_s=lower_bound_s(self.params, self.costs, self.workload, self.steps),
-            cell_training_share=[t / end for t in training],
+            bound=run_bound(self.params, self.costs, work),
+            cell_training_share=[t / end if end > 0 else 0.0 for t in training],
             rollout_utilisation=_utilisation(self.load, end),
             launched=self.launched,
             cancelled=self.cancelled,
@@ -376,25 +405,6 @@ class Simulation:
             role_spans=self.role_spans,
             load=self.load,
         )
-
-
-class _Memoised:
-    """A workload whose executions are computed once (they are pure functions of ids)."""
-
-    def __init__(self, workload: Workload) -> None:
-        self._workload = workload
-        self._specs: dict[tuple[int, int], ExecutionSpec] = {}
-
-    @property
-    def name(self) -> str:
-        return self._workload.name
-
-    def execution(self, query_id: int, index: int) -> ExecutionSpec:
-        key = (query_id, index)
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = self._workload.execution(query_id, index)
-        return spec
 
 
 def _counts(sample: LoadSample) -> tuple[int, int, int]:
@@ -415,35 +425,6 @@ def _utilisation(load: list[LoadSample], end: float) -> float:
         used += sample.running * (stop - sample.time_s)
         offered += sample.capacity * (stop - sample.time_s)
     return used / offered if offered else 0.0
-
-
-def lower_bound_s(
-    params: SchedulerParams, costs: SimCosts, workload: Workload, steps: int
-) -> float:
-    """An idealised lower bound on end-to-end time for ``steps`` steps of this workload.
-
-    The max of (a) all the work spread perfectly over the K cells: the rollout
-    cell-seconds of the first ``steps * B`` groups' N executions at full concurrency
-    C_e (standalone capacity as extra cells), plus their training cell-seconds, plus
-    each step's unavoidable overhead; and (b) the critical path: the longest of those
-    executions followed by one batch's training on all K cells. Ignores switch and
-    publication costs, invalid rewards and every scheduling constraint.
-    """
-    groups = steps * params.batch
-    rollout_exec_s = longest = 0.0
-    tokens = 0.0
-    for query in range(groups):
-        for index in range(params.group_size):
-            spec = workload.execution(query, index)
-            rollout_exec_s += spec.duration_s
-            longest = max(longest, spec.duration_s)
-            tokens += spec.train_tokens
-    cells = params.cells + params.standalone_capacity / params.cell_capacity
-    rollout_cell_s = rollout_exec_s / params.cell_capacity
-    train_cell_s = costs.micro_step_s(tokens)
-    spread = (rollout_cell_s + train_cell_s) / cells + steps * costs.train_step_overhead_s
-    critical = longest + costs.micro_step_s(tokens / steps) / params.cells
-    return max(spread, critical + costs.train_step_overhead_s)
 
 
 def simulate(config: Config, workload: Workload) -> SimResult:
