@@ -221,11 +221,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ConfigError("--compare needs --target-staleness (or scheduler.target_staleness)")
         comparison = compare_policies(config, workload, target)
         results, summary = comparison.results, comparison.summary()
+        notes = comparison.notes
     else:
         result = simulate(config, workload)
         results = {result.policy: result}
         summary = {"policies": {result.policy: result.summary()}}
+        notes = {}
     print_table(results, title=f"{config.sim.workload}: {config.sim.steps} steps")
+    for name, note in notes.items():
+        print(f"{name}: {note}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from rich.console import Console
@@ -43,14 +44,20 @@ def print_table(
             f"{r.bound.seconds / 3600:.2f}",
             f"{r.end_to_end_s / r.bound.seconds:.2f}",
             BINDING_LABELS[r.bound.binding],
-            f"{r.mean_staleness:.2f}",
-            f"{r.predicted_staleness:.2f}",
+            _number(r.mean_staleness),
+            _number(r.predicted_staleness),
             f"{share:.0%}",
             f"{r.rollout_utilisation:.0%}",
             str(r.groups_dropped),
             speedup,
         )
     (console or table_console(width=120)).print(table)
+
+
+def _number(value: float) -> str:
+    """Two decimals; a dash where there is no value (no steady-state step yet, or no
+    Eq 2 prediction for continuous dispatch)."""
+    return "—" if math.isnan(value) else f"{value:.2f}"
 
 
 def table_console(width: int) -> Console:

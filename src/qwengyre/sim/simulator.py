@@ -393,7 +393,10 @@ class Simulation:
             step_end_s=self.step_end_s[: self.steps],
             mean_staleness=_mean(steady),
             mean_staleness_all=_mean([g.staleness for g in consumed]),
-            predicted_staleness=predicted_staleness(self.params.mu, self.params.phi),
+            # Eq 2 describes boundary dispatch; continuous dispatch has no prediction
+            predicted_staleness=predicted_staleness(self.params.mu, self.params.phi)
+            if self.params.dispatch == "boundary"
+            else math.nan,
             mean_execution_staleness=_mean(per_execution),
             bound=run_bound(self.params, self.costs, work),
             cell_training_share=[t / end if end > 0 else 0.0 for t in training],
