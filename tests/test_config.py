@@ -44,7 +44,7 @@ def test_bad_values_are_refused_with_one_line_naming_key_and_value(override, fra
 
 
 def test_cross_field_rules():
-    with pytest.raises(ConfigError, match="colocate dispatches no extra groups"):
+    with pytest.raises(ConfigError, match="colocate needs a standalone pool"):
         load_config(None, ["scheduler.policy=colocate", "scheduler.phi=1"])
     with pytest.raises(
         ConfigError, match=r"async_training_cells=8 must be in \[1, cells\.count - 1 = 7\]"

@@ -62,7 +62,9 @@ def scheduler_params(draw: st.DrawFn) -> SchedulerParams:
     batch = draw(st.integers(1, 3))
     mu = draw(st.integers(1, 3))
     group_size = draw(st.integers(1, 3))
-    phis = [0.0] if policy == "colocate" else [0.0, 0.5, 1.0]
+    standalone = draw(st.integers(0, 3))
+    # Colocate dispatches extra groups only with a standalone pool to run them (C1-C3).
+    phis = [0.0] if policy == "colocate" and not standalone else [0.0, 0.5, 1.0]
     phi = draw(st.sampled_from([x for x in phis if ((x + mu) * batch).is_integer()]))
     dispatch = draw(st.sampled_from(["boundary", "continuous"]))
     kwargs = dict(
@@ -76,7 +78,7 @@ def scheduler_params(draw: st.DrawFn) -> SchedulerParams:
         phi=phi,
         cells=cells,
         cell_capacity=draw(st.integers(1, 6)),
-        standalone_capacity=draw(st.integers(0, 3)),
+        standalone_capacity=standalone,
         rho_min=draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
         tau_s=float(draw(st.integers(0, 5))),
         streaming=draw(st.booleans()),

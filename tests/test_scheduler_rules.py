@@ -477,6 +477,37 @@ def test_colocate_moves_the_whole_pool_only_when_rollout_is_done():
     assert of(MoveCell, out) == [MoveCell(c, Role.ROLLOUT) for c in (0, 1, 2)]
 
 
+def test_colocate_with_a_standalone_pool_switches_while_extra_groups_run_there():
+    """The paper's C1: extra dispatch keeps harnesses running on the standalone pool
+    while the whole colocated pool trains."""
+    s = Scheduler(
+        SchedulerParams(
+            policy="colocate",
+            batch=1,
+            group_size=1,
+            cells=2,
+            cell_capacity=1,
+            standalone_capacity=1,
+            phi=1,
+            tau_s=0,
+        )
+    )
+    out = s.handle(Start(0.0))
+    assert [a.engine for a in of(Launch, out)] == [STANDALONE, 1]
+    out = finish(s, 1.0, 0)  # w = 1 <= C_s = 1: the pool switches, execution 1 moves
+    assert of(MoveCell, out) == [MoveCell(c, Role.TRAINING) for c in (0, 1)]
+    assert of(Reroute, out) == [Reroute(1, 1, STANDALONE)]
+    for c in range(2):
+        s.handle(CellMoved(2.0, c))
+    s.handle(PullGroups(2.0, 0, 1))
+    assert of(Publish, s.handle(StepDone(3.0, 0))) == [Publish(1)]
+    finish(s, 3.5, 1)  # the extra group finished on the standalone pool meanwhile
+    out = s.handle(PublicationDone(4.0, 1))
+    assert of(Dispatch, out) == [Dispatch(2, (2,), 1)]  # one slot freed: Q = 2 groups
+    assert of(MoveCell, out) == []  # a ready group and w = 1 <= C_s: Eq 6 keeps the pool
+    assert s.training_cells == (0, 1)
+
+
 def test_async_keeps_a_fixed_split():
     s = Scheduler(
         SchedulerParams(
@@ -561,7 +592,7 @@ def test_events_that_contradict_the_state_are_refused_and_change_nothing():
 
 
 def test_params_refuse_inconsistent_policies():
-    with pytest.raises(ValueError, match="colocate dispatches no extra groups"):
+    with pytest.raises(ValueError, match=r"colocate needs a standalone pool \(cells\.standalone"):
         SchedulerParams(policy="colocate", phi=1)
     with pytest.raises(ValueError, match="colocate needs dispatch boundary"):
         SchedulerParams(policy="colocate", dispatch="continuous")

@@ -54,7 +54,9 @@ Policies share everything but the grouping of cells into *units* that move toget
 - ``elastic``: every cell is its own unit; units join training one at a time in
   prefix order (core first) when Eq 5 and the supply check hold;
 - ``colocate``: one unit holding every cell: the whole pool switches together,
-  which by Eq 5 (w <= C_s) waits for the rollout tail;
+  which by Eq 5 (w <= C_s) waits for the rollout tail. With a standalone pool it may
+  dispatch extra groups (phi > 0, the paper's C1-C3): the pool switches once what is
+  still running fits on the standalone engines, which keep those harnesses running;
 - ``async``: no unit moves; cells 0..T-1 train for the whole run.
 """
 
@@ -151,10 +153,11 @@ class SchedulerParams:
                 f"(scheduler.phi + scheduler.mu) * groups.batch = {depth:g} groups must be a"
                 " whole number"
             )
-        if self.policy == "colocate" and self.phi > 0:
+        if self.policy == "colocate" and self.phi > 0 and self.standalone_capacity == 0:
             raise ValueError(
-                f"scheduler.phi={self.phi} with policy colocate: colocate dispatches no"
-                " extra groups (phi must be 0)"
+                f"scheduler.phi={self.phi} with policy colocate needs a standalone pool"
+                " (cells.standalone_capacity > 0): the extra groups' executions must keep"
+                " running somewhere while the whole pool trains; without one, use phi=0"
             )
         if self.policy == "colocate" and self.dispatch == "continuous":
             raise ValueError(
