@@ -250,10 +250,12 @@ def test_a_call_drained_mid_generation_continues_on_another_engine(server: Serve
             router.register(a, preference=1)
             call = req("moved", max_tokens=64, ignore_eos=True)
             got: list[tuple[str, Any]] = []
+            moves = []
             async for name, delta in router.stream("ex", call):
                 got.append((name, delta))
-                if name == "a" and sum(len(d.output_ids) for _, d in got) >= 4:
-                    await router.drain("a")
+                if name == "a" and sum(len(d.output_ids) for _, d in got) >= 4 and not moves:
+                    moves.append(asyncio.create_task(router.drain("a")))  # beside the call
+            await asyncio.gather(*moves)
         tokens = tuple(t for _, d in got for t in d.output_ids)
         logprobs = tuple(lp for _, d in got for lp in d.logprobs)
         assert len(tokens) == 64 and got[-1][1].finish_reason == "length"

@@ -46,10 +46,12 @@ def test_a_call_drained_mid_generation_continues_at_the_other_engine(tiny_model_
 
     async def run() -> list[tuple[str, tuple[int, ...], tuple[float, ...]]]:
         got = []
+        moves = []
         async for name, delta in router.stream("ex", call):
             got.append((name, delta.output_ids, delta.logprobs))
-            if sum(len(ids) for _, ids, _ in got) >= 8 and name == "a":
-                await router.drain("a")  # its cell moves to training
+            if sum(len(ids) for _, ids, _ in got) >= 8 and name == "a" and not moves:
+                moves.append(asyncio.create_task(router.drain("a")))  # its cell moves
+        await asyncio.gather(*moves)
         return got
 
     try:

@@ -102,12 +102,16 @@ async def consume(
     max_tokens: int = 20,
     after_first: Callable[[], Awaitable[None]] | None = None,
 ) -> list[tuple[str, TokenDelta]]:
-    """Every (engine, delta) of a call; ``after_first`` runs once the first delta is in."""
+    """Every (engine, delta) of a call; ``after_first`` starts once the first delta is in,
+    beside the call (as a cell's move runs beside the calls it drains)."""
     out: list[tuple[str, TokenDelta]] = []
+    beside = None
     async for item in router.stream("ex", request(max_tokens)):
         out.append(item)
         if len(out) == 1 and after_first is not None:
-            await after_first()
+            beside = asyncio.create_task(after_first())
+    if beside is not None:
+        await beside
     return out
 
 
@@ -122,6 +126,7 @@ def test_a_call_drained_mid_stream_continues_at_the_new_engine() -> None:
 
     async def drain() -> None:
         assert await router.drain("a") == ["ex"]
+        assert a.load == 0  # the drain returns once the aborted call has ended there
 
     items = asyncio.run(consume(router, 20, after_first=drain))
 

@@ -325,8 +325,8 @@ def test_write_report_writes_a_page_and_valid_pngs(tmp_path: Path):
         "<th>steps</th><td class='num'>10</td>",
         "<th>mean staleness (measured)</th><td class='num'>1.500</td>",
         "<th>mean staleness (Eq 2 prediction)</th><td class='num'>1.500</td>",
-        # From step ceil(phi + mu) = 4 on: the planted values after the first.
-        "<th>mean staleness, steady state (measured)</th><td class='num'>1.714</td>",
+        # The whole bursts after the initial dispatch (steps 6-8, steady_steps): 2, 2, 2.
+        "<th>mean staleness, steady state (measured)</th><td class='num'>2.000</td>",
         "executions launched with</th><td class='num'>1.250</td>",
         "<th>mean reward, first fifth of steps</th><td class='num'>0.050</td>",
         "<th>mean reward, last fifth of steps</th><td class='num'>0.850</td>",

@@ -103,6 +103,38 @@ def test_refused_naming_the_holder_and_free_once_it_is_killed(
     assert path.read_text() == ""  # no stale details once released
 
 
+FORKING_HOLDER = """
+import os, sys, time
+from pathlib import Path
+from qwengyre.runtime.lock import lock_run_dir
+with lock_run_dir(Path(sys.argv[1]), command="parent"):
+    child = os.fork()
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+    print(child, flush=True)
+    os._exit(0)  # the parent dies without unlocking; its forked child keeps the open file
+"""
+
+
+def test_a_lock_kept_by_a_dead_holders_child_names_that_child(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FORKING_HOLDER, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.wait(timeout=30) == 0
+        with pytest.raises(RunDirLocked) as err, lock_run_dir(run_dir):
+            pass
+        message = str(err.value)
+        assert "\n" not in message and f"in use by pid {parent.pid} on " in message
+        assert f"pid {parent.pid} has exited; still holding the lock: pid {child} (" in message
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_train_keeps_the_lock_across_its_restart(tmp_path: Path):
     run_dir = tmp_path / "run"
     config = load_config(overrides=["run.warm_start_accuracy=null", "run.restarts=1"])

@@ -80,6 +80,7 @@ def scheduler_params(draw: st.DrawFn) -> SchedulerParams:
         cell_capacity=draw(st.integers(1, 6)),
         standalone_capacity=standalone,
         rho_min=draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
+        supply=draw(st.sampled_from(["in_hand", "ready"])),
         tau_s=float(draw(st.integers(0, 5))),
         streaming=draw(st.booleans()),
         async_training_cells=draw(st.integers(1, cells - 1)) if policy == "async" else 1,
@@ -579,7 +580,8 @@ class Driver:
             roles[cell] = Role.ROLLOUT
         joined = sum(1 for u in units if roles[u[0]] is Role.TRAINING)
         moving = any(r in (Role.TO_TRAINING, Role.TO_ROLLOUT) for r in roles)
-        supply = min(s.ready_unassigned, s.batch_needs) >= p.rho_min * p.batch
+        in_hand = p.batch - s.batch_needs if p.supply == "in_hand" and not s.publishing else 0
+        supply = min(s.ready_unassigned, s.batch_needs) + in_hand >= p.rho_min * p.batch
         if s.publishing or moving or joined == len(units) or not supply:
             assert not joins, (joins, roles, supply)
             self.supply_since = None

@@ -357,7 +357,8 @@ def test_a_cell_joins_when_eq5_and_the_supply_check_have_held_for_tau():
 
 
 def test_the_supply_timer_resets_when_the_check_lapses():
-    s = two_cell_elastic(cells=3, cell_capacity=8, mu=2, phi=0)  # 8 executions on cell 2
+    """The paper's supply count (ready, unassigned): a group the buffer takes stops counting."""
+    s = two_cell_elastic(cells=3, cell_capacity=8, mu=2, phi=0, supply="ready")
     s.handle(Start(0.0))
     finish(s, 1.0, 0)
     out = finish(s, 1.0, 1)  # group 0 ready: supply 1 >= 0.5 * 2
@@ -371,6 +372,21 @@ def test_the_supply_timer_resets_when_the_check_lapses():
     out = s.handle(Tick(30.0))
     assert not of(MoveCell, out) and of(WakeAt, out) == [WakeAt(35.0)]
     assert of(MoveCell, s.handle(Tick(35.0))) == [MoveCell(1, Role.TRAINING)]
+
+
+def test_groups_in_hand_keep_the_supply_check_while_the_core_trains_them():
+    """supply="in_hand" (the default) counts the batch's assigned groups too: taking a
+    group into training does not lapse the check, so the satellite that will share its
+    micro-steps joins tau after the core's transition."""
+    s = two_cell_elastic(cells=3, cell_capacity=8, mu=2, phi=0)  # 8 executions on cell 2
+    s.handle(Start(0.0))
+    finish(s, 1.0, 0)
+    finish(s, 1.0, 1)
+    assert of(MoveCell, s.handle(Tick(11.0))) == [MoveCell(0, Role.TRAINING)]
+    assert of(WakeAt, s.handle(CellMoved(20.0, 0))) == [WakeAt(30.0)]
+    s.handle(PullGroups(22.0, 0, 1))  # group 0 assigned: still in hand
+    assert s.ready_unassigned == 0
+    assert of(MoveCell, s.handle(Tick(30.0))) == [MoveCell(1, Role.TRAINING)]
 
 
 def test_the_buffer_pulls_only_what_the_training_cells_can_use():
@@ -475,6 +491,7 @@ def test_colocate_moves_the_whole_pool_only_when_rollout_is_done():
     assert of(Publish, out) == [Publish(1)] and not of(MoveCell, out)
     out = s.handle(PublicationDone(5.0, 1))
     assert of(MoveCell, out) == [MoveCell(c, Role.ROLLOUT) for c in (0, 1, 2)]
+    assert s.core_kept == 0  # nothing ready: Eq 6 sends the pool back
 
 
 def test_colocate_with_a_standalone_pool_switches_while_extra_groups_run_there():
@@ -505,7 +522,7 @@ def test_colocate_with_a_standalone_pool_switches_while_extra_groups_run_there()
     out = s.handle(PublicationDone(4.0, 1))
     assert of(Dispatch, out) == [Dispatch(2, (2,), 1)]  # one slot freed: Q = 2 groups
     assert of(MoveCell, out) == []  # a ready group and w = 1 <= C_s: Eq 6 keeps the pool
-    assert s.training_cells == (0, 1)
+    assert s.training_cells == (0, 1) and s.core_kept == 1
 
 
 def test_async_keeps_a_fixed_split():
@@ -596,6 +613,8 @@ def test_params_refuse_inconsistent_policies():
         SchedulerParams(policy="colocate", phi=1)
     with pytest.raises(ValueError, match="colocate needs dispatch boundary"):
         SchedulerParams(policy="colocate", dispatch="continuous")
+    with pytest.raises(ValueError, match=r"scheduler\.supply='some'; allowed: in_hand, ready"):
+        SchedulerParams(supply="some")
     # Continuous dispatch keeps Q (N + o) executions outstanding: 2 * 4 > (2 - 1) * 6.
     with pytest.raises(ValueError, match="no cell could ever train"):
         SchedulerParams(dispatch="continuous", batch=2, group_size=4, cells=2, cell_capacity=6)

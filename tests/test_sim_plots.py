@@ -75,6 +75,8 @@ def _synthetic(spans: list[RoleSpan], cells: int, end_s: float) -> SimResult:
         cancelled=0,
         groups_dropped=0,
         reroutes=0,
+        publications=1,
+        core_kept=0,
         role_spans=spans,
         load=load,
     )

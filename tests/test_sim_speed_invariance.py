@@ -3,6 +3,7 @@
 The expected values were computed with the simulator and scheduler as they were before
 the per-event O(K) work was made incremental (issue 19, part 4), at K = 2, 8 and 80
 cells for every policy. Any change of behaviour, however small, moves one of them.
+They count supply as the scheduler then did (``scheduler.supply=ready``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def _config(cells: int, policy: str, extra: tuple[str, ...]) -> Config:
             "groups.size=4",
             f"cells.count={cells}",
             f"scheduler.policy={policy}",
+            "scheduler.supply=ready",
             *SHAPES[cells],
             *BURSTS[policy],
             f"scheduler.async_training_cells={max(1, cells // 4)}",

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from qwengyre.scheduler.staleness import burst_for_staleness
 
 Policy = Literal["elastic", "async", "colocate"]
+Supply = Literal["in_hand", "ready"]
 Dispatch = Literal["boundary", "continuous"]
 EngineBackend = Literal["embedded", "vllm", "sglang"]
 
@@ -88,6 +89,11 @@ class SchedulerConfig(_Section):
     unassigned, enough work to pay back an 8.5 s switch on any realistic model.
     ``tau_s = 30``: a few switch times, so a momentary spike of terminations does
     not move a cell, yet negligible against executions that last hours.
+    ``supply``: what the supply check counts. ``in_hand`` (the default): the current
+    batch's groups already in hand, assigned or ready (capped at B); ``ready``: the
+    paper's ready-unassigned groups capped by what the batch still needs, which stops
+    counting a group once a training cell takes it, so a batch being trained by the
+    core alone never draws the satellites that would finish it sooner (issue 19).
     """
 
     policy: Policy = "elastic"
@@ -101,6 +107,7 @@ class SchedulerConfig(_Section):
     )
     rho_min: float = Field(0.25, gt=0.0, le=1.0, description="supply fraction of B (Eq 5)")
     tau_s: float = Field(30.0, ge=0.0, description="seconds the supply check must hold")
+    supply: Supply = Field("in_hand", description="what the supply check counts (Eq 5)")
     streaming: bool = Field(True, description="train on ready groups before the batch is full")
     async_training_cells: int = Field(
         2, ge=1, description="async only: cells fixed in training (the rest roll out)"

@@ -20,6 +20,7 @@ handle to the continued request) and touches nothing else here.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -37,6 +38,9 @@ from qwengyre.engines.base import (
 )
 
 log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 60.0
+"""How long a drain waits for its aborted calls to end at the engine."""
 
 
 class Handoff(Protocol):
@@ -81,6 +85,7 @@ class _Slot:
     preference: int  # higher is tried first: standalone pools high, cell i gets i
     accepting: bool = True
     inflight: dict[str, str] = field(default_factory=dict)  # request id -> execution
+    emptied: asyncio.Event = field(default_factory=asyncio.Event)  # set when inflight empties
 
 
 class Router:
@@ -184,13 +189,15 @@ class Router:
                 sampling = dataclasses.replace(sampling, max_tokens=left)
             if tries == self.max_attempts:
                 raise NoEngineAvailable(f"gave up after {tries} attempts: {last}")
-            engine = self.route(execution_id)
-            slot = self._slots[engine]
             # Fixed width: SGLang aborts every rid that starts with the one it is given.
             request_id = f"{request.request_id}-{next(self._ids):010d}"
             attempt = GenerateRequest(request_id, request.input_ids, sampling, request.tags)
             if produced and moved is not None:
                 attempt = await self.handoff.continuation(*moved, attempt, tuple(produced))
+            # No await from choosing the engine to registering the request: a drain
+            # then either sees the request (and aborts it) or has already moved the route.
+            engine = self.route(execution_id)
+            slot = self._slots[engine]
             slot.inflight[request_id] = execution_id
             deltas = slot.engine.stream(attempt)
             try:
@@ -203,14 +210,20 @@ class Router:
             except (OSError, ConnectionError, TimeoutError) as exc:
                 log.warning("engine %s failed (%s); draining it", engine, exc)
                 last = exc
-                await self.drain(engine)
+                await self.drain(engine, wait=False)
             finally:
                 await deltas.aclose()  # early (the consumer left): aborts on the engine
                 slot.inflight.pop(request_id, None)
+                if not slot.inflight:
+                    slot.emptied.set()
             moved = (slot.engine, request_id)
 
-    async def drain(self, name: str) -> list[str]:
-        """Stop ``name`` accepting, move its routes, abort its calls; the moved executions."""
+    async def drain(self, name: str, *, wait: bool = True) -> list[str]:
+        """Stop ``name`` accepting, move its routes, abort its calls; the moved executions.
+
+        ``wait``: return only once every aborted call has ended there (the engine is then
+        idle and may free its memory), or after ``DRAIN_TIMEOUT_S`` with a warning. A
+        drain for an engine that failed does not wait."""
         slot = self._slots[name]
         slot.accepting = False
         moved = [e for e, n in self._routes.items() if n == name]
@@ -221,6 +234,18 @@ class Router:
                 del self._routes[execution_id]  # routed again when an engine accepts
         for request_id in list(slot.inflight):
             await slot.engine.abort(request_id)
+        if wait:
+            try:
+                while slot.inflight:
+                    slot.emptied.clear()
+                    await asyncio.wait_for(slot.emptied.wait(), DRAIN_TIMEOUT_S)
+            except TimeoutError:
+                log.warning(
+                    "%s: %d calls still running %.0f s after their abort",
+                    name,
+                    len(slot.inflight),
+                    DRAIN_TIMEOUT_S,
+                )
         return moved
 
     def resume(self, name: str) -> None:

@@ -43,7 +43,7 @@ from qwengyre.report.metrics import (
 from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentRecord, read_assessments
 from qwengyre.rollout.evaluation import Assessment
 from qwengyre.scheduler.events import Role
-from qwengyre.scheduler.staleness import warmup_steps
+from qwengyre.scheduler.staleness import steady_steps
 from qwengyre.sim.plots import (
     QUEUED_COLOUR,
     ROLE_COLOURS,
@@ -126,7 +126,7 @@ class Summary:
     reward_last_fifth: float
     mean_staleness: float
     steady_staleness: float
-    """Over the groups trained from :func:`warmup_steps` on: what Eq 2 predicts."""
+    """Over the groups of the run's whole bursts (:func:`steady_steps`): what Eq 2 predicts."""
     execution_staleness: float
     """Step minus the version each trained execution launched with (top-ups launched
     after a publication used newer weights than their group's v_d)."""
@@ -158,13 +158,14 @@ def cell_count(metrics: RunMetrics) -> int:
 
 
 def steady_staleness(metrics: RunMetrics) -> float:
-    """Mean staleness of the groups trained once the initial dispatch is consumed
-    (:func:`~qwengyre.scheduler.staleness.warmup_steps`), as the simulator measures it."""
+    """Mean staleness of the groups trained in the run's whole bursts after the initial
+    dispatch (:func:`~qwengyre.scheduler.staleness.steady_steps`), as the simulator
+    measures it."""
     run = metrics.run
     if run is None:
         return math.nan
-    warmup = warmup_steps(run.mu, run.phi)
-    return _mean([g.staleness for g in metrics.groups if g.step >= warmup])
+    steady = steady_steps(run.mu, run.phi, len(metrics.steps))
+    return _mean([g.staleness for g in metrics.groups if g.step in steady])
 
 
 def summarize(metrics: RunMetrics) -> Summary:

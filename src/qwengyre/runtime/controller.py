@@ -381,8 +381,19 @@ class Controller:
                 self._roles[cell] = role
                 self.outputs.metrics.write(RoleRecord(now, cell, role.value))
         if self._step is not None and self._step.window_open:
-            for cell in self.scheduler.training_cells:
+            for cell in self._training_prefix():
                 self._start_worker(cell)
+
+    def _training_prefix(self) -> list[int]:
+        """The training cells that may work on a step: cells 0..k-1, core first. A
+        colocated pool's cells end their moves in any order; each waits for those below
+        it, since a step's update reduces over a prefix of cells."""
+        prefix: list[int] = []
+        for cell in self.scheduler.training_cells:  # in index order
+            if cell != len(prefix):
+                break
+            prefix.append(cell)
+        return prefix
 
     async def _publish(self, version: int) -> None:
         """The core's weights reach every rollout engine: the rollout cells and the
@@ -401,7 +412,7 @@ class Controller:
         if self._step is None or self._step.step != action.step:
             self.queue.open(action.step)
             self._step = _Step(action.step, started_s=self.now())
-            for cell in self.scheduler.training_cells:
+            for cell in self._training_prefix():
                 self._start_worker(cell)
             self._spawn(self._finish_step(self._step))
         for ms in self.packing.assign(action.step, action.group_ids, action.closes_batch):

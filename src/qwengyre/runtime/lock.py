@@ -54,10 +54,43 @@ def _describe(run_dir: Path) -> str:
         time.sleep(0.01)
     if info is None:
         return f"run directory {run_dir} is in use by another process (no details in {LOCK_FILE})"
-    return (
+    message = (
         f"run directory {run_dir} is in use by pid {info.get('pid')} on {info.get('host')} "
         f"({info.get('command')}) since {info.get('since')}; wait for it to end or stop it"
     )
+    pid = info.get("pid")
+    if info.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+        # The holder died, but a process that inherited its open lock file lives on.
+        held = ", ".join(f"pid {p} ({cmd})" for p, cmd in _openers(Path(run_dir) / LOCK_FILE))
+        message += f" -- pid {pid} has exited; still holding the lock: {held or 'unknown'}"
+    return message
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _openers(path: Path) -> list[tuple[int, str]]:
+    """Other processes (pid, command line) with ``path`` open, as far as /proc shows."""
+    target = os.path.realpath(path)
+    found = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        if fd_dir.parent.name == str(os.getpid()):
+            continue  # we opened it to ask
+        try:
+            if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
+                cmdline = (fd_dir.parent / "cmdline").read_bytes().decode(errors="replace")
+                words = " ".join(cmdline.replace("\0", " ").split())  # the message is one line
+                found.append((int(fd_dir.parent.name), words[:200]))
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
 
 
 def _has_contents(run_dir: Path) -> bool:

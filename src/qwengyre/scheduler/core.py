@@ -121,6 +121,7 @@ class SchedulerParams:
     standalone_capacity: int = 0
     rho_min: float = 0.25
     tau_s: float = 30.0
+    supply: str = "in_hand"  # what the supply check counts: "in_hand" or "ready"
     streaming: bool = True
     async_training_cells: int = 2
     reserve: int = 0  # executions of quota held back per burst for top-ups (boundary)
@@ -129,6 +130,8 @@ class SchedulerParams:
         """Refuse combinations that could never train; messages name the config keys."""
         if self.policy not in ("elastic", "async", "colocate"):
             raise ValueError(f"scheduler.policy={self.policy!r}; allowed: elastic, async, colocate")
+        if self.supply not in ("in_hand", "ready"):
+            raise ValueError(f"scheduler.supply={self.supply!r}; allowed: in_hand, ready")
         if self.dispatch not in ("boundary", "continuous"):
             raise ValueError(f"scheduler.dispatch={self.dispatch!r}; allowed: boundary, continuous")
         if self.policy == "async" and not 0 < self.async_training_cells < self.cells:
@@ -206,6 +209,7 @@ class SchedulerParams:
             standalone_capacity=c.standalone_capacity,
             rho_min=s.rho_min,
             tau_s=s.tau_s,
+            supply=s.supply,
             streaming=s.streaming,
             async_training_cells=s.async_training_cells,
             reserve=g.reserve,
@@ -329,6 +333,7 @@ class Scheduler:
         self._reserve_left = 0  # of the burst's replacement reserve (boundary dispatch)
         self.version = 0  # optimizer steps done
         self.published = 0  # latest published version
+        self.core_kept = 0  # publications after which Eq 6 kept the core unit in training
         self._batch: list[int] = []  # groups assigned to the current step
         self._wanted = 0  # groups the packing buffer asked for and has not received
         self._steps_in_burst = 0
@@ -751,8 +756,12 @@ class Scheduler:
         self._out.append(AssignGroups(self.version, tuple(take), closes_batch=closes))
 
     def _supply_ok(self) -> bool:
-        """The supply check: ready-unassigned groups, capped by the batch's need."""
+        """The supply check (Eq 5): ready-unassigned groups capped by the batch's need,
+        plus (``supply="in_hand"``) the groups already assigned to the batch, whose
+        training is work a joining cell can share."""
         available = min(self.ready_unassigned, self.batch_needs)
+        if self.params.supply == "in_hand" and not self._publishing:
+            available += len(self._batch)
         return available >= self.params.rho_min * self.params.batch
 
     def _capacity_with_units_training(self, n_units: int) -> int:
@@ -805,7 +814,9 @@ class Scheduler:
         stays = self.ready_unassigned >= self.params.rho_min * self.params.batch and (
             self.counters.waterlevel <= self._capacity_with_units_training(1)
         )
-        if not stays:
+        if stays:
+            self.core_kept += 1
+        else:
             for cell in self.units[0]:
                 self._move(cell, Role.ROLLOUT)
 

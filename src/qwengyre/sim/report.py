@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qwengyre.sim.simulator import SimResult
@@ -18,16 +19,17 @@ def print_table(
     results: Mapping[str, SimResult], title: str, console: Console | None = None
 ) -> None:
     """One row per policy: time, its run's lower bound (time over it, the binding term),
-    staleness measured vs Eq 2, usage.
+    staleness measured vs Eq 2, usage, and the publications after which Eq 6 kept the
+    core in training (of all publications in the run).
 
     With an ``elastic`` row and others, a last column gives each baseline's time over
     elastic's (the speedup of elastic).
     """
     table = Table(title=title)
     columns = ["policy", "mu", "phi", "hours", "bound h", "/bound", "binds", "E[d]", "Eq 2"]
-    columns += ["training", "rollout use", "dropped", "speedup"]
+    columns += ["training", "rollout use", "dropped", "Eq 6 kept", "speedup"]
     for column in columns:
-        table.add_column(column, justify="left" if column == "policy" else "right")
+        table.add_column(escape(column), justify="left" if column == "policy" else "right")
     elastic = results.get("elastic")
     for name, r in results.items():
         speedup = (
@@ -49,9 +51,10 @@ def print_table(
             f"{share:.0%}",
             f"{r.rollout_utilisation:.0%}",
             str(r.groups_dropped),
+            "—" if r.policy == "async" else f"{r.core_kept}/{r.publications}",
             speedup,
         )
-    (console or table_console(width=120)).print(table)
+    (console or table_console(width=132)).print(table)
 
 
 def _number(value: float) -> str:

@@ -50,10 +50,14 @@ class Shape:
     def describe(self) -> str:
         parts = [f"mu {self.mu}", f"phi {self.phi:g}"]
         if self.policy == "async":
-            parts.insert(0, f"{self.training_cells} training cells")
+            parts.insert(0, _cells(self.training_cells, "training"))
         if self.standalone_cells:
-            parts.append(f"{self.standalone_cells} standalone cells")
+            parts.append(_cells(self.standalone_cells, "standalone"))
         return ", ".join(parts)
+
+
+def _cells(n: int, kind: str) -> str:
+    return f"{n} {kind} cell{'' if n == 1 else 's'}"
 
 
 def bursts(target: float) -> list[tuple[int, float]]:

@@ -48,7 +48,7 @@ from qwengyre.scheduler.events import (
     Tick,
     WakeAt,
 )
-from qwengyre.scheduler.staleness import predicted_staleness, warmup_steps
+from qwengyre.scheduler.staleness import predicted_staleness, steady_steps
 from qwengyre.sim.bound import RunBound, run_bound, run_work
 from qwengyre.sim.workload import ExecutionSpec, Workload
 from qwengyre.types import Outcome
@@ -108,6 +108,8 @@ class SimResult:
     executions of the same groups, v_t minus the version the execution launched with
     (:attr:`Launch.version`): lower when top-ups launched after a later publication.
     ``bound`` is this run's lower bound on ``end_to_end_s`` (:mod:`qwengyre.sim.bound`).
+    ``core_kept`` of the run's ``publications`` ended with Eq 6 keeping the core unit in
+    training for the next burst (always 0 for async, whose split never moves).
     """
 
     policy: str
@@ -127,6 +129,8 @@ class SimResult:
     cancelled: int
     groups_dropped: int
     reroutes: int
+    publications: int
+    core_kept: int
     role_spans: list[RoleSpan] = field(repr=False)
     load: list[LoadSample] = field(repr=False)
 
@@ -158,6 +162,8 @@ class SimResult:
             "executions_cancelled": self.cancelled,
             "groups_dropped": self.groups_dropped,
             "reroutes": self.reroutes,
+            "publications": self.publications,
+            "eq6_core_kept": self.core_kept,
         }
 
 
@@ -187,7 +193,7 @@ class Simulation:
         self._batch_closed = False
         self._step_pending = False
         self.step_end_s: list[float] = []
-        self.launched = self.cancelled = self.dropped = self.reroutes = 0
+        self.launched = self.cancelled = self.dropped = self.reroutes = self.publications = 0
         self._roles = list(self.scheduler.roles)  # as last observed
         self._touched = set(range(params.cells))  # cells whose role may have changed since
         self._role_since = [0.0] * params.cells
@@ -284,6 +290,7 @@ class Simulation:
             self.step_end_s.append(self.now)
             return StepDone(self.now, payload)
         if kind == _PUBLISH:
+            self.publications += 1  # the last step's lies past the run's end: not counted
             return PublicationDone(self.now, payload)
         return Tick(self.now)
 
@@ -374,13 +381,13 @@ class Simulation:
             if span.role is Role.TRAINING:
                 training[span.cell] += min(span.end_s, end) - min(span.start_s, end)
         consumed = [g for g in self.scheduler.consumed() if g.v_t < self.steps]
-        warmup = warmup_steps(self.params.mu, self.params.phi)
-        steady = [g.staleness for g in consumed if g.v_t >= warmup]
+        steady_range = steady_steps(self.params.mu, self.params.phi, self.steps)
+        steady = [g.staleness for g in consumed if g.v_t in steady_range]
         groups = self.scheduler.groups
         per_execution = [
             g.v_t - self._launch_version[eid]
             for g in consumed
-            if g.v_t >= warmup
+            if g.v_t in steady_range
             for eid in groups[g.group_id].valid
         ]
         work = run_work(self.scheduler, self._specs, self.costs, self.steps)
@@ -405,6 +412,8 @@ class Simulation:
             cancelled=self.cancelled,
             groups_dropped=self.dropped,
             reroutes=self.reroutes,
+            publications=self.publications,
+            core_kept=self.scheduler.core_kept,
             role_spans=self.role_spans,
             load=self.load,
         )
