@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from qwengyre.cli import main
 from qwengyre.config import Config, load_config
 from qwengyre.presets import preset_path
 from qwengyre.proxy.store import Store
@@ -115,6 +116,11 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     ]
     assert len(summaries) >= 3 * 2 * 4
     assert all(" retries=0 " in line + " " for line in summaries), summaries
+    # `qwengyre plan` replays this run's trace with its own config (issue 19 §4).
+    planned = tmp_path / "plan.yaml"
+    assert main(["plan", "--trace", str(run_dir), "sim.steps=3", "--out", str(planned)]) == 0
+    recommended = load_config(planned)
+    assert (recommended.groups.size, recommended.sim.workload) == (4, "trace")
 
 
 def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -207,13 +213,27 @@ def running(pid: int) -> bool:
     return state != "Z"
 
 
+def kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the run's whole process group and wait until every member has exited:
+    ``wait()`` reaps the leader only, and a member that has not exited yet may still
+    hold an open file such as the run directory's lock (a resume would be refused)."""
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
 def test_a_killed_run_resumes_without_losing_or_repeating_a_group(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     process = start_train(tmp_path, tiny_model_dir, steps=6)
     wait_for_checkpoint(process, tmp_path / "run", version=2)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_group(process)
     resume_and_check(tmp_path / "run", steps=6)
 
 

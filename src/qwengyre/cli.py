@@ -211,6 +211,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from qwengyre.sim.simulator import simulate
     from qwengyre.sim.workload import workload_from_name
 
+    if args.ablations:
+        return _simulate_ablations(args)
+    if args.seeds is not None:
+        raise ConfigError("--seeds applies to --ablations only")
     config = _resolve_config(args, preset=args.preset)
     if args.target_staleness is not None:
         config = retarget(config, args.target_staleness)
@@ -238,6 +242,108 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         for path in write_plots(results, Path(args.plot)):
             print(f"wrote {path}")
+    return 0
+
+
+def _simulate_ablations(args: argparse.Namespace) -> int:
+    """``simulate --ablations``: the paper's rows (:mod:`qwengyre.sim.ablations`) from
+    --preset, a config file or else the paper-122b preset, over --seeds seeds (default
+    5); 12 steps (the paper's) unless ``sim.steps=N`` is given on the command line."""
+    import json
+
+    from qwengyre.sim.ablation_report import print_ablations
+    from qwengyre.sim.ablations import PAPER_HOURS, STEPS, run_ablations
+
+    if args.compare or args.target_staleness is not None:
+        raise ConfigError(
+            "--ablations runs the paper's rows at E[d] = 1.5: drop --compare and --target-staleness"
+        )
+    given = args.config_file is not None and "=" not in args.config_file
+    config = _resolve_config(args, preset=args.preset or (None if given else "paper-122b"))
+    if not any(item.startswith("sim.steps=") for item in [args.config_file or "", *args.overrides]):
+        config = config.model_copy(deep=True)
+        config.sim.steps = STEPS
+    result = run_ablations(config, 5 if args.seeds is None else args.seeds)
+    print_ablations(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.summary(), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from qwengyre.sim.plots import plot_ablations
+
+        path = Path(args.plot) / "ablations.png"
+        print(f"wrote {plot_ablations(result.hours_by_row(), PAPER_HOURS, result.changes(), path)}")
+    return 0
+
+
+def _plan_config(args: argparse.Namespace) -> Config:
+    """The tree ``plan`` simulates: ``--trace`` sets the workload, and a trace recorded
+    by ``qwengyre train`` (its run directory, or the traces.jsonl in it) comes with that
+    run's config.yaml unless a config file is given."""
+    from qwengyre.sim.plan import run_inputs
+
+    given = args.config_file is not None and "=" not in args.config_file
+    overrides = ([] if given or args.config_file is None else [args.config_file]) + args.overrides
+    trace = None
+    if args.trace is not None:
+        trace, recorded = run_inputs(Path(args.trace))
+        if recorded is not None and not given:
+            print(f"config: {recorded} (the run that recorded the trace)")
+            args = argparse.Namespace(
+                **{**vars(args), "config_file": str(recorded), "overrides": overrides}
+            )
+    elif not (given or args.preset or any(o.startswith("sim.workload=") for o in overrides)):
+        raise ConfigError(
+            "plan needs a workload: --preset NAME, --trace PATH (a traces.jsonl or a run "
+            "directory), a config file or sim.workload=NAME"
+        )
+    config = _resolve_config(args, preset=args.preset)
+    if trace is not None:
+        sim = {**config.sim.model_dump(), "workload": "trace", "trace": trace}
+        config = Config.model_validate({**config.model_dump(), "sim": sim})
+    return config
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from qwengyre.sim import plan as planner
+    from qwengyre.sim.plots import plot_staleness_sweep
+
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    policies = planner.check_policies(args.policies.split(","))
+    config = _plan_config(args)
+    target = args.target_staleness
+    target = config.scheduler.target_staleness if target is None else target
+    if target is None:
+        raise ConfigError("plan needs --target-staleness (or scheduler.target_staleness)")
+    workloads = planner.plan_workloads(config, args.seeds)
+    plan = planner.plan_run(config, workloads, target, policies)
+    planner.print_plan(plan, args.top)
+    for policy in policies:
+        if policy not in plan.best_by_policy():
+            print(f"{policy}: no shape reaches E[d] = {target:g} on these cells and batch")
+    print(f"recommended: {plan.best.shape.policy}, {plan.best.shape.describe()}")
+    if args.out:
+        Path(args.out).write_text(plan.recommended_yaml())
+        print(f"wrote {args.out} (qwengyre train {args.out})")
+    else:
+        print(plan.recommended_yaml(), end="")
+    summary = plan.summary()
+    if args.plot:
+        targets = (*planner.SWEEP_TARGETS, target)
+        plans = planner.sweep(config, workloads, targets, policies, plans=[plan])
+        planner.print_sweep(plans)
+        points = planner.best_times(plans)
+        print(f"wrote {plot_staleness_sweep(points, Path(args.plot) / 'staleness_sweep.png')}")
+        summary["sweep"] = {
+            policy: [{"target_staleness": t, "end_to_end_s": s, "shape": d} for t, s, d in series]
+            for policy, series in points.items()
+        }
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -448,9 +554,47 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--compare", action="store_true", help="run elastic, async and colocate at the target"
     )
+    sim.add_argument(
+        "--ablations",
+        action="store_true",
+        help="run the paper's ablation rows A0-A3, C0-C3, E0-E2 (default preset paper-122b; "
+        "12 steps unless sim.steps=N is given)",
+    )
+    sim.add_argument(
+        "--seeds", type=int, metavar="N", help="--ablations: seeds to run each row on (default 5)"
+    )
     sim.add_argument("--json", metavar="FILE", help="write the measurements as JSON")
     sim.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     sim.set_defaults(func=cmd_simulate)
+
+    plan = sub.add_parser(
+        "plan",
+        help="search policies and shapes at a target staleness; recommend a config",
+        description="Simulate every shape each policy may take at the target E[d] (mu and "
+        "phi per Eq 2, async's training split, standalone cells) on the config's cells, "
+        "groups and costs; print the fastest and write the recommended config as YAML that "
+        "'qwengyre train' accepts. A parametric workload is ranked by the mean over "
+        "--seeds seeds; a trace (a traces.jsonl, or a train run directory) replays "
+        "deterministically, with the recording run's config.yaml unless a config is given.",
+    )
+    _add_config_args(plan)
+    workload = plan.add_mutually_exclusive_group()
+    workload.add_argument("--preset", help="a bundled config, e.g. paper-122b or paper-2p4t")
+    workload.add_argument(
+        "--trace", metavar="PATH", help="a traces.jsonl, or a qwengyre train run directory"
+    )
+    plan.add_argument("--target-staleness", type=float, help="E[d] (default: the config's)")
+    plan.add_argument(
+        "--policies", default="elastic,async,colocate", help="comma-separated policies to search"
+    )
+    plan.add_argument("--seeds", type=int, default=1, help="seeds of a parametric workload")
+    plan.add_argument("--top", type=int, default=8, help="candidates to show (default 8)")
+    plan.add_argument("--out", metavar="FILE", help="write the recommended config here")
+    plan.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+    plan.add_argument(
+        "--plot", metavar="DIR", help="sweep E[d] 0.5-2 and plot time vs staleness in DIR"
+    )
+    plan.set_defaults(func=cmd_plan)
 
     proxy = sub.add_parser("proxy", help="the OpenAI/Anthropic-API model proxy")
     proxy_sub = proxy.add_subparsers(dest="proxy_command", required=True, metavar="ACTION")

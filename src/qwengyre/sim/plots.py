@@ -411,3 +411,172 @@ def write_plots(results: Mapping[str, SimResult], out_dir: Path) -> list[Path]:
     if len(results) > 1:
         paths.append(plot_speedups(results, out / "speedup.png"))
     return paths
+
+
+# ---------------------------------------------------------------- time vs staleness
+
+
+def staleness_sweep_figure(points: Mapping[str, Sequence[tuple[float, float, str]]]) -> Figure:
+    """One line per policy: its best end-to-end time (hours) at each target E[d], each
+    point labelled with the shape that reached it. ``points``: per policy,
+    ``(target, seconds, shape)`` (:func:`qwengyre.sim.plan.best_times`)."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    names = list(points)
+    spare = iter(_FALLBACK_BAR_COLOURS * (1 + len(names)))
+    colours = {name: BAR_COLOURS.get(name) or next(spare) for name in names}
+    for name, series in points.items():
+        ordered = sorted(series)
+        xs = [target for target, _, _ in ordered]
+        hours = [HOURS.of(seconds) for _, seconds, _ in ordered]
+        ax.plot(xs, hours, marker="o", color=colours[name], label=name, zorder=3)
+        for x, h, (_, _, shape) in zip(xs, hours, ordered, strict=True):
+            ax.annotate(
+                shape,
+                (x, h),
+                xytext=(4, 4),
+                textcoords="offset points",
+                fontsize=7,
+                color=colours[name],
+            )
+    targets = sorted({t for series in points.values() for t, _, _ in series})
+    ax.set_xticks(targets)
+    ax.margins(x=0.15)  # room for the labels of the last points
+    ax.set_xlabel("target staleness E[d] (steps)")
+    ax.set_ylabel("end-to-end time (hours)")
+    ax.grid(alpha=0.3, zorder=0)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title("Best end-to-end time per policy against target staleness")
+    if names:
+        ax.legend(frameon=False)
+    return fig
+
+
+def plot_staleness_sweep(
+    points: Mapping[str, Sequence[tuple[float, float, str]]], path: Path
+) -> Path:
+    """Write :func:`staleness_sweep_figure` to ``path``."""
+    if not any(points.values()):
+        raise ValueError("plot_staleness_sweep needs at least one point")
+    return _save(staleness_sweep_figure(points), path)
+
+
+# ---------------------------------------------------------------- paper ablations
+
+#: Bar colour of each family of ablation rows, by the row name's first letter.
+ABLATION_COLOURS: dict[str, str] = {
+    "A": BAR_COLOURS["async"],
+    "C": BAR_COLOURS["colocate"],
+    "E": BAR_COLOURS["elastic"],
+}
+PAPER_COLOUR = "#9e9e9e"
+DISAGREE_COLOUR = "#c62828"
+
+
+def ablations_figure(
+    hours: Mapping[str, tuple[float, float, float]],
+    paper_hours: Mapping[str, float],
+    changes: Sequence[tuple[str, float, float, bool]],
+) -> Figure:
+    """Left: each row's mean end-to-end hours, its min-max over seeds as an error bar,
+    rows grouped by family (A, C, E: the name's first letter), the paper's stated hours
+    as markers. Right: each paper figure as the row's change in time against its
+    reference, ours beside the paper's, labels in red where the directions disagree.
+
+    ``hours``: row -> (mean, min, max); ``changes``: (label, ours %, paper %, agrees)
+    (:meth:`qwengyre.sim.ablations.AblationResult.changes`).
+    """
+    fig = _new_figure()
+    fig.set_size_inches(12.0, 4.8)
+    left, right = fig.subplots(1, 2, width_ratios=[3, 2])
+    names = list(hours)
+    xs, x, family = [], 0.0, None
+    for name in names:
+        if family is not None and name[:1] != family:
+            x += 0.8  # a gap between families
+        family = name[:1]
+        xs.append(x)
+        x += 1.0
+    spare = iter(_FALLBACK_BAR_COLOURS * (1 + len(names)))
+    colours = {
+        f: ABLATION_COLOURS.get(f) or next(spare) for f in dict.fromkeys(n[:1] for n in names)
+    }
+    means = [hours[n][0] for n in names]
+    errors = [
+        [m - hours[n][1] for n, m in zip(names, means, strict=True)],
+        [hours[n][2] - m for n, m in zip(names, means, strict=True)],
+    ]
+    left.bar(xs, means, width=0.7, color=[colours[n[:1]] for n in names], zorder=2)
+    left.errorbar(xs, means, yerr=errors, fmt="none", ecolor=CAPACITY_COLOUR, capsize=3, zorder=3)
+    for xi, n, m in zip(xs, names, means, strict=True):
+        left.annotate(
+            f"{m:.1f}",
+            (xi, hours[n][2]),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    stated = [(xi, paper_hours[n]) for xi, n in zip(xs, names, strict=True) if n in paper_hours]
+    if stated:
+        left.scatter(
+            *zip(*stated, strict=True),
+            marker="D",
+            color="black",
+            zorder=4,
+            label="paper's stated hours",
+        )
+        left.legend(frameon=False, loc="upper right")
+    left.set_xticks(xs)
+    left.set_xticklabels(names)
+    left.set_ylabel("end-to-end time (hours)")
+    left.set_title("Mean time per row (min-max over seeds)")
+
+    ys = list(range(len(changes)))[::-1]
+    height = 0.38
+    right.barh(
+        [y + height / 2 for y in ys],
+        [c[1] for c in changes],
+        height=height,
+        color=[colours.get(c[0][:1], PAPER_COLOUR) for c in changes],
+        zorder=2,
+    )
+    right.barh(
+        [y - height / 2 for y in ys], [c[2] for c in changes], height=height, color=PAPER_COLOUR
+    )
+    right.axvline(0.0, color=CAPACITY_COLOUR, linewidth=0.8)
+    right.set_yticks(ys)
+    right.set_yticklabels([c[0] for c in changes])
+    for tick, change in zip(right.get_yticklabels(), changes, strict=True):
+        if not change[3]:
+            tick.set_color(DISAGREE_COLOUR)
+    right.set_xlabel("row's time vs reference (%)")
+    right.set_title("Paper's figures: ours vs paper (red: disagree)")
+    families = [f for f in colours if any(c[0][:1] == f for c in changes)]
+    handles = [Patch(color=colours[f], label=f"ours ({f} rows)") for f in families]
+    right.legend(
+        handles=[*handles, Patch(color=PAPER_COLOUR, label="paper")],
+        frameon=False,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+    )
+    for ax in (left, right):
+        ax.grid(axis="y" if ax is left else "x", alpha=0.3, zorder=0)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    return fig
+
+
+def plot_ablations(
+    hours: Mapping[str, tuple[float, float, float]],
+    paper_hours: Mapping[str, float],
+    changes: Sequence[tuple[str, float, float, bool]],
+    path: Path,
+) -> Path:
+    """Write :func:`ablations_figure` to ``path``."""
+    if not hours:
+        raise ValueError("plot_ablations needs at least one row")
+    return _save(ablations_figure(hours, paper_hours, changes), path)
