@@ -40,6 +40,9 @@ MODES = list(
 
 
 def mode_overrides(policy: str, dispatch: str, streaming: bool, standalone: int) -> list[str]:
+    # Colocate with a standalone pool dispatches extra groups, which run on that pool
+    # while the whole colocated pool trains (the paper's C1-C2).
+    phi = 1 if policy == "colocate" and standalone else 0
     return [
         "run.steps=2",
         "cells.count=2",
@@ -49,7 +52,7 @@ def mode_overrides(policy: str, dispatch: str, streaming: bool, standalone: int)
         "groups.min_valid=2",
         "scheduler.target_staleness=null",
         "scheduler.mu=1",
-        "scheduler.phi=0",
+        f"scheduler.phi={phi}",
         f"scheduler.policy={policy}",
         f"scheduler.dispatch={dispatch}",
         f"scheduler.streaming={str(streaming).lower()}",
