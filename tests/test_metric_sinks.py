@@ -56,6 +56,8 @@ def _step(step: int, time_s: float, reward: float, staleness: float) -> StepReco
         cells=2,
         train_s=4.0,
         staleness_mean=staleness,
+        micro_step_s=0.5,
+        update_s=0.1,
     )
 
 

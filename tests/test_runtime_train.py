@@ -80,6 +80,9 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     metrics = read_metrics(run_dir)
     assert [s.version for s in metrics.steps] == [1, 2, 3]
     assert sum(s.micro_steps for s in metrics.steps) > 0  # coin rewards: real gradients
+    # Each step's time in micro-steps and in its update, as `plan` reads them.
+    assert all(0 < s.update_s < s.train_s for s in metrics.steps)
+    assert all(s.micro_step_s > 0 for s in metrics.steps if s.micro_steps)
     assert all(s.rewards >= 2 * 2 for s in metrics.steps)  # B=2 groups, >= 2 valid each
     trained = [g.group_id for g in metrics.groups]
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
@@ -116,11 +119,14 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     ]
     assert len(summaries) >= 3 * 2 * 4
     assert all(" retries=0 " in line + " " for line in summaries), summaries
-    # `qwengyre plan` replays this run's trace with its own config (issue 19 §4).
+    # `qwengyre plan` replays this run's trace with its own config and costs (issue 19 §4).
     planned = tmp_path / "plan.yaml"
     assert main(["plan", "--trace", str(run_dir), "sim.steps=3", "--out", str(planned)]) == 0
     recommended = load_config(planned)
     assert (recommended.groups.size, recommended.sim.workload) == (4, "trace")
+    publications = [p.seconds for p in metrics.publications]
+    assert recommended.sim.publish_s == pytest.approx(sum(publications) / len(publications))
+    assert recommended.sim.micro_step_tokens == 512
 
 
 def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> None:

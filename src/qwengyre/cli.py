@@ -301,7 +301,30 @@ def _plan_config(args: argparse.Namespace) -> Config:
     if trace is not None:
         sim = {**config.sim.model_dump(), "workload": "trace", "trace": trace}
         config = Config.model_validate({**config.model_dump(), "sim": sim})
+        from qwengyre.report.metrics import METRICS_FILE
+
+        if recorded is not None and (trace.parent / METRICS_FILE).is_file():
+            config = _run_costs(config, trace.parent / METRICS_FILE, overrides)
     return config
+
+
+def _run_costs(config: Config, metrics_path: Path, overrides: list[str]) -> Config:
+    """``config`` with the costs measured in the recording run's metrics log
+    (:mod:`qwengyre.sim.measured`); a cost set by an override keeps the override."""
+    from qwengyre.report.metrics import read_metrics
+    from qwengyre.sim.measured import measured_costs, with_costs
+
+    given = {o.split("=", 1)[0] for o in overrides}
+    found, missing = measured_costs(read_metrics(metrics_path), config)
+    costs = [c for c in found if c.key not in given]
+    print(f"costs from {metrics_path}:")
+    for cost in costs:
+        print(f"  {cost.describe()}")
+    for key in sorted(given & {c.key for c in found}):
+        print(f"  {key}: as given")
+    if missing:
+        print(f"  not in the log, kept from the config: {', '.join(missing)}")
+    return with_costs(config, costs)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -228,6 +228,9 @@ class SimConfig(_Section):
     train_step_overhead_s: float = Field(
         60.0, ge=0.0, description="per-step cost: pipeline fill/drain and optimizer update"
     )
+    micro_step_tokens: int = Field(
+        262_144, ge=1, description="tokens of one simulated micro-step (a cell takes one at a time)"
+    )
 
     @model_validator(mode="after")
     def _trace_needs_path(self) -> SimConfig:

@@ -169,7 +169,15 @@ class StepRecord(_Record):
     cells: int
     """How many cells trained this step."""
     train_s: float
+    """From the step's first assignment to its update done: waits for streamed groups
+    included."""
     staleness_mean: float
+    micro_step_s: float = math.nan
+    """Seconds the cells spent in this step's micro-steps, summed over cells (what
+    ``sim.train_tokens_per_cell_s`` models); NaN in logs written before it existed."""
+    update_s: float = math.nan
+    """Seconds from the last micro-step's end to the update done on every cell (what
+    ``sim.train_step_overhead_s`` models); NaN in older logs."""
 
     @property
     def learning_signal(self) -> bool:

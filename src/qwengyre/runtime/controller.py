@@ -141,6 +141,7 @@ class _Step:
     window_open: bool = True  # cells may still join this batch
     results: list[MicroStepResult] = field(default_factory=list)
     started_s: float = 0.0
+    micro_step_s: float = 0.0  # summed over cells
 
 
 class Controller:
@@ -432,7 +433,9 @@ class Controller:
             await self.cells[cell].call("join_training")  # the core's current weights
         while (ms := await self.queue.claim(cell)) is not None:
             self._maybe_pull()  # packing the next group overlaps this micro-step
-            step.results.append(await self._timed(cell, "train_micro_step", ms))
+            result, seconds = await self._timed(cell, "train_micro_step", ms)
+            step.results.append(result)
+            step.micro_step_s += seconds
 
     def _maybe_pull(self) -> None:
         """Fewer micro-steps wait than cells train: ask for one more ready group."""
@@ -448,9 +451,10 @@ class Controller:
         k = len(step.workers)
         if sorted(step.workers) != list(range(k)):
             raise RuntimeError(f"step {step.step}: cells {sorted(step.workers)} are not a prefix")
-        results: list[StepResult] = await asyncio.gather(
+        finished = await asyncio.gather(
             *(self._timed(c, "finish_batch", summary, k) for c in range(k))
         )
+        results: list[StepResult] = [result for result, _ in finished]
         self._synced = set(range(k))
         self.trained += list(summary.group_ids)
         groups = self.scheduler.groups
@@ -474,6 +478,8 @@ class Controller:
             staleness_mean=statistics.fmean(
                 step.step - self.scheduler.groups[g].v_d for g in summary.group_ids
             ),
+            micro_step_s=step.micro_step_s,
+            update_s=max(seconds for _, seconds in finished),
         )
         for gid in summary.group_ids:  # trained in this step
             group = self.scheduler.groups[gid]
@@ -520,11 +526,11 @@ class Controller:
                 self._busy_s[cell] += now - self._accounted_at
         self._accounted_at = now
 
-    async def _timed(self, cell: int, method: str, *args: Any) -> Any:
-        """A training call on ``cell``, its duration counted as busy."""
+    async def _timed(self, cell: int, method: str, *args: Any) -> tuple[Any, float]:
+        """A training call on ``cell`` and its duration, counted as busy."""
         start = time.monotonic()
         try:
-            return await self.cells[cell].call(method, *args)
+            return await self.cells[cell].call(method, *args), time.monotonic() - start
         finally:
             self._busy_s[cell] += time.monotonic() - start
 

@@ -73,6 +73,7 @@ class SimCosts:
             publish_s=config.sim.publish_s,
             train_tokens_per_cell_s=config.sim.train_tokens_per_cell_s,
             train_step_overhead_s=config.sim.train_step_overhead_s,
+            micro_step_tokens=config.sim.micro_step_tokens,
         )
 
     def micro_step_s(self, tokens: float) -> float:
