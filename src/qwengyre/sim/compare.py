@@ -67,7 +67,7 @@ def compare_policies(config: Config, workload: Workload, target_staleness: float
     notes = {}
     for policy in ("async", "colocate"):
         candidates = shapes(config, target, policy)
-        (best, shape), *_ = fastest(config, workload, candidates)
+        best, shape = fastest(config, workload, candidates)
         results[policy] = best
         notes[policy] = f"best of {len(candidates)}: {shape.describe()}"
     for name, policy in ((NON_STREAMING_ASYNC, "async"), (NON_STREAMING_COLOCATE, "colocate")):

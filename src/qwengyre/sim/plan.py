@@ -25,7 +25,7 @@ from rich.table import Table
 from qwengyre.config import Config, Policy, config_to_yaml
 from qwengyre.sim.plots import time_unit
 from qwengyre.sim.report import table_console
-from qwengyre.sim.search import Shape, fastest, shapes
+from qwengyre.sim.search import Shape, shapes, simulate_each
 from qwengyre.sim.simulator import SimResult
 from qwengyre.sim.workload import Workload, workload_from_name
 
@@ -209,7 +209,7 @@ def plan_run(
         )
     measured: dict[Shape, Candidate] = {}
     for workload in workloads:
-        for result, shape in fastest(config, workload, candidates):
+        for result, shape in simulate_each(config, workload, candidates):
             one = Candidate.of(shape, result)
             measured[shape] = measured[shape].join(one) if shape in measured else one
     ranked = sorted(measured.values(), key=lambda c: c.mean_s)

@@ -11,6 +11,7 @@ instead of switching. :func:`shapes` lists every shape a policy may take;
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from qwengyre.config import Config, Policy
@@ -95,11 +96,21 @@ def shapes(config: Config, target: float, policy: Policy) -> list[Shape]:
     return found
 
 
+def simulate_each(
+    config: Config, workload: Workload, candidates: Sequence[Shape]
+) -> Iterator[tuple[SimResult, Shape]]:
+    """Each candidate simulated on ``workload`` (the same executions for all), in order,
+    one at a time: a result (megabytes on a paper preset) is freed once the caller lets
+    it go, so a search of many shapes holds one or two."""
+    for shape in candidates:
+        yield simulate(shape.apply(config), workload), shape
+
+
 def fastest(
-    config: Config, workload: Workload, candidates: list[Shape]
-) -> list[tuple[SimResult, Shape]]:
-    """Each candidate simulated on ``workload`` (same executions for all), fastest first."""
+    config: Config, workload: Workload, candidates: Sequence[Shape]
+) -> tuple[SimResult, Shape]:
+    """The candidate with the shortest end-to-end time on ``workload``; the first of
+    equals. ValueError when there is no candidate."""
     if not candidates:
         raise ValueError("no candidate shape to simulate")
-    tried = [(simulate(shape.apply(config), workload), shape) for shape in candidates]
-    return sorted(tried, key=lambda pair: pair[0].end_to_end_s)
+    return min(simulate_each(config, workload, candidates), key=lambda p: p[0].end_to_end_s)
