@@ -52,7 +52,7 @@ def burst_for_staleness(policy: str, target: float) -> BurstShape:
     At E[d]=1.5 this gives async (1, 1.5), colocate (4, 0), elastic (3, 0.5); at
     E[d]=1.0 elastic gets (2, 0.5): on the paper-122b preset (3, 0) waits for every
     group's tail and takes 116.6 h instead of 81.9 h for 48 steps at seed 0 (96-130 h
-    over seeds 0-17: how long the tails wait varies by seed).
+    against 81-84 h over seeds 0-17: how long the tails wait varies by seed).
     Raises ValueError for a negative target, an unknown policy, or a colocate target
     that is not a multiple of 0.5.
     """
