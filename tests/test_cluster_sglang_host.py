@@ -1,13 +1,15 @@
 """A cell's SGLang server (``engine.backend=sglang``) against the fake launcher in
 tests/fake_sglang (qwengyre's engine server behind SGLang's API and flags, generating
-from the tiny model): its flags and key, the boards' weights published through disk,
-a role switch, its end; and the tensor parallel commands of both server hosts."""
+from the tiny model): its flags and key (in a private config file, not on its command
+line), the boards' weights published through disk, a role switch, its end; the fake's
+``--config``; and the tensor parallel commands of both server hosts."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+import yaml
 from tests.core_boards import core_boards
+from tests.fake_sglang.sglang.launch_server import parser, with_config
 from transformers import AutoModelForCausalLM
 
 from qwengyre.cluster.engine_host import Endpoint, rollout_host
@@ -105,9 +109,22 @@ def generate(endpoint: Endpoint) -> GenerateResult:
     return asyncio.run(main())
 
 
+def launched_argv(host: SGLangHost) -> list[str]:
+    """The server's command line as any local user sees it (``ps``)."""
+    assert host._process is not None
+    return Path(f"/proc/{host._process.pid}/cmdline").read_text().split("\0")[:-1]
+
+
 def test_the_host_launches_sglang_with_its_flags_and_key(cell: Cell, tiny_model_dir: Path) -> None:
     recorded = json.loads(cell.record.read_text())
-    argv = recorded["argv"]
+    argv = launched_argv(cell.host)
+    key = cell.endpoint.api_key
+    assert key.isalnum()  # no "-" first, which SGLang would read as a flag
+    assert not any(key in arg for arg in argv)
+    config = Path(argv[argv.index("--config") + 1])
+    assert yaml.safe_load(config.read_text()) == {"api-key": key}
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert stat.S_IMODE(config.parent.stat().st_mode) == 0o700
     flags = {
         "--model-path": str(tiny_model_dir),
         "--host": "127.0.0.1",
@@ -116,7 +133,6 @@ def test_the_host_launches_sglang_with_its_flags_and_key(cell: Cell, tiny_model_
         "--context-length": "256",
     }
     assert {flag: argv[argv.index(flag) + 1] for flag in flags} == flags
-    assert f"--api-key={cell.endpoint.api_key}" in argv
     assert "--enable-memory-saver" not in argv  # CPU: nothing to free
     assert "--weight-version" not in argv  # nothing of the run's yet
     assert recorded["cuda_visible_devices"] == os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -159,7 +175,8 @@ def test_load_newest_publishes_the_boards_weights(cell: Cell, tiny_model_dir: Pa
     cell.board.write(perturbed(tiny_model_dir, seed=version + 1).items(), version + 1)
     assert cell.host.load_newest(cell.boards) == version + 1
     assert cell.host.load_newest(cell.boards) == version + 1  # nothing newer: nothing loaded
-    assert [p.name for p in cell.host._work.iterdir()] == [f"v{version + 1}"]  # newest only
+    newest_only = ["server.yaml", f"v{version + 1}"]
+    assert sorted(p.name for p in cell.host._work.iterdir()) == newest_only
 
 
 def test_release_puts_it_to_sleep_and_resume_serves_the_newest(
@@ -186,10 +203,10 @@ def test_a_host_serves_its_model_as_the_version_given_and_closes_for_good(
         host="127.0.0.1",
         version=7,
     )
-    host.api_key = f"-{host.api_key}"  # as a URL-safe token may begin: still its value
     try:
         endpoint = host.start()
         argv = json.loads(fake_sglang.read_text())["argv"]
+        config = Path(argv[argv.index("--config") + 1])
         assert argv[argv.index("--weight-version") + 1] == "7"
         assert "--context-length" not in argv
         assert generate(endpoint).versions == (7,) * 6
@@ -199,7 +216,7 @@ def test_a_host_serves_its_model_as_the_version_given_and_closes_for_good(
         host.close()
     with pytest.raises(ProcessLookupError):  # no process of the server's group is left
         os.killpg(group, 0)
-    assert not work.exists()
+    assert not config.exists() and not work.exists()
 
 
 def test_proxy_serve_and_rollout_launch_the_backend_for_their_block(
@@ -223,6 +240,35 @@ def test_proxy_serve_and_rollout_launch_the_backend_for_their_block(
         pid = json.loads(fake_sglang.read_text())["pid"]
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_the_fake_reads_a_config_file_as_sglang_does(tmp_path: Path) -> None:
+    config = tmp_path / "server.yaml"
+    config.write_text("api-key: k3y\nenable-memory-saver: true\nport: 1\n")
+    args = parser().parse_args(with_config(["--model-path", "/m", "--config", str(config)]))
+    assert (args.api_key, args.enable_memory_saver, args.port) == ("k3y", True, 1)
+    args = parser().parse_args(with_config(["--config", str(config), "--model", "/m", "--port=2"]))
+    assert args.port == 2  # the command line wins
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "tail"),
+    [
+        ("c.yaml", "api-key: k3y\n", ["--config", "c.yaml"]),  # one file only
+        ("c.json", "api-key: k3y\n", []),  # YAML (only newer SGLang takes JSON)
+        ("c.yaml", "api_key: k3y\n", []),  # not a flag's name
+        ("c.yaml", "api-key: -k3y\n", []),  # read as a flag
+        ("c.yaml", "[api-key, k3y]\n", []),  # not a mapping
+    ],
+)
+def test_the_fake_refuses_what_an_sglang_with_config_refuses(
+    tmp_path: Path, name: str, text: str, tail: list[str]
+) -> None:
+    (tmp_path / name).write_text(text)
+    argv = ["--model-path", "/m", "--api-key", "k", "--config", str(tmp_path / name), *tail]
+    with pytest.raises(SystemExit) as refused:
+        parser().parse_args(with_config(argv))
+    assert refused.value.code == 2
 
 
 @pytest.mark.parametrize("kind", [SGLangHost, VLLMHost])

@@ -135,7 +135,9 @@ class ServerHost(ABC, Generic[C]):
         self.max_context = max_context
         self.host = host
         self.port = free_port(host)
-        self.api_key = secrets.token_urlsafe(24)
+        # Hex: a key must not begin with '-', which a server may read as a flag (SGLang's
+        # --config, as first released, turns the file's options back into arguments).
+        self.api_key = secrets.token_hex(24)
         self.version = version
         self._work = Path(tempfile.mkdtemp(prefix=f"qg-{self.api}-{name}-"))
         self._weights = self.model_dir  # the directory the server starts from

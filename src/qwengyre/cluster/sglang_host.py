@@ -2,10 +2,14 @@
 
 :class:`SGLangHost` is a :class:`~qwengyre.cluster.server_host.ServerHost` that launches
 ``python -m sglang.launch_server`` (the interpreter of ``$QWENGYRE_SGLANG_PYTHON``, else
-this one) with ``--api-key``, ``--tp-size`` over the cell's GPUs, ``--context-length``
-(``engine.max_context``), ``--weight-version`` when it starts from a published version
-and, on a GPU, ``--enable-memory-saver``; the proxy drives it with
-:class:`~qwengyre.engines.sglang.SGLangEngine`.
+this one) with ``--tp-size`` over the cell's GPUs, ``--context-length``
+(``engine.max_context``), ``--weight-version`` when it starts from a published version,
+on a GPU ``--enable-memory-saver``, and ``--config`` naming a YAML file that holds its
+API key (``api-key``), so that the key is not on a command line any local user can read
+(``ps``). The file is written for each launch, mode 0600, in the host's private
+working directory (mode 0700), which :meth:`~ServerHost.close` removes. This needs an
+SGLang that reads ``--config``: sgl-project/sglang#10534 (September 2025) or later.
+The proxy drives the server with :class:`~qwengyre.engines.sglang.SGLangEngine`.
 
 Weights: on a GPU they travel as tensors. The boards' shards are put together into
 whole tensors in host memory, one shard at a time, and sent in buckets of bounded size
@@ -25,9 +29,12 @@ and loads the newest weights.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
+from pathlib import Path
 from typing import Any
 
+import yaml
 from torch import Tensor
 
 from qwengyre.cluster.server_host import ServerHost
@@ -71,21 +78,29 @@ class SGLangHost(ServerHost[SGLangEngine]):
 
     api = "sglang"
 
+    @property
+    def _config(self) -> Path:
+        return self._work / "server.yaml"  # SGLang takes .yaml or .yml only
+
     def server_spec(self, model: str | None = None) -> SGLangServerSpec:
-        """How the server starts, on the weights in ``model`` (default: the base model)."""
+        """How the server starts, on the weights in ``model`` (default: the base model).
+        Its key is in the config file :meth:`_popen` writes, not in the spec."""
         return SGLangServerSpec(
             model_path=model or str(self.model_dir),
             port=self.port,
             host=self.host,
-            api_key=self.api_key,
             tp_size=self.tp_size,
             context_length=self.max_context,
             weight_version=str(self.version) if self.version >= 0 else None,
             enable_memory_saver=self.device != "cpu",
+            extra_args=("--config", str(self._config)),  # two arguments: SGLang matches "--config"
             extra_env=self.gpu_env(),
         )
 
     def _popen(self, model: str, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        with os.fdopen(os.open(self._config, flags, 0o600), "w") as config:
+            yaml.safe_dump({"api-key": self.api_key}, config)
         return launch_sglang(self.server_spec(model), **popen_kwargs)
 
     def _new_client(self) -> SGLangEngine:

@@ -383,8 +383,9 @@ class SGLangServerSpec:
     ``server_args.py``).
 
     ``python`` is the interpreter of SGLang's environment (``$QWENGYRE_SGLANG_PYTHON``,
-    else this one). ``api_key`` (``--api-key``: on the command line, as SGLang takes
-    it) guards every path but ``/health``. ``tp_size`` (``--tp-size``): tensor
+    else this one). No API key: on a command line every local user could read it
+    (``ps``); :class:`~qwengyre.cluster.sglang_host.SGLangHost` hands it over in a
+    private ``--config`` file. ``tp_size`` (``--tp-size``): tensor
     parallel over the GPUs the server sees (``CUDA_VISIBLE_DEVICES`` in
     ``extra_env``). ``context_length`` (``--context-length``) caps prompt plus output.
     ``weight_version`` (``--weight-version``) labels the weights it starts with (SGLang
@@ -397,7 +398,6 @@ class SGLangServerSpec:
     model_path: str
     port: int
     host: str = "127.0.0.1"
-    api_key: str | None = None
     tp_size: int = 1
     context_length: int | None = None
     weight_version: str | None = None
@@ -424,8 +424,6 @@ class SGLangServerSpec:
             "--tp-size",
             str(self.tp_size),
         ]
-        if self.api_key is not None:
-            argv.append(f"--api-key={self.api_key}")  # one argument: a key may begin with -
         if self.context_length is not None:
             argv += ["--context-length", str(self.context_length)]
         if self.weight_version is not None:

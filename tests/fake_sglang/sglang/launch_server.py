@@ -6,9 +6,18 @@ model at ``--model-path``.
 It parses the flags of SGLang's ``server_args.py`` that qwengyre passes, strictly: an
 unknown flag, or an abbreviation of one, is an error (exit code 2), so that a test
 catches a wrongly named flag. ``--api-key`` is required (the fake serves with a key
-only). ``--tp-size`` and ``--enable-memory-saver`` are accepted and otherwise ignored
-(one CPU process; releasing memory works anyway). ``--weight-version`` labels the
-tokens when it is an integer, else (SGLang's ``default``) they are labelled -1.
+only), on the command line or in the ``--config`` file. ``--tp-size`` and
+``--enable-memory-saver`` are accepted and otherwise ignored (one CPU process;
+releasing memory works anyway). ``--weight-version`` labels the tokens when it is an
+integer, else (SGLang's ``default``) they are labelled -1.
+
+``--config FILE`` (SGLang's ``ConfigArgumentMerger``): at most one, as two arguments,
+naming a ``.yaml``/``.yml`` file that holds a mapping of options to values. Its
+options go before the command line's, so that flags given there win. As in SGLang's
+first releases with ``--config`` (later ones set parser defaults instead, and accept
+more), a key is the flag's name (``api-key``, not ``api_key``), ``true`` adds a
+switch, and a value is parsed as a command-line argument (so one beginning with
+``-`` is an error): what the fake takes, every SGLang with ``--config`` takes.
 
 With ``$QWENGYRE_FAKE_SGLANG_RECORD`` set, it first writes its arguments and
 ``CUDA_VISIBLE_DEVICES`` there as JSON: ``{"argv": [...], "cuda_visible_devices": ...}``.
@@ -20,7 +29,9 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
+import yaml
 from aiohttp import web
 
 from qwengyre.engines.embedded import EmbeddedEngine
@@ -41,6 +52,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def with_config(argv: list[str]) -> list[str]:
+    """``argv`` with its ``--config FILE`` replaced by the file's options, put first."""
+    at = [i for i, arg in enumerate(argv) if arg == "--config"]
+    if not at:
+        return argv
+    if len(at) > 1 or at[0] == len(argv) - 1:
+        parser().error("--config: one config file, as the next argument")
+    path = Path(argv[at[0] + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        parser().error(f"--config: a YAML file (.yaml or .yml), not {path}")
+    config = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(config, dict):
+        parser().error(f"--config: {path} holds no mapping")
+    options: list[str] = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            options += [f"--{key}"] if value else []
+        else:
+            options += [f"--{key}", str(value)]
+    return options + argv[: at[0]] + argv[at[0] + 2 :]
+
+
 def main(argv: list[str]) -> None:
     record = os.environ.get("QWENGYRE_FAKE_SGLANG_RECORD")
     if record:
@@ -53,7 +86,7 @@ def main(argv: list[str]) -> None:
                 },
                 f,
             )
-    args = parser().parse_args(argv)
+    args = parser().parse_args(with_config(argv))
     engine = EmbeddedEngine(
         args.model_path, name="fake-sglang", capacity=4, max_context=args.context_length
     )
