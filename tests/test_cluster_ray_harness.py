@@ -1,8 +1,8 @@
 """Harness hosts on Ray nodes (issue 18): on a two-node Ray cluster (each node its own
 raylet, on this one machine) executions of the toy harness spread over both nodes; each
 harness is a child of its node's host actor, its intermediate assessments are made
-there, its model calls are counted through the proxy's admin API, and a cancel kills
-the harness on its node."""
+there, its model calls are counted through the proxy's admin API, a cancel kills the
+harness on its node, and the hosts of a resumed run stop what a killed run left."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from tests.test_proxy_server import ADMIN, Running, start
 from tests.test_rollout_assessments import SCRIPT
-from tests.test_rollout_hosts import gone
+from tests.test_rollout_hosts import gone, orphan
 
 from qwengyre.config import load_config
 from qwengyre.engines.scripted import ScriptedEngine
@@ -77,6 +77,7 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
     nodes = harness_nodes()
     assert len({n.node_id for n in nodes}) == 2
     root = tmp_path / "hosts"
+    left = orphan(root, "ex_old")  # by a run killed with its actors
     hosts = start_ray_hosts(
         nodes,
         capacity=2,
@@ -95,6 +96,7 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
 
     async def scenario() -> tuple[Any, ...]:
         where = {host.name: await host.where() for host in hosts}
+        stopped = await pool.stop_orphans()
         toys = [await request(proxy, task, critique) for task in tasks[:4]]
         done = await asyncio.gather(*(pool.run(r) for r in toys))
         parents = [(await pids(root, r.execution_id))[1] for r in done]
@@ -106,10 +108,14 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
         await pool.cancel(sleeping.execution_id)
         cancelled = await run
         await pool.close()
-        return where, done, parents, crashed, cancelled, (name, harness, parent)
+        return where, stopped, done, parents, crashed, cancelled, (name, harness, parent)
 
-    where, done, parents, crashed, cancelled, (name, harness, parent) = in_loop(proxy, scenario())
+    ran = in_loop(proxy, scenario())
+    where, stopped, done, parents, crashed, cancelled, (name, harness, parent) = ran
     assert {node for node, _ in where.values()} == {n.node_id for n in nodes}
+    # The new actors stopped the harness the killed run left (both nodes share this disk).
+    assert set(stopped) == set(where) and sum(stopped.values()) >= 1
+    assert left.wait(10) == -9
     assert {host.name: host.node.node_id for host in hosts} == {h: n for h, (n, _) in where.items()}
     # Two executions on each node (two slots each), every one a child of its node's host.
     assert sorted(r.host for r in done) == sorted(2 * list(where))

@@ -1,19 +1,20 @@
 """Harness hosts (issue 18): the pool spreads executions by free capacity, never
 overfills a host, waits when all are full, sends a cancel to the host that runs the
 execution, and frees the slot of a host that raised; the in-process host runs, cancels
-and closes real executions."""
+and closes real executions; a resumed run's hosts stop the harnesses a killed run left."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from qwengyre.rollout.execution import Budgets, ExecutionResult
-from qwengyre.rollout.harness import HarnessSpec
+from qwengyre.rollout.harness import PGID_FILE, HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool, LocalHarnessHost
 from qwengyre.rollout.tasks import CommandEvaluator, Task
 from qwengyre.types import Outcome
@@ -196,3 +197,27 @@ def test_the_local_host_runs_cancels_and_closes_real_executions(tmp_path: Path) 
     assert cancelled.outcome is closed.outcome is Outcome.CANCELLED
     assert cancelled.host == closed.host == "here"
     assert all(gone(pid) for pid in pids)
+
+
+def orphan(root: Path, execution_id: str, runs_as: str | None = None) -> subprocess.Popen[bytes]:
+    """A harness a killed run left: its own session, its group noted in the execution's
+    logs under ``root``, carrying ``runs_as`` (default: that execution) as its id."""
+    env = {**os.environ, "QWENGYRE_EXECUTION_ID": runs_as or execution_id}
+    proc = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    logs = root / "logs" / execution_id
+    logs.mkdir(parents=True)
+    (logs / PGID_FILE).write_text(f"{proc.pid}\n")
+    return proc
+
+
+def test_the_pool_stops_the_harnesses_a_killed_run_left_under_each_host(tmp_path: Path) -> None:
+    left = orphan(tmp_path / "a", "ex_1")
+    recycled = orphan(tmp_path / "b", "ex_2", runs_as="ex_other")  # its pid reused since
+    pool = HostPool([LocalHarnessHost(tmp_path / d, capacity=1, name=d) for d in "abc"])
+    try:
+        assert asyncio.run(pool.stop_orphans()) == {"a": 1, "b": 0, "c": 0}
+        assert left.wait(10) == -9
+        assert recycled.poll() is None
+    finally:
+        recycled.kill()
+        recycled.wait()

@@ -29,7 +29,10 @@ CPU of a node in their placement group.
 - **Failure.** A host whose actor dies fails its calls with
   :class:`~qwengyre.cluster.local.ActorDied`, which stops the run as a dead cell does.
   Its harnesses run in sessions of their own and outlive a killed actor; :meth:`close`
-  stops them first.
+  stops them first. When the whole run was killed (and its actors with it), the resumed
+  run's new actor on each node stops the ones left there (:meth:`stop_orphans`: a
+  process group noted in an execution's logs whose leader still carries that
+  execution's id, so a recycled pid is never hit).
 
 The actor does not block its event loop: harnesses are subprocesses, evaluators run in
 subprocesses or threads, and the admin API is read with aiohttp.
@@ -182,6 +185,9 @@ class HarnessActor:
         """An intermediate assessment of the execution's workspace, now."""
         return await self.hub.assess(execution_id, branch)
 
+    async def stop_orphans(self) -> int:
+        return await self.host.stop_orphans()
+
     async def close(self) -> None:
         await self.host.close()
 
@@ -249,6 +255,10 @@ class RayHarnessHost:
         """The actor's node id and process id (the parent of its harnesses)."""
         node_id, pid = await self._call("where")
         return str(node_id), int(pid)
+
+    async def stop_orphans(self) -> int:
+        """Kill the harnesses a killed run left on the node (their actor died with it)."""
+        return int(await self._call("stop_orphans"))
 
     async def close(self) -> None:
         """Stop the node's harnesses (bounded by :data:`CLOSE_TIMEOUT_S`), then the actor."""

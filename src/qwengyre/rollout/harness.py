@@ -261,6 +261,13 @@ def kill_orphaned_harness(logs_dir: Path, execution_id: str) -> bool:
     return True
 
 
+def kill_orphaned_harnesses(run_dir: Path) -> int:
+    """Kill every harness process group a dead runner left under ``run_dir/logs`` (one
+    directory per execution, as :func:`run_harness` writes them); how many."""
+    logs = run_dir / "logs"
+    return sum(kill_orphaned_harness(d, d.name) for d in logs.glob("*")) if logs.exists() else 0
+
+
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
     """Signal a whole process group; one that is already gone is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -28,7 +28,7 @@ from typing import Protocol
 from qwengyre.rollout.assessments import AssessmentHub
 from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
-from qwengyre.rollout.harness import HarnessSpec
+from qwengyre.rollout.harness import HarnessSpec, kill_orphaned_harnesses
 from qwengyre.rollout.tasks import Task
 from qwengyre.types import Outcome
 
@@ -70,6 +70,11 @@ class HarnessHost(Protocol):
 
     async def close(self) -> None:
         """Stop every execution here (harnesses killed) and release the host."""
+        ...
+
+    async def stop_orphans(self) -> int:
+        """Kill the harnesses a killed run left on this host's machine, under its
+        directory (a resumed run calls it before it starts executions); how many."""
         ...
 
 
@@ -127,6 +132,9 @@ class LocalHarnessHost:
         running = self._running.get(execution_id)
         if running is not None:
             running[0].set()
+
+    async def stop_orphans(self) -> int:
+        return kill_orphaned_harnesses(self.run_dir)
 
     async def close(self) -> None:
         running = list(self._running.values())
@@ -193,6 +201,11 @@ class HostPool:
             return
         self._cancelled.add(execution_id)
         self._wake()
+
+    async def stop_orphans(self) -> dict[str, int]:
+        """Every host's :meth:`HarnessHost.stop_orphans`, by host name."""
+        counts = await asyncio.gather(*(host.stop_orphans() for host in self.hosts))
+        return {host.name: n for host, n in zip(self.hosts, counts, strict=True)}
 
     async def close(self) -> None:
         """No execution starts any more; every host is closed (its harnesses killed)."""

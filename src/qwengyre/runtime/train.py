@@ -46,7 +46,6 @@ from qwengyre.proxy.store import Store
 from qwengyre.report.metrics import RunRecord
 from qwengyre.report.sinks import check_metrics, open_metrics
 from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
-from qwengyre.rollout.harness import kill_orphaned_harness
 from qwengyre.rollout.hosts import HostPool, LocalHarnessHost
 from qwengyre.rollout.runner import harness_spec
 from qwengyre.rollout.tasks import Task, load_tasks
@@ -163,12 +162,6 @@ def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
         next_group=max([int(state.get("next_group", 0)), *(g + 1 for g in known)]),
         next_execution=int(state.get("next_execution", 0)),
     )
-
-
-def stop_orphans(run_dir: Path) -> int:
-    """Kill the harness process groups a killed run left behind; how many."""
-    logs = run_dir / "logs"
-    return sum(kill_orphaned_harness(d, d.name) for d in logs.glob("*")) if logs.exists() else 0
 
 
 def load_task_set(config: Config) -> list[Task]:
@@ -346,8 +339,6 @@ async def _train_once(options: TrainOptions) -> Controller:
 
         require_ray()  # before the warm start; run.placement=ray starts Ray later
     run_dir, log = options.run_dir, options.log
-    if options.resume:
-        log(f"resume: stopped {stop_orphans(run_dir)} orphaned harness process groups")
     # The warm start runs its own event loops (the toy harness in-process): a thread.
     model_dir = await asyncio.to_thread(base_model, config, run_dir, log)
     resumed = resume_state(run_dir, model_dir)
@@ -394,6 +385,11 @@ async def _train_once(options: TrainOptions) -> Controller:
     try:
         engines = await _start_engines(config, resumed, run_dir, proxy)
         hosts = _harness_hosts(config, run_dir, proxy)  # after the cells: Ray is up
+        if options.resume:
+            stopped = ", ".join(
+                f"{n} on {host}" for host, n in (await hosts.stop_orphans()).items()
+            )
+            log(f"resume: stopped orphaned harness process groups: {stopped}")
         controller = Controller(
             config,
             scheduler,
