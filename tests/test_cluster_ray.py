@@ -86,7 +86,7 @@ def two_cells_train_a_step(
     """
     import ray
 
-    from qwengyre.cluster.ray import RayActor
+    from qwengyre.cluster.ray import RayActor, RayWeights
 
     data = batches(tiny_model_dir)[:1]
     (micro_steps, summary) = data[0]
@@ -123,6 +123,11 @@ def two_cells_train_a_step(
         # version's reference.
         for shard in range(shards):
             assert ray.get(ray.get_actor(board_name(board, shard)).get.remote())[0] == 1
+        # A reader fetches the whole board, or only the tensors it names.
+        reader = RayWeights(board_name(board, shards - 1))
+        (version, whole), (_, some) = reader.read(), reader.read(["model.norm.weight"])
+        assert version == 1 and len(whole) > 1 and list(some) == ["model.norm.weight"]
+        assert torch.equal(some["model.norm.weight"], whole["model.norm.weight"])
         for name, expected in alone.items():
             torch.testing.assert_close(core[name], expected, rtol=0, atol=1e-5)
             torch.testing.assert_close(satellite[name], core[name], rtol=0, atol=0)

@@ -122,6 +122,45 @@ def test_sharded_boards_write_one_safetensors_file_shard_by_shard(
             boards.write_safetensors(5, path, dtype)
 
 
+class Recorded:
+    """A board that notes which names each read asked for."""
+
+    def __init__(self, board: SharedWeights, shard: int, reads: list[tuple[int, list[str]]]):
+        self.board, self.shard, self.reads = board, shard, reads
+
+    def read(self, names: Sequence[str] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        self.reads.append((self.shard, sorted(names or [])))
+        return self.board.read(names)
+
+    def __getattr__(self, attr: str) -> object:
+        return getattr(self.board, attr)
+
+
+def test_sharded_boards_give_whole_tensors_a_few_names_at_a_time() -> None:
+    full = named(3)
+    with published(full, version=4) as boards:
+        source = boards.by_name(4)
+        assert {n: (m.shape, m.dtype, m.device.type) for n, m in source.meta.items()} == {
+            n: (t.shape, t.dtype, "meta") for n, t in full
+        }
+        # Only what is named is read: one board read each, a bucket's worth of rows.
+        reads: list[tuple[int, list[str]]] = []
+        boards.boards = [Recorded(board, r, reads) for r, board in enumerate(boards.boards)]
+        whole = source.read(["head.bias", "norm.weight"])
+        assert reads == [(0, ["head.bias", "norm.weight"]), (1, ["head.bias", "norm.weight"])]
+        assert list(whole) == ["head.bias", "norm.weight"]
+        for name, tensor in full[1:]:
+            assert torch.equal(whole[name], tensor) and whole[name].dtype == tensor.dtype
+        assert torch.equal(source.read(["embed.weight"])["embed.weight"], full[0][1])
+        with pytest.raises(ValueError, match=r"hold no tensor \['lm_head.weight'\]"):
+            source.read(["lm_head.weight"])
+        boards.boards[1].board.write(
+            [(n, t.narrow(0, *shard_rows(t.shape[0], 2, 1))) for n, t in full], 5
+        )
+        with pytest.raises(StaleWeights, match="shard 1 holds version 5, not 4"):
+            source.read(["head.bias"])
+
+
 def test_an_untied_lm_head_goes_through_the_boards_to_the_engine_and_to_disk(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

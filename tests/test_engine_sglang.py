@@ -10,7 +10,7 @@ import importlib.util
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from qwengyre.engines.base import (
     EngineAborted,
     GenerateRequest,
     TokenDelta,
+    WeightsByName,
     WeightsInMemory,
     WeightsOnDisk,
     collect,
@@ -353,7 +354,9 @@ def test_payload_decodes_as_sglang_decodes_it() -> None:
 def test_buckets_are_bounded_and_keep_the_order() -> None:
     tensors = {"a": torch.zeros(4), "b": torch.zeros(2), "c": torch.zeros(64), "d": torch.zeros(1)}
     buckets = tensor_buckets(tensors, max_bytes=24)  # float32: 16, 8, 256, 4 bytes
-    assert [[name for name, _ in b] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    assert buckets == [["a", "b"], ["c"], ["d"]]
+    meta = {name: t.to("meta") for name, t in tensors.items()}  # sized without their data
+    assert tensor_buckets(meta, max_bytes=24) == buckets
 
 
 def test_a_tensor_route_off_the_gpu_reaches_one_process_only() -> None:
@@ -423,6 +426,31 @@ def test_weights_from_tensors_travel_in_buckets_while_generation_is_paused() -> 
         assert all(torch.equal(got, tensors[name]) for name, got in sent)
 
     asyncio.run(main())
+
+
+def test_weights_by_name_are_read_one_bucket_at_a_time_as_each_is_sent() -> None:
+    tensors = {"a": torch.randn(4), "b": torch.randn(2), "c": torch.randn(64)}
+    server = _TensorServer()
+    reads: list[tuple[list[str], int]] = []  # names read, buckets the server had by then
+
+    def read(names: Sequence[str]) -> dict[str, torch.Tensor]:
+        reads.append((list(names), len(server.calls) - 1))  # less the pause
+        return {name: tensors[name] for name in names}
+
+    async def main() -> None:
+        runner, url = await _serving(server)
+        route = TensorRoute("cpu", bucket_bytes=24)
+        meta = {name: t.to("meta") for name, t in tensors.items()}
+        try:
+            async with SGLangEngine(url, "sg0", tensor_route=route) as engine:
+                await engine.update_weights(WeightsByName(meta, read), version=5)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert reads == [(["a", "b"], 0), (["c"], 1)]
+    sent = [pair for _, body in server.calls[1:3] for pair in body["tensors"][0]]
+    assert all(torch.equal(got, tensors[name]) for name, got in sent)
 
 
 def test_a_refused_tensor_load_raises_and_generation_continues() -> None:

@@ -37,7 +37,7 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -153,25 +153,27 @@ def core_address(placement: PlacementGroup, bundle_index: int = 0) -> str:
 
 
 class _Board:
-    """The newest weights' object reference and their version (one named actor)."""
+    """The newest weights' object references, one per tensor, and their version (one
+    named actor)."""
 
     def __init__(self) -> None:
         self.version = -1
-        self.refs: list[ray.ObjectRef[dict[str, Tensor]]] = []
+        self.refs: dict[str, ray.ObjectRef[Tensor]] = {}
 
-    def set(self, version: int, refs: list[ray.ObjectRef[dict[str, Tensor]]]) -> None:
+    def set(self, version: int, refs: dict[str, ray.ObjectRef[Tensor]]) -> None:
         self.version, self.refs = version, refs
 
-    def get(self) -> tuple[int, list[ray.ObjectRef[dict[str, Tensor]]]]:
+    def get(self) -> tuple[int, dict[str, ray.ObjectRef[Tensor]]]:
         return self.version, self.refs
 
 
 class RayWeights:
     """The weights board of Ray-placed cells (:class:`~qwengyre.cluster.weights.WeightsBoard`).
 
-    :meth:`write` puts the tensors into Ray's object store and leaves the reference
-    with a named actor (``name``); :meth:`read` fetches the newest one, from whichever
-    node. The reference is wrapped in a list so that the actor keeps it, not its value.
+    :meth:`write` puts the tensors into Ray's object store, one object each, and leaves
+    their references with a named actor (``name``); :meth:`read` fetches the newest, or
+    only the tensors it names, from whichever node. The references travel in a dict, so
+    that the actor keeps them, not their values.
     Every cell opens the same actor (``get_if_exists``), whichever comes first; the
     creator (``create``, the core) kills it on :meth:`close`.
     """
@@ -190,15 +192,22 @@ class RayWeights:
     def write(self, named: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Put ``named`` tensors in the object store as ``version`` (``ray.put``
         serialises a snapshot at once, so no copy of CPU tensors is needed first)."""
-        tensors = {name: t.detach().cpu() for name, t in named}
-        ray.get(self._actor.set.remote(version, [ray.put(tensors)]))
+        refs = {name: ray.put(t.detach().cpu()) for name, t in named}
+        ray.get(self._actor.set.remote(version, refs))
 
-    def read(self, *, timeout_s: float = 10.0) -> tuple[int, dict[str, Tensor]]:
-        """The newest weights and their version (``(-1, {})`` before the first write)."""
+    def read(
+        self, names: Collection[str] | None = None, *, timeout_s: float = 10.0
+    ) -> tuple[int, dict[str, Tensor]]:
+        """The newest weights (only ``names``, if given) and their version (``(-1, {})``
+        before the first write)."""
         version, refs = ray.get(self._actor.get.remote(), timeout=timeout_s)
         if not refs:
             return -1, {}
-        return int(version), dict(ray.get(refs[0], timeout=timeout_s))
+        chosen = list(refs) if names is None else list(names)
+        if unknown := sorted(set(chosen) - set(refs)):
+            raise ValueError(f"weights board {self.name!r} holds no tensor {unknown[:3]}")
+        tensors = ray.get([refs[name] for name in chosen], timeout=timeout_s)
+        return int(version), dict(zip(chosen, tensors, strict=True))
 
     def close(self) -> None:
         if self._owner:

@@ -11,9 +11,10 @@ working directory (mode 0700), which :meth:`~ServerHost.close` removes. This nee
 SGLang that reads ``--config``: sgl-project/sglang#10534 (September 2025) or later.
 The proxy drives the server with :class:`~qwengyre.engines.sglang.SGLangEngine`.
 
-Weights: on a GPU they travel as tensors. The boards' shards are put together into
-whole tensors in host memory, one shard at a time, and sent in buckets of bounded size
-through the host's GPU by CUDA IPC (``/update_weights_from_tensor``, see
+Weights: on a GPU they travel as tensors, in buckets of bounded size. Each bucket is
+read from the boards only when it is sent (:meth:`~qwengyre.cluster.weights.BoardShards.by_name`:
+every shard's rows of the bucket's tensors, put together), so the host holds one bucket,
+not the model, and goes through the host's GPU by CUDA IPC (``/update_weights_from_tensor``, see
 :class:`~qwengyre.engines.sglang.TensorRoute`). The host runs on the node and the
 devices of its server, so CUDA IPC always reaches it: no NCCL group between trainer and
 server (``/update_weights_from_distributed``) is needed. A server that does not take
@@ -35,11 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from torch import Tensor
 
 from qwengyre.cluster.server_host import ServerHost
 from qwengyre.cluster.weights import BoardShards
-from qwengyre.engines.base import WeightsInMemory
 from qwengyre.engines.sglang import (
     SGLangEngine,
     SGLangServerSpec,
@@ -47,30 +46,10 @@ from qwengyre.engines.sglang import (
     TensorRouteUnavailable,
     launch_sglang,
 )
-from qwengyre.training.sharding import shard_rows
 
 __all__ = ["SGLangHost"]
 
 log = logging.getLogger(__name__)
-
-
-def whole_tensors(boards: BoardShards, version: int) -> dict[str, Tensor]:
-    """The boards' tensors of ``version``, each whole (its shards' rows put together),
-    read one shard at a time. Raises :class:`~qwengyre.engines.base.StaleWeights` if a
-    shard moved on."""
-    source = boards.source(version)
-    whole: dict[str, Tensor] = {}
-    for r in range(source.count):
-        for name, rows in source.read(r).items():
-            shape = boards.shapes[name]
-            if tuple(rows.shape) == shape:  # one shard holds it all
-                whole[name] = rows
-                continue
-            if name not in whole:
-                whole[name] = rows.new_empty(shape)
-            first = shard_rows(shape[0], source.count, r)[0]
-            whole[name][first : first + rows.shape[0]] = rows
-    return whole
 
 
 class SGLangHost(ServerHost[SGLangEngine]):
@@ -118,8 +97,7 @@ class SGLangHost(ServerHost[SGLangEngine]):
         client = self._engine()
         if client.tensor_route is not None:
             try:
-                tensors = WeightsInMemory(whole_tensors(boards, version))
-                self._on_loop(client.update_weights(tensors, version))
+                self._on_loop(client.update_weights(boards.by_name(version), version))
                 return
             except TensorRouteUnavailable as exc:
                 log.warning("%s: %s; loading weights from disk from now on", self.name, exc)

@@ -23,7 +23,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from qwengyre.engines.base import StaleWeights, WeightsInShards
+from qwengyre.engines.base import StaleWeights, WeightsByName, WeightsInShards
 from qwengyre.training.sharding import shard_rows
 
 __all__ = [
@@ -135,8 +135,10 @@ class WeightsBoard(Protocol):
 
     def write(self, named: Iterable[tuple[str, Tensor]], version: int) -> None: ...
 
-    def read(self, *, timeout_s: float = 10.0) -> tuple[int, dict[str, Tensor]]:
-        """A consistent copy of the weights and their version."""
+    def read(
+        self, names: Collection[str] | None = None, *, timeout_s: float = 10.0
+    ) -> tuple[int, dict[str, Tensor]]:
+        """A consistent copy of the weights (only ``names``, if given) and their version."""
         ...
 
     def close(self) -> None: ...
@@ -200,13 +202,20 @@ class SharedWeights:
                 self._views[name].copy_(tensor.detach().to("cpu", self._views[name].dtype))
         _HEADER.pack_into(self._buf, 0, seq + 2, version)
 
-    def read(self, *, timeout_s: float = 10.0) -> tuple[int, dict[str, Tensor]]:
-        """A consistent copy of the weights and their version."""
+    def read(
+        self, names: Collection[str] | None = None, *, timeout_s: float = 10.0
+    ) -> tuple[int, dict[str, Tensor]]:
+        """A consistent copy of the weights (only ``names``, if given) and their version."""
+        views = self._views
+        if names is not None:
+            if unknown := sorted(set(names) - set(views)):
+                raise ValueError(f"shared weights {self.name!r} hold no tensor {unknown[:3]}")
+            views = {name: views[name] for name in names}
         deadline = time.monotonic() + timeout_s
         while True:
             before, version = self._header()
             if before % 2 == 0:
-                copy = {name: view.clone() for name, view in self._views.items()}
+                copy = {name: view.clone() for name, view in views.items()}
                 if self._header()[0] == before:
                     return version, copy
             if time.monotonic() > deadline:
@@ -249,6 +258,7 @@ class BoardShards:
     ) -> None:
         """``opened``: boards this process holds already (the core's own), by shard."""
         named, opened = list(named), dict(opened or {})
+        self.meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in named}
         self.shapes = {name: tuple(t.shape) for name, t in named}
         self._own = [r for r in range(shards) if r not in opened]
         self.boards = [
@@ -270,6 +280,30 @@ class BoardShards:
             return tensors
 
         return WeightsInShards(len(self.boards), read)
+
+    def by_name(self, version: int) -> WeightsByName:
+        """The weights of ``version`` as whole tensors, read a few names at a time: each
+        board gives those names' rows, put together in host memory. ``read`` raises
+        :class:`~qwengyre.engines.base.StaleWeights` if a shard moved on."""
+
+        def read(names: Sequence[str]) -> dict[str, Tensor]:
+            whole: dict[str, Tensor] = {}
+            for r, board in enumerate(self.boards):
+                found, part = board.read(names)
+                if found != version:
+                    raise StaleWeights(f"shard {r} holds version {found}, not {version}")
+                for name, rows in part.items():
+                    shape = self.shapes[name]
+                    if tuple(rows.shape) == shape:  # one shard holds it all
+                        whole[name] = rows
+                        continue
+                    if name not in whole:
+                        whole[name] = rows.new_empty(shape)
+                    first = shard_rows(shape[0], len(self.boards), r)[0]
+                    whole[name][first : first + rows.shape[0]] = rows
+            return whole
+
+        return WeightsByName(self.meta, read)
 
     def load_newest(self, loaded: int, load: Callable[[int], object], attempts: int = 3) -> int:
         """``load(version)`` of the boards' version if it is newer than ``loaded``, the

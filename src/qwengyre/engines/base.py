@@ -112,6 +112,23 @@ class WeightsInShards:
     read: Callable[[int], Mapping[str, Any]]
 
 
+@dataclass(frozen=True)
+class WeightsByName:
+    """Named tensors of one version, read a few at a time: ``meta`` gives every name's
+    shape and dtype (meta tensors, in load order) and ``read(names)`` returns those
+    tensors whole. An engine that sends weights in buckets reads each bucket as it sends
+    it, so the whole model never sits in host memory beside the trainer's. ``read``
+    raises :class:`StaleWeights` once the version being loaded is gone."""
+
+    meta: Mapping[str, Any]
+    read: Callable[[Sequence[str]], Mapping[str, Any]]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, Any]) -> WeightsByName:
+        """Tensors already in memory, read by name."""
+        return cls(tensors, lambda names: {name: tensors[name] for name in names})
+
+
 class StaleWeights(RuntimeError):
     """A shard changed version while an engine was loading the others."""
 

@@ -43,7 +43,9 @@ Weight versions: SGLang reports no per-token version. ``update_weights_from_disk
 takes the tokenizer manager's model-update writer lock, so a load waits for the
 requests in flight and applies between requests; every token of one answer therefore
 comes from one version. Weights from tensors come in buckets of bounded size
-(:class:`TensorRoute`), one call each, so the engine first pauses the server with
+(:class:`TensorRoute`), one call each, each bucket read from its source
+(:class:`~qwengyre.engines.base.WeightsByName`) only when it is sent, so the engine
+holds one bucket at a time. The engine first pauses the server with
 ``mode=retract`` (the requests in flight go back to the queue and give up their KV
 cache; a paused server loads without the lock), loads every bucket, flushes the
 prefix cache and sets the version with the last, and continues: a request in flight
@@ -83,6 +85,7 @@ from qwengyre.engines.base import (
     GenerateRequest,
     GenerateResult,
     TokenDelta,
+    WeightsByName,
     WeightsInMemory,
     WeightsOnDisk,
     WeightSource,
@@ -151,8 +154,9 @@ class SGLangEngine(HTTPEngineClient):
 
     def __init__(self, *args: Any, tensor_route: TensorRoute | None = None, **kwargs: Any) -> None:
         """:class:`~qwengyre.engines.http_client.HTTPEngineClient`'s arguments;
-        ``tensor_route``: how :class:`~qwengyre.engines.base.WeightsInMemory` reach the
-        server (None: this client loads weights from disk only)."""
+        ``tensor_route``: how weights from tensors (``WeightsInMemory``,
+        ``WeightsByName``) reach the server (None: this client loads weights from disk
+        only)."""
         super().__init__(*args, **kwargs)
         self.tensor_route = tensor_route
 
@@ -293,13 +297,15 @@ class SGLangEngine(HTTPEngineClient):
 
     # -- weights and memory ------------------------------------------------------------
 
-    async def update_weights(self, source: WeightSource, version: int) -> None:
-        """Load from disk (``WeightsOnDisk``) or from tensors (``WeightsInMemory``, with
-        a :attr:`tensor_route`); see the module docstring. A load the server refuses
-        raises RuntimeError, a server without the tensor route
-        :class:`TensorRouteUnavailable`."""
+    async def update_weights(self, source: WeightSource | WeightsByName, version: int) -> None:
+        """Load from disk (``WeightsOnDisk``) or from tensors (``WeightsInMemory`` or
+        ``WeightsByName``, with a :attr:`tensor_route`); see the module docstring. A load
+        the server refuses raises RuntimeError, a server without the tensor route
+        :class:`TensorRouteUnavailable`; ``WeightsByName.read``'s errors propagate."""
         if isinstance(source, WeightsInMemory):
-            await self._update_from_tensors(source.tensors, version)
+            await self._update_from_tensors(WeightsByName.of(source.tensors), version)
+        elif isinstance(source, WeightsByName):
+            await self._update_from_tensors(source, version)
         elif isinstance(source, WeightsOnDisk):
             body = {"model_path": source.path, "weight_version": str(version)}
             await self._load("/update_weights_from_disk", body)
@@ -307,7 +313,7 @@ class SGLangEngine(HTTPEngineClient):
             raise TypeError(f"SGLang {self.name} cannot load weights from {source!r}")
         self.policy_version = version
 
-    async def _update_from_tensors(self, tensors: Mapping[str, Tensor], version: int) -> None:
+    async def _update_from_tensors(self, source: WeightsByName, version: int) -> None:
         route = self.tensor_route
         if route is None:
             raise ValueError(
@@ -315,13 +321,14 @@ class SGLangEngine(HTTPEngineClient):
                 "only (by CUDA IPC from a GPU): give its client a tensor_route, or load "
                 "WeightsOnDisk"
             )
-        if not tensors:
+        if not source.meta:
             raise ValueError(f"SGLang {self.name}: no tensors to load")
-        buckets = tensor_buckets(tensors, route.bucket_bytes)
+        buckets = tensor_buckets(source.meta, route.bucket_bytes)
         await self._call("POST", "/pause_generation", {"mode": "retract"})
         try:
             for i, bucket in enumerate(buckets, start=1):
-                moved = [(name, tensor.detach().to(route.device)) for name, tensor in bucket]
+                tensors = source.read(bucket)
+                moved = [(name, tensors[name].detach().to(route.device)) for name in bucket]
                 body: dict[str, Any] = {
                     "serialized_named_tensors": [serialize_tensors(moved)] * route.tp_size,
                     "flush_cache": i == len(buckets),
@@ -329,7 +336,7 @@ class SGLangEngine(HTTPEngineClient):
                 if i == len(buckets):
                     body["weight_version"] = str(version)
                 await self._load("/update_weights_from_tensor", body)
-                del moved, body  # before the next bucket is moved: one on the device at a time
+                del tensors, moved, body  # before the next bucket is read: one at a time
         finally:
             await self._call("POST", "/continue_generation", {})
             _free_ipc_memory()
@@ -507,17 +514,17 @@ def _is_load_answer(text: str) -> bool:
     return isinstance(answer, dict) and isinstance(answer.get("success"), bool)
 
 
-def tensor_buckets(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[tuple[str, Tensor]]]:
-    """``tensors`` in order, cut into buckets of at most ``max_bytes`` (a larger tensor
-    in a bucket of its own)."""
-    buckets: list[list[tuple[str, Tensor]]] = []
+def tensor_buckets(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[str]]:
+    """The names of ``tensors`` (real or meta) in order, cut into buckets of at most
+    ``max_bytes`` (a larger tensor in a bucket of its own)."""
+    buckets: list[list[str]] = []
     size = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
         if not buckets or size + nbytes > max_bytes:
             buckets.append([])
             size = 0
-        buckets[-1].append((name, tensor))
+        buckets[-1].append(name)
         size += nbytes
     return buckets
 
