@@ -421,6 +421,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
     from qwengyre.proxy.serve import model_dir
     from qwengyre.rollout.runner import RolloutOptions, rollout, summary
+    from qwengyre.rollout.sandbox import sandbox
     from qwengyre.rollout.toy_tasks import toy_tasks_path
 
     config = _command_config(args, "rollout")
@@ -441,6 +442,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         backend=config.engine.backend,
         temperature=config.trainer.temperature,
         max_context=config.run.max_context,
+        sandbox=sandbox(config.run.sandbox, config.run.sandbox_hide),
     )
     rows = asyncio.run(rollout(options))  # holds the run directory's lock throughout
     print(summary(rows))

@@ -296,6 +296,17 @@ class RunConfig(_Section):
         description="ray harness hosts: the directory on each node for workspaces and logs;"
         " None = the run directory's path (the same directory on a shared filesystem)",
     )
+    sandbox: Literal["none", "bwrap"] = Field(
+        "none",
+        description="what confines each harness: none, or bwrap (bubblewrap: the file system"
+        " read-only but for its workspace and home, the run directory hidden, its own PID"
+        " namespace; qwengyre.rollout.sandbox)",
+    )
+    sandbox_hide: list[Path] = Field(
+        default_factory=list,
+        description="directories a sandboxed harness must not see (e.g. ~/.ssh), besides the"
+        " run directory",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -260,6 +260,7 @@ async def run_execution(
             api_key=api_key,
             instructions=task.instructions,
             cancel=cancel,
+            hidden=(run_dir,),
         )
     finally:
         if hub is not None:

@@ -14,7 +14,8 @@ formatted, so braces in them are harmless. A literal brace in a template is writ
 
 Limits of the isolation: the harness gets its own session (``start_new_session=True``),
 and a program that deliberately leaves it (``setsid``, double fork into a new session)
-escapes the group kill; containers or cgroups are the tool for hostile harnesses.
+escapes the group kill, unless the spec's sandbox (:mod:`qwengyre.rollout.sandbox`)
+runs it in a PID namespace of its own, which ends with the harness.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import signal
 import string
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from qwengyre.rollout.sandbox import NoSandbox, Sandbox
 
 try:  # POSIX only; resource limits are skipped where it is missing.
     import resource as _resource
@@ -92,7 +95,8 @@ class HarnessSpec:
     ``command`` is an argv template; ``env`` holds extra variables whose values are
     templates too. ``deadline_s`` is the harness deadline (wall clock, from launch);
     ``memory_limit_mb`` sets RLIMIT_AS and ``cpu_limit_s`` RLIMIT_CPU where the OS has
-    them; ``kill_grace_s`` is the SIGTERM-to-SIGKILL grace period.
+    them; ``kill_grace_s`` is the SIGTERM-to-SIGKILL grace period; ``sandbox`` confines
+    the harness (:mod:`qwengyre.rollout.sandbox`; default: none).
     """
 
     command: tuple[str, ...]
@@ -101,6 +105,7 @@ class HarnessSpec:
     memory_limit_mb: int | None = None
     cpu_limit_s: int | None = None
     kill_grace_s: float = DEFAULT_KILL_GRACE_S
+    sandbox: Sandbox = field(default_factory=NoSandbox)
 
     def __post_init__(self) -> None:
         command = tuple(self.command)
@@ -295,8 +300,12 @@ async def run_harness(
     instructions: str,
     cancel: asyncio.Event | None = None,
     home_dir: Path | None = None,
+    hidden: Sequence[Path] = (),
 ) -> HarnessRun:
     """Run ``spec`` for one execution and return how it ended.
+
+    ``hidden``: directories the spec's sandbox keeps from the harness (the run
+    directory, which holds every execution's workspace and logs).
 
     ``base_url`` is the proxy's per-execution prefix URL (``http://127.0.0.1:P/x/ex_1``);
     the harness sees it as ``ANTHROPIC_BASE_URL`` and, with ``/v1`` appended, as
@@ -320,7 +329,9 @@ async def run_harness(
         execution_id=execution_id,
         home_dir=home,
     )
-    argv = render_command(spec, values)
+    argv = spec.sandbox.wrap(
+        render_command(spec, values), workspace=workspace, home=home, hidden=hidden
+    )
     env = harness_env(spec, values, api_key=api_key)
     kwargs: dict[str, Any] = {}
     preexec = _limits_preexec(spec)

@@ -26,7 +26,7 @@ import sqlite3
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from qwengyre.rollout.harness import (
     kill_orphaned_harness,
     mini_swe_agent_spec,
 )
+from qwengyre.rollout.sandbox import NoSandbox, Sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.rollout.toy_harness import CRITIQUE_ENV
 from qwengyre.runtime.lock import lock_run_dir
@@ -87,14 +88,16 @@ class RolloutOptions:
     temperature: float = 1.0  # what every call samples at (trainer.temperature)
     max_context: int | None = None  # tokens per model call; None: the model's limit
     evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)  # retries, schedule
+    sandbox: Sandbox = field(default_factory=NoSandbox)  # what confines each harness
 
 
 #: Environment variable naming the Claude Code binary (default: ``claude`` on PATH).
 CLAUDE_BIN_ENV = "QWENGYRE_CLAUDE_BIN"
 
 
-def harness_spec(name: str, deadline_s: float) -> HarnessSpec:
-    """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec).
+def harness_spec(name: str, deadline_s: float, sandbox: Sandbox | None = None) -> HarnessSpec:
+    """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec),
+    confined by ``sandbox`` (default: none).
 
     ``toy-critique`` / ``toy-critique-assistant`` run the toy harness in critique mode
     (it asks for an intermediate assessment after each tool turn and feeds the critique
@@ -105,6 +108,10 @@ def harness_spec(name: str, deadline_s: float) -> HarnessSpec:
     that fits a tiny model's window). The binary is ``$QWENGYRE_CLAUDE_BIN`` if set, else
     ``claude`` looked up on the PATH the harness inherits.
     """
+    return replace(_named_spec(name, deadline_s), sandbox=sandbox or NoSandbox())
+
+
+def _named_spec(name: str, deadline_s: float) -> HarnessSpec:
     if name in ("toy", "toy-critique", "toy-critique-assistant"):
         command = (sys.executable, "-m", "qwengyre.rollout.toy_harness", "{instructions}")
         role = {"toy-critique": "user", "toy-critique-assistant": "assistant"}.get(name)
@@ -189,7 +196,9 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
 
     Holds the run directory's lock throughout: a directory another run uses is refused
     with one line naming it, and a new run's directory must be empty (bar the lock file).
-    Resuming an empty one runs everything, as a new run does."""
+    Resuming an empty one runs everything, as a new run does. A sandbox that cannot run
+    here raises :class:`~qwengyre.rollout.sandbox.SandboxUnavailable` first."""
+    options.sandbox.check()
     with lock_run_dir(options.run_dir, new=not options.resume):
         serving = ServeOptions(
             model=options.model,
@@ -213,7 +222,7 @@ async def _rollout(
     options: RolloutOptions, server: ProxyServer
 ) -> list[tuple[str, int, str, float | None]]:
     tasks = load_tasks(options.tasks)
-    spec = harness_spec(options.harness, options.harness_s)
+    spec = harness_spec(options.harness, options.harness_s, options.sandbox)
     budgets = Budgets(options.harness_s, options.overall_s)
     run_dir = options.run_dir
     results = ResultStore(run_dir / "proxy.sqlite")

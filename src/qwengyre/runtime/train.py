@@ -48,6 +48,7 @@ from qwengyre.report.sinks import check_metrics, open_metrics
 from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.rollout.hosts import HostPool, LocalHarnessHost
 from qwengyre.rollout.runner import harness_spec
+from qwengyre.rollout.sandbox import sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.runtime.controller import Controller, RunOutputs, engine_name
 from qwengyre.runtime.display import show
@@ -334,6 +335,8 @@ async def train(options: TrainOptions) -> Controller:
 async def _train_once(options: TrainOptions) -> Controller:
     config = prepare_run_dir(options)
     check_metrics(config)  # a sink that cannot work fails before the warm start
+    confine = sandbox(config.run.sandbox, config.run.sandbox_hide)
+    confine.check()  # so does a sandbox
     if config.run.harness_hosts == "ray" and config.run.placement != "ray":
         from qwengyre.cluster.ray_harness import require_ray
 
@@ -396,7 +399,7 @@ async def _train_once(options: TrainOptions) -> Controller:
             proxy,
             engines.cells,
             load_task_set(config),
-            harness_spec(config.run.harness, config.run.harness_s),
+            harness_spec(config.run.harness, config.run.harness_s, confine),
             RunOutputs(
                 run_dir,
                 metrics,
