@@ -177,7 +177,11 @@ class Cell:
 
     def start_engine(self) -> Endpoint | None:
         """Shard 0 serves rollout (``engine.backend``) with the core's published
-        weights; returns where (``None`` on the other shards)."""
+        weights; returns where (``None`` on the other shards). On an accelerator every
+        shard's trainer state leaves the device first, as in :meth:`resume_engine`: a
+        server spanning the cell's GPUs sizes its memory from what is free when it
+        starts (vLLM's ``--gpu-memory-utilization``, SGLang's ``--mem-fraction-static``)."""
+        self._make_room()
         if not self._serves:
             return None
         if self.engine is not None:
@@ -210,12 +214,17 @@ class Cell:
     def resume_engine(self) -> int:
         """Serve rollout again with the newest weights; returns their version. On an
         accelerator the trainer state leaves the device first."""
-        trainer = self._trainer()
-        if self.spec.device != "cpu":  # on the CPU there is no device memory to free
-            trainer.offload()
+        self._make_room()
         if not self._serves:
-            return trainer.version
+            return self._trainer().version
         return self._engine().resume(self._board_shards())
+
+    def _make_room(self) -> None:
+        """The trainer state leaves the device for the engine (an accelerator's only: on
+        the CPU there is no device memory to free); :meth:`release_engine` brings it
+        back."""
+        if self.spec.device != "cpu":
+            self._trainer().offload()
 
     def update_engine_weights(self) -> int:
         """Load the boards' weights into the engine (between decode steps) if newer."""
