@@ -25,6 +25,7 @@ from qwengyre.rollout.execution import Budgets
 from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool
 from qwengyre.rollout.runner import harness_spec
+from qwengyre.rollout.sandbox import Bubblewrap, NoSandbox, SandboxUnavailable
 from qwengyre.rollout.tasks import CommandEvaluator, Task, load_tasks
 from qwengyre.rollout.toy_tasks import toy_tasks_path
 from qwengyre.runtime.train import TrainOptions, train
@@ -97,6 +98,9 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
     async def scenario() -> tuple[Any, ...]:
         where = {host.name: await host.where() for host in hosts}
         stopped = await pool.stop_orphans()
+        await pool.check_sandbox(NoSandbox())
+        with pytest.raises(SandboxUnavailable, match=r"harness host .*: run\.sandbox=bwrap: no"):
+            await pool.check_sandbox(Bubblewrap(binary="no-such-bwrap"))  # checked on the node
         toys = [await request(proxy, task, critique) for task in tasks[:4]]
         done = await asyncio.gather(*(pool.run(r) for r in toys))
         parents = [(await pids(root, r.execution_id))[1] for r in done]

@@ -16,6 +16,7 @@ import pytest
 from qwengyre.rollout.execution import Budgets, ExecutionResult
 from qwengyre.rollout.harness import PGID_FILE, HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool, LocalHarnessHost
+from qwengyre.rollout.sandbox import Bubblewrap, NoSandbox, SandboxUnavailable
 from qwengyre.rollout.tasks import CommandEvaluator, Task
 from qwengyre.types import Outcome
 
@@ -208,6 +209,13 @@ def orphan(root: Path, execution_id: str, runs_as: str | None = None) -> subproc
     logs.mkdir(parents=True)
     (logs / PGID_FILE).write_text(f"{proc.pid}\n")
     return proc
+
+
+def test_the_pool_checks_the_sandbox_on_every_host(tmp_path: Path) -> None:
+    pool = HostPool([LocalHarnessHost(tmp_path / d, capacity=1, name=d) for d in "ab"])
+    asyncio.run(pool.check_sandbox(NoSandbox()))
+    with pytest.raises(SandboxUnavailable, match="no 'no-such-bwrap' on PATH"):
+        asyncio.run(pool.check_sandbox(Bubblewrap(binary="no-such-bwrap")))
 
 
 def test_the_pool_stops_the_harnesses_a_killed_run_left_under_each_host(tmp_path: Path) -> None:

@@ -26,6 +26,9 @@ CPU of a node in their placement group.
   (``GET /admin/executions/{id}/tree``): it holds the proxy's admin token for that.
 - **Cancel.** An execution starts in two calls, ``start`` then ``result``, so that a
   cancel reaches the actor only once the execution is registered there.
+- **Sandbox.** ``run.sandbox`` confines the harnesses on every node; ``train`` checks
+  on each node that it can run there (:meth:`RayHarnessHost.check_sandbox`) before
+  any execution starts.
 - **Failure.** A host whose actor dies fails its calls with
   :class:`~qwengyre.cluster.local.ActorDied`, which stops the run as a dead cell does.
   Its harnesses run in sessions of their own and outlive a killed actor; :meth:`close`
@@ -59,6 +62,7 @@ from qwengyre.cluster.local import ActorDied, ActorError
 from qwengyre.rollout.assessments import AssessmentHub, AssessmentUnavailable, Assessor
 from qwengyre.rollout.execution import ExecutionResult
 from qwengyre.rollout.hosts import ExecutionRequest, LocalHarnessHost
+from qwengyre.rollout.sandbox import Sandbox, SandboxUnavailable
 
 __all__ = [
     "HarnessActor",
@@ -188,6 +192,9 @@ class HarnessActor:
     async def stop_orphans(self) -> int:
         return await self.host.stop_orphans()
 
+    async def check_sandbox(self, sandbox: Sandbox) -> None:
+        await self.host.check_sandbox(sandbox)
+
     async def close(self) -> None:
         await self.host.close()
 
@@ -259,6 +266,16 @@ class RayHarnessHost:
     async def stop_orphans(self) -> int:
         """Kill the harnesses a killed run left on the node (their actor died with it)."""
         return int(await self._call("stop_orphans"))
+
+    async def check_sandbox(self, sandbox: Sandbox) -> None:
+        """Check ``sandbox`` on the node; its SandboxUnavailable names the node."""
+        try:
+            await self._call("check_sandbox", sandbox)
+        except ActorError as exc:
+            cause = getattr(exc.__cause__, "cause", None)  # what the actor raised
+            if isinstance(cause, SandboxUnavailable):
+                raise SandboxUnavailable(f"harness host {self.name}: {cause}") from None
+            raise
 
     async def close(self) -> None:
         """Stop the node's harnesses (bounded by :data:`CLOSE_TIMEOUT_S`), then the actor."""

@@ -29,6 +29,7 @@ from qwengyre.rollout.assessments import AssessmentHub
 from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
 from qwengyre.rollout.harness import HarnessSpec, kill_orphaned_harnesses
+from qwengyre.rollout.sandbox import Sandbox
 from qwengyre.rollout.tasks import Task
 from qwengyre.types import Outcome
 
@@ -75,6 +76,11 @@ class HarnessHost(Protocol):
     async def stop_orphans(self) -> int:
         """Kill the harnesses a killed run left on this host's machine, under its
         directory (a resumed run calls it before it starts executions); how many."""
+        ...
+
+    async def check_sandbox(self, sandbox: Sandbox) -> None:
+        """Raise :class:`~qwengyre.rollout.sandbox.SandboxUnavailable` if ``sandbox``
+        cannot run on this host's machine."""
         ...
 
 
@@ -135,6 +141,9 @@ class LocalHarnessHost:
 
     async def stop_orphans(self) -> int:
         return kill_orphaned_harnesses(self.run_dir)
+
+    async def check_sandbox(self, sandbox: Sandbox) -> None:
+        await asyncio.to_thread(sandbox.check)
 
     async def close(self) -> None:
         running = list(self._running.values())
@@ -201,6 +210,11 @@ class HostPool:
             return
         self._cancelled.add(execution_id)
         self._wake()
+
+    async def check_sandbox(self, sandbox: Sandbox) -> None:
+        """Every host's :meth:`HarnessHost.check_sandbox`: a run must not start whose
+        harnesses cannot start on some node."""
+        await asyncio.gather(*(host.check_sandbox(sandbox) for host in self.hosts))
 
     async def stop_orphans(self) -> dict[str, int]:
         """Every host's :meth:`HarnessHost.stop_orphans`, by host name."""
