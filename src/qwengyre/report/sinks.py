@@ -90,8 +90,9 @@ ROLE_LEVEL: Mapping[str, float] = {
     Role.TO_TRAINING.value: 0.5,
     Role.TRAINING.value: 1.0,
     Role.TO_ROLLOUT.value: 0.5,
+    Role.LOST.value: -1.0,
 }
-"""A role as one number, so a cell's role plots as a line: 1 training, 0 rollout."""
+"""A role as one number, so a cell's role plots as a line: 1 training, 0 rollout, -1 lost."""
 
 WANDB_EXTRA = "pip install 'qwengyre[wandb]'"
 

@@ -23,6 +23,7 @@ ROLE_STYLE = {
     Role.TRAINING: "red",
     Role.TO_TRAINING: "yellow",
     Role.TO_ROLLOUT: "green",
+    Role.LOST: "bright_black",
 }
 
 

@@ -58,6 +58,12 @@ Policies share everything but the grouping of cells into *units* that move toget
   dispatch extra groups (phi > 0, the paper's C1-C3): the pool switches once what is
   still running fits on the standalone engines, which keep those harnesses running;
 - ``async``: no unit moves; cells 0..T-1 train for the whole run.
+
+A rollout cell other than the core may be lost (:class:`CellLost`): the units are cut
+to the cells before it (a prefix), the cells past it serve rollout for the rest of the
+run, and its executions move to the engines that serve, to ones with room first: a
+loss is not planned by Eq 5, so an engine may hold more than its capacity until its
+executions end (nothing new launches there meanwhile).
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ from qwengyre.scheduler.events import (
     Action,
     AssignGroups,
     Cancel,
+    CellLost,
     CellMoved,
     Dispatch,
     DropGroup,
@@ -309,10 +316,11 @@ class Scheduler:
         self._role_counts = {role: 0 for role in Role} | {Role.ROLLOUT: k}
         self._training: set[int] = set()  # cells in Role.TRAINING
         self._training_view: tuple[int, ...] | None = ()  # sorted _training, None when stale
-        self._leads = {unit[0] for unit in self.units}
         self._units_joined = 0  # units whose lead cell trains (they join in prefix order)
-        sizes = [len(unit) for unit in self.units]
-        self._cells_from = [*itertools.accumulate(reversed(sizes), initial=0)][::-1]
+        self._leads: set[int] = set()  # each unit's first cell
+        self._cells_from: list[int] = []  # cells in units[n:], by n
+        self._spare = 0  # cells that serve rollout for good: in no unit, not lost
+        self._cut_units(k)
         # Rollout cells that may have room, as a heap of -cell (the highest index first);
         # every rollout cell with room is in it, stale entries are dropped when met.
         self._room = [-cell for cell in reversed(range(k))]
@@ -462,6 +470,8 @@ class Scheduler:
                 self._on_finished(event)
             case CellMoved():
                 self._on_cell_moved(event.cell)
+            case CellLost():
+                self._on_cell_lost(event.cell)
             case StepDone():
                 self._on_step_done(event.step)
             case PublicationDone():
@@ -530,6 +540,39 @@ class Scheduler:
             self._set_role(cell, Role.ROLLOUT)
         else:
             raise SchedulerError(f"cell {cell} is not in transition (it is {role})")
+
+    def _on_cell_lost(self, cell: int) -> None:
+        if not 0 <= cell < len(self.roles):
+            raise SchedulerError(f"cell {cell} does not exist (0..{len(self.roles) - 1})")
+        if cell == 0 or self.roles[cell] is not Role.ROLLOUT:
+            raise SchedulerError(
+                f"cell {cell} ({self.roles[cell]}) cannot be lost: only a rollout cell other"
+                " than the core can (the run stops for any other)"
+            )
+        others = [c for c, r in enumerate(self.roles) if r is Role.ROLLOUT and c != cell]
+        if not others and not self.params.standalone_capacity:
+            raise SchedulerError(f"cell {cell} cannot be lost: no other engine serves rollout")
+        self._set_role(cell, Role.LOST)
+        self._cut_units(cell)
+        for eid in sorted(self._load[cell]):
+            destination = self._free_engine()
+            self._reroute(eid, cell, self._least_loaded() if destination is None else destination)
+
+    def _cut_units(self, end: int) -> None:
+        """Units hold only cells before ``end`` (training stays a prefix); the cells in
+        no unit that are not lost serve rollout for good."""
+        self.units = [cut for unit in self.units if (cut := tuple(c for c in unit if c < end))]
+        self._leads = {unit[0] for unit in self.units}
+        sizes = [len(unit) for unit in self.units]
+        self._cells_from = [*itertools.accumulate(reversed(sizes), initial=0)][::-1]
+        in_units = set(itertools.chain.from_iterable(self.units))
+        self._spare = sum(
+            1
+            for c, role in enumerate(self.roles)
+            if c not in in_units
+            and role is not Role.LOST
+            and not (self.params.policy == "async" and c < self.params.async_training_cells)
+        )
 
     def _on_step_done(self, step: int) -> None:
         if step != self.version or len(self._batch) < self.params.batch:
@@ -765,7 +808,7 @@ class Scheduler:
         return available >= self.params.rho_min * self.params.batch
 
     def _capacity_with_units_training(self, n_units: int) -> int:
-        serving = self._cells_from[n_units]  # cells in units[n_units:]
+        serving = self._cells_from[n_units] + self._spare  # units[n_units:], and the rest
         return serving * self.params.cell_capacity + self.params.standalone_capacity
 
     def _maybe_join(self) -> None:
@@ -803,11 +846,28 @@ class Scheduler:
                 destination = self._free_engine()
                 if destination is None:  # Eq 5 guarantees room; a failure is a bug here
                     raise AssertionError(f"no rollout capacity to reroute execution {eid}")
-                self._load[cell].discard(eid)
-                self._load[destination].add(eid)
-                self.executions[eid].engine = destination
-                self._out.append(Reroute(eid, cell, destination))
+                self._reroute(eid, cell, destination)
         self._supply_since = None
+
+    def _reroute(self, eid: int, source: int, destination: int) -> None:
+        self._load[source].discard(eid)
+        self._load[destination].add(eid)
+        self.executions[eid].engine = destination
+        self._out.append(Reroute(eid, source, destination))
+
+    def _least_loaded(self) -> int:
+        """The serving engine with the fewest executions for its capacity (for a lost
+        cell's executions when no engine has room; :meth:`_on_cell_lost` made sure one
+        serves)."""
+        engines = [c for c, role in enumerate(self.roles) if role is Role.ROLLOUT]
+        if self.params.standalone_capacity:
+            engines.append(STANDALONE)
+
+        def fill(engine: int) -> float:
+            room = self.params.standalone_capacity if engine == STANDALONE else None
+            return len(self._load[engine]) / (room or self.params.cell_capacity)
+
+        return min(engines, key=fill)
 
     def _core_stays_or_returns(self) -> None:
         """Eq 6: the core unit stays in training for the next burst, or returns."""

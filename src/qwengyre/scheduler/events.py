@@ -23,6 +23,8 @@ class Role(StrEnum):
     TO_TRAINING = "to_training"
     TRAINING = "training"
     TO_ROLLOUT = "to_rollout"
+    LOST = "lost"
+    """Gone for good (:class:`CellLost`): it serves and trains no more."""
 
 
 # ---------------------------------------------------------------- events (in)
@@ -48,6 +50,22 @@ class ExecutionFinished:
 @dataclass(frozen=True)
 class CellMoved:
     """A cell finished the transition that a :class:`MoveCell` action started."""
+
+    time: float
+    cell: int
+
+
+@dataclass(frozen=True)
+class CellLost:
+    """Cell ``cell`` is gone for good (its process died) while it served rollout.
+
+    The run goes on without it: its executions move to engines that serve (their
+    harnesses keep running; the proxy already sent their calls elsewhere), rollout
+    capacity shrinks by one cell, and no cell at or past it trains again (cells join
+    training as a prefix, core first, and the prefix now ends before it). Only a
+    rollout cell other than the core may be lost; the driver stops the run for any
+    other (a training cell's micro-steps and the core's optimizer die with it).
+    """
 
     time: float
     cell: int
@@ -91,7 +109,16 @@ class Tick:
     time: float
 
 
-Event = Start | ExecutionFinished | CellMoved | StepDone | PublicationDone | PullGroups | Tick
+Event = (
+    Start
+    | ExecutionFinished
+    | CellMoved
+    | CellLost
+    | StepDone
+    | PublicationDone
+    | PullGroups
+    | Tick
+)
 
 
 # ---------------------------------------------------------------- actions (out)

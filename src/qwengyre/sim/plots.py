@@ -34,15 +34,23 @@ ROLE_COLOURS: dict[Role, str] = {
     Role.TRAINING: "#e45756",  # red
     Role.TO_TRAINING: "#f2a516",  # amber
     Role.TO_ROLLOUT: "#54a24b",  # green
+    Role.LOST: "#9d9d9d",  # grey
 }
 ROLE_LABELS: dict[Role, str] = {
     Role.ROLLOUT: "rollout",
     Role.TRAINING: "training",
     Role.TO_TRAINING: "rollout → training",
     Role.TO_ROLLOUT: "training → rollout",
+    Role.LOST: "lost",
 }
-#: Legend / drawing order: the two steady roles, then the transitions.
-_ROLE_ORDER: tuple[Role, ...] = (Role.ROLLOUT, Role.TRAINING, Role.TO_TRAINING, Role.TO_ROLLOUT)
+#: Legend / drawing order: the two steady roles, the transitions, then a lost cell.
+_ROLE_ORDER: tuple[Role, ...] = (
+    Role.ROLLOUT,
+    Role.TRAINING,
+    Role.TO_TRAINING,
+    Role.TO_ROLLOUT,
+    Role.LOST,
+)
 #: Transitions last seconds, far below one pixel of an hours-long axis; they are drawn
 #: at least this fraction of the time axis wide so that they stay visible.
 MIN_TRANSITION_FRACTION = 0.002
@@ -200,7 +208,9 @@ def spans_timeline_figure(
         ax.spines[side].set_visible(False)
     ax.set_title(title)
     handles: list[Patch | Line2D] = [
-        Patch(facecolor=ROLE_COLOURS[r], label=ROLE_LABELS[r]) for r in _ROLE_ORDER
+        Patch(facecolor=ROLE_COLOURS[r], label=ROLE_LABELS[r])
+        for r in _ROLE_ORDER
+        if r is not Role.LOST or any(s.role is Role.LOST for s in spans)
     ]
     handles.append(
         Line2D([], [], color=STEP_LINE_COLOUR, linewidth=0.8, alpha=0.8, label="step done")

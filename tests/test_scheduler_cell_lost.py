@@ -1,0 +1,105 @@
+"""A rollout cell lost for good (:class:`CellLost`): the run goes on with the others."""
+
+from __future__ import annotations
+
+import pytest
+from tests.test_scheduler_rules import finish, of
+
+from qwengyre.scheduler.core import Scheduler, SchedulerError, SchedulerParams
+from qwengyre.scheduler.events import (
+    STANDALONE,
+    CellLost,
+    CellMoved,
+    Launch,
+    MoveCell,
+    PullGroups,
+    Reroute,
+    Role,
+    Start,
+    StepDone,
+    Tick,
+)
+
+
+def three_cells(**kw: object) -> Scheduler:
+    params: dict = dict(
+        batch=2, group_size=1, mu=1, phi=1, cells=3, cell_capacity=2, rho_min=0.5, tau_s=0
+    )
+    params.update(kw)
+    return Scheduler(SchedulerParams(**params))
+
+
+def test_a_lost_rollout_cell_hands_its_executions_on_and_no_cell_past_it_trains_again():
+    s = three_cells()
+    out = s.handle(Start(0.0))  # four groups of one: 0-1 on cell 2, 2-3 on cell 1
+    assert [a.engine for a in of(Launch, out)] == [2, 2, 1, 1]
+    out = s.handle(CellLost(1.0, 1))
+    assert of(Reroute, out) == [Reroute(2, 1, 0), Reroute(3, 1, 0)]  # the one with room
+    assert s.roles == [Role.ROLLOUT, Role.LOST, Role.ROLLOUT] and s.capacity == 4
+    assert s.units == [(0,)]  # training stays a prefix: it ends before cell 1
+    finish(s, 2.0, 0)  # a ready group; w = 3 > 2, the room cell 2 leaves the core
+    out = finish(s, 3.0, 1)  # w = 2 <= 2: the core joins (Eq 5 counts cell 2's room)
+    assert of(MoveCell, out) == [MoveCell(0, Role.TRAINING)]
+    assert of(Reroute, out) == [Reroute(2, 0, 2), Reroute(3, 0, 2)]
+    s.handle(CellMoved(4.0, 0))
+    s.handle(PullGroups(4.0, 0, 2))
+    assert not of(MoveCell, s.handle(Tick(5.0)))  # cell 2 never joins: it is past cell 1
+    out = s.handle(StepDone(6.0, 0))
+    assert s.roles == [Role.TRAINING, Role.LOST, Role.ROLLOUT]
+    assert not any(a.engine == 1 for a in of(Launch, out))  # nothing launches on cell 1
+
+
+def test_with_no_room_left_the_executions_go_to_the_least_loaded_engine_over_capacity():
+    s = three_cells(phi=3, standalone_capacity=1)  # eight groups of one, seven launched
+    out = s.handle(Start(0.0))
+    assert [a.engine for a in of(Launch, out)] == [STANDALONE, 2, 2, 1, 1, 0, 0]
+    out = s.handle(CellLost(1.0, 1))
+    # Every engine is full: each goes to the least filled for its capacity, cell 0 first
+    # (the first of equals), then cell 2 (cell 0 is over its capacity by then).
+    assert of(Reroute, out) == [Reroute(3, 1, 0), Reroute(4, 1, 2)]
+    assert s.running_on(0) == frozenset({3, 5, 6}) and s.running_on(2) == frozenset({1, 2, 4})
+    assert not of(Launch, finish(s, 2.0, 5))  # cell 0 is still full: execution 7 waits
+    assert of(Launch, finish(s, 3.0, 6)) == [Launch(7, 7, 0, 0, 0)]  # now it has room
+
+
+@pytest.mark.parametrize(
+    ("cell", "why"),
+    [
+        (0, r"cell 0 \(rollout\) cannot be lost: only a rollout cell other than the core"),
+        (3, r"cell 3 does not exist \(0\.\.2\)"),
+    ],
+)
+def test_the_core_or_a_cell_that_does_not_exist_cannot_be_lost(cell: int, why: str):
+    s = three_cells()
+    s.handle(Start(0.0))
+    roles, running = list(s.roles), s.running_on(1)
+    with pytest.raises(SchedulerError, match=why):
+        s.handle(CellLost(1.0, cell))
+    assert s.roles == roles and s.running_on(1) == running  # nothing changed
+
+
+def test_a_training_or_lost_cell_cannot_be_lost_and_the_last_engine_cannot_go():
+    s = three_cells(phi=0, cells=2, cell_capacity=1)  # two groups: cell 1 and cell 0
+    s.handle(Start(0.0))
+    assert of(MoveCell, finish(s, 1.0, 0)) == [MoveCell(0, Role.TRAINING)]
+    with pytest.raises(SchedulerError, match="cell 1 cannot be lost: no other engine serves"):
+        s.handle(CellLost(2.0, 1))  # the core is switching: cell 1 is the only engine
+    async_run = Scheduler(SchedulerParams(policy="async", cells=3, async_training_cells=1))
+    async_run.handle(Start(0.0))
+    with pytest.raises(SchedulerError, match=r"cell 0 \(training\) cannot be lost"):
+        async_run.handle(CellLost(1.0, 0))
+    async_run.handle(CellLost(1.0, 2))
+    with pytest.raises(SchedulerError, match=r"cell 2 \(lost\) cannot be lost"):
+        async_run.handle(CellLost(2.0, 2))
+
+
+def test_colocate_moves_only_the_cells_before_the_lost_one_and_counts_the_rest_as_room():
+    s = three_cells(policy="colocate", phi=0, cell_capacity=1)  # two groups: cells 2 and 1
+    out = s.handle(Start(0.0))
+    assert [a.engine for a in of(Launch, out)] == [2, 1]
+    s.handle(CellLost(1.0, 2))
+    assert s.units == [(0, 1)]
+    out = finish(s, 2.0, 1)  # w = 1 <= the room of no cell: the pool waits
+    assert not of(MoveCell, out)
+    out = finish(s, 3.0, 0)  # rollout done: cells 0 and 1 switch, not 2 (lost)
+    assert of(MoveCell, out) == [MoveCell(0, Role.TRAINING), MoveCell(1, Role.TRAINING)]
