@@ -251,11 +251,11 @@ def test_a_dead_cell_stops_the_run_naming_it_and_the_run_resumes(
     wait_for_checkpoint(process, tmp_path / "run", version=1)
     cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
     assert len(cells) == 3  # spawned in rank order
-    os.kill(cells[-1], signal.SIGKILL)
+    os.kill(cells[0], signal.SIGKILL)  # the core: the optimizer dies with it
     _, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
-    assert f"cell-2 (pid {cells[-1]}) died" in stderr.decode()
-    assert not any(running(pid) for pid in cells[:-1])  # the other cells stopped too
+    assert f"cell-0 (pid {cells[0]}) died" in stderr.decode()
+    assert not any(running(pid) for pid in cells[1:])  # the other cells stopped too
     resume_and_check(tmp_path / "run", steps=4)
 
 
@@ -268,10 +268,10 @@ def test_a_run_that_loses_a_cell_resumes_itself_with_restarts_left(
     wait_for_checkpoint(process, run_dir, version=1)
     finished_before = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
     cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
-    os.kill(cells[-1], signal.SIGKILL)
+    os.kill(cells[0], signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr.decode()[-2000:]
-    restart = f"cell-2 (pid {cells[-1]}) died (exit code -9); restart 1 of 1: resuming the run"
+    restart = f"cell-0 (pid {cells[0]}) died (exit code -9); restart 1 of 1: resuming the run"
     assert restart in stdout.decode()
     state = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
     assert state["version"] == 4
@@ -280,6 +280,33 @@ def test_a_run_that_loses_a_cell_resumes_itself_with_restarts_left(
     counts = Counter(g.group_id for g in read_metrics(run_dir).groups)
     assert set(counts) == set(trained) and set(counts.values()) == {1}
     assert len(read_metrics(run_dir).runs) == 2  # the run and its restart
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
+def test_a_run_goes_on_without_a_rollout_cell_that_died(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Async keeps cells 1 and 2 in rollout for the whole run: cell 2 dies there, and
+    the run trains every step on without it or a restart, cell 1 serving alone."""
+    run_dir = tmp_path / "run"
+    process = start_train(tmp_path, tiny_model_dir, 4, "scheduler.policy=async")
+    wait_for_checkpoint(process, run_dir, version=1)
+    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
+    os.kill(cells[2], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    assert f"cell-2 (pid {cells[2]}) died (exit code -9); the run goes on without it" in (
+        stderr.decode()
+    )
+    metrics = read_metrics(run_dir)
+    assert len(metrics.runs) == 1 and [s.version for s in metrics.steps] == [1, 2, 3, 4]
+    lost = [r for r in metrics.roles if r.cell == 2 and r.role == "lost"]
+    assert len(lost) == 1 and metrics.roles[-1].time_s >= lost[0].time_s
+    assert any(s.time_s > lost[0].time_s for s in metrics.steps)  # steps after the loss
+    assert not running(cells[2])
+    state = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
+    trained = state["trained_groups"]
+    assert state["version"] == 4 and len(set(trained)) == len(trained)
 
 
 def served_calls(run_dir: Path) -> list[tuple[str, int]]:

@@ -274,8 +274,9 @@ class RunConfig(_Section):
     restarts: int = Field(
         0,
         ge=0,
-        description="times a run that lost a cell resumes itself from its newest checkpoint "
-        "(as --resume does) before it gives up",
+        description="times a run that lost its core or a cell in training resumes itself from"
+        " its newest checkpoint (as --resume does) before it gives up; a rollout cell that"
+        " dies is left behind and the run goes on without it",
     )
     harness_hosts: Literal["local", "ray"] = Field(
         "local",

@@ -20,6 +20,11 @@ admitted, appended to the ledger (durable) and put in the trajectory buffer. The
 scheduler assigns ready groups to the open step; the packing buffer turns them into
 micro-steps on the queue; every cell in training claims micro-steps; once the batch is
 closed and drained, the participating prefix of cells reduces and the core updates.
+
+A cell that dies while it serves rollout (not the core) is lost, and the run goes on
+without it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends its calls
+elsewhere, its harnesses keep running, and training keeps to the cells before it. Any
+other death stops the run (``run.restarts`` may resume it from its checkpoint).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from qwengyre.scheduler.events import (
     Action,
     AssignGroups,
     Cancel,
+    CellLost,
     CellMoved,
     Dispatch,
     DropGroup,
@@ -196,6 +202,7 @@ class Controller:
         self._freed: dict[int, str] = {}  # cell: how its engine freed memory (SwitchRecord)
         self._accounted_at = 0.0
         self.failure: BaseException | None = None
+        self._lost: dict[int, ActorDied] = {}  # cells given up for dead: why
         self.step_records: list[StepRecord] = []
 
     # ------------------------------------------------------------------ clock
@@ -234,6 +241,8 @@ class Controller:
             event = await self.events.get()
             if self.failure is not None:
                 raise await self._root_cause(self.failure)
+            if isinstance(event, CellLost) and self.scheduler.why_not_lose(event.cell):
+                raise self._lost[event.cell]  # it moved on since it died: it cannot be lost
             if isinstance(event, PullGroups):
                 self._pull_queued = False
                 if event.step != self.scheduler.version:
@@ -399,11 +408,19 @@ class Controller:
     async def _publish(self, version: int) -> None:
         """The core's weights reach every rollout engine: the rollout cells and the
         standalone pool (PAPER: publication after the burst's final update)."""
-        rollout = [self.cells[c] for c, r in enumerate(self.scheduler.roles) if r is Role.ROLLOUT]
+        roles = self.scheduler.roles
+        rollout = [c for c, r in enumerate(roles) if r is Role.ROLLOUT and c not in self._lost]
+        engines = {c: self.cells[c] for c in rollout}
         if self.standalone is not None:
-            rollout.append(self.standalone)
+            engines[STANDALONE] = self.standalone
         start = self.now()
-        await asyncio.gather(*(engine.call("update_engine_weights") for engine in rollout))
+        loads = [engine.call("update_engine_weights") for engine in engines.values()]
+        outcomes = await asyncio.gather(*loads, return_exceptions=True)
+        for cell, outcome in zip(engines, outcomes, strict=True):
+            if isinstance(outcome, ActorDied) and cell != STANDALONE:
+                await self._lose(cell, outcome)  # it died serving: the others took over
+            elif isinstance(outcome, BaseException):
+                raise outcome
         self.outputs.metrics.write(PublicationRecord(self.now(), version, self.now() - start))
         self._emit(lambda t: PublicationDone(t, version))
 
@@ -549,16 +566,40 @@ class Controller:
             self.outputs.metrics.write(LoadRecord(self.now(), *sample))
 
     async def _watch_cells(self) -> None:
-        """A cell that dies stops the run at once, not at the next call it gets (a
-        rollout cell gets none from the controller until its next move)."""
+        """A cell that dies is seen at once, not at the next call it gets (a rollout
+        cell gets none from the controller until its next move or publication): a
+        rollout cell other than the core is lost, any other death stops the run."""
         while True:
-            await self._check_cells()
+            for cell, actor in enumerate(self.cells):
+                if cell not in self._lost:
+                    try:
+                        await actor.check_alive()
+                    except ActorDied as died:
+                        await self._lose(cell, died)
+            if self.standalone is not None:
+                await self.standalone.check_alive()
             await asyncio.sleep(CELL_WATCH_S)
 
+    async def _lose(self, cell: int, died: ActorDied) -> None:
+        """Go on without ``cell``, which ``died``; re-raise it if the run cannot."""
+        if cell in self._lost:
+            return
+        if self.scheduler.why_not_lose(cell) is not None:
+            raise died
+        self._lost[cell] = died
+        log.warning("%s; the run goes on without it", died)
+        await self.proxy.router.drain(engine_name(cell), wait=False)
+        await asyncio.to_thread(self.cells[cell].close)  # its other ranks, if any
+        self._emit(lambda t: CellLost(t, cell))
+
     async def _check_cells(self) -> None:
-        """Raise ``ActorDied`` for the first cell (or the standalone pool) that is gone."""
-        for actor in [*self.cells, *([self.standalone] if self.standalone else [])]:
-            await actor.check_alive()
+        """Raise ``ActorDied`` for the first cell (or the standalone pool) that is gone,
+        of those not already lost."""
+        for cell, actor in enumerate(self.cells):
+            if cell not in self._lost:
+                await actor.check_alive()
+        if self.standalone is not None:
+            await self.standalone.check_alive()
 
     async def _root_cause(self, failure: BaseException) -> BaseException:
         """A dead cell, if any: it explains the failure of the calls to it and of its

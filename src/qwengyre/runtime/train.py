@@ -17,7 +17,9 @@ Resume (``--resume RUN_DIR``): the newest checkpoint gives the weights, the opti
 the version and the groups it trained; the ledger's other groups are ready again; the
 harnesses the killed run left behind are stopped. Executions that were running are
 lost and their slots refill: no finished group is lost and none is trained twice. A
-run that loses a cell resumes itself so, up to ``run.restarts`` times.
+run that loses its core or a cell in training resumes itself so, up to ``run.restarts``
+times; a rollout cell that dies is left behind and the run goes on without it
+(:mod:`qwengyre.runtime.controller`).
 """
 
 from __future__ import annotations

@@ -541,17 +541,24 @@ class Scheduler:
         else:
             raise SchedulerError(f"cell {cell} is not in transition (it is {role})")
 
-    def _on_cell_lost(self, cell: int) -> None:
+    def why_not_lose(self, cell: int) -> str | None:
+        """Why :class:`CellLost` for ``cell`` would be refused now, or None if the run
+        can go on without it."""
         if not 0 <= cell < len(self.roles):
-            raise SchedulerError(f"cell {cell} does not exist (0..{len(self.roles) - 1})")
+            return f"cell {cell} does not exist (0..{len(self.roles) - 1})"
         if cell == 0 or self.roles[cell] is not Role.ROLLOUT:
-            raise SchedulerError(
+            return (
                 f"cell {cell} ({self.roles[cell]}) cannot be lost: only a rollout cell other"
                 " than the core can (the run stops for any other)"
             )
         others = [c for c, r in enumerate(self.roles) if r is Role.ROLLOUT and c != cell]
         if not others and not self.params.standalone_capacity:
-            raise SchedulerError(f"cell {cell} cannot be lost: no other engine serves rollout")
+            return f"cell {cell} cannot be lost: no other engine serves rollout"
+        return None
+
+    def _on_cell_lost(self, cell: int) -> None:
+        if (why := self.why_not_lose(cell)) is not None:
+            raise SchedulerError(why)
         self._set_role(cell, Role.LOST)
         self._cut_units(cell)
         for eid in sorted(self._load[cell]):
