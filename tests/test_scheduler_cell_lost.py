@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from tests.test_scheduler_properties import scheduler_params
 from tests.test_scheduler_rules import finish, of
 
 from qwengyre.scheduler.core import Scheduler, SchedulerError, SchedulerParams
 from qwengyre.scheduler.events import (
     STANDALONE,
+    AssignGroups,
+    Cancel,
     CellLost,
     CellMoved,
+    ExecutionFinished,
     Launch,
     MoveCell,
+    PublicationDone,
+    Publish,
     PullGroups,
     Reroute,
     Role,
     Start,
     StepDone,
     Tick,
+    WakeAt,
 )
+from qwengyre.types import Outcome
 
 
 def three_cells(**kw: object) -> Scheduler:
@@ -103,3 +113,104 @@ def test_colocate_moves_only_the_cells_before_the_lost_one_and_counts_the_rest_a
     assert not of(MoveCell, out)
     out = finish(s, 3.0, 0)  # rollout done: cells 0 and 1 switch, not 2 (lost)
     assert of(MoveCell, out) == [MoveCell(0, Role.TRAINING), MoveCell(1, Role.TRAINING)]
+
+
+# ---------------------------------------------------------------- any run, any loss
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=scheduler_params(), data=st.data())
+def test_after_any_loss_nothing_reaches_the_lost_cell_training_stays_before_it_and_steps_go_on(
+    params: SchedulerParams, data: st.DataObject
+):
+    """A random legal run with every reward valid; at a random point some of the cells
+    the scheduler may let go are lost, one after another. Every action keeps off the
+    lost cells, training stays a prefix that ends before the first of them, and the run
+    trains 4 more steps."""
+    s = Scheduler(params)
+    running: set[int] = set()
+    cancelled: set[int] = set()  # still running until reported
+    moving: list[int] = []
+    publish: list[int] = []
+    wakes: list[float] = []
+    closed = False
+    lost: set[int] = set()
+    now = 0.0
+
+    def absorb(actions: list) -> None:
+        nonlocal closed
+        first_lost = min(lost, default=params.cells)
+        for a in actions:
+            match a:
+                case Launch():
+                    assert a.engine not in lost
+                    running.add(a.execution_id)
+                case Cancel():
+                    cancelled.add(a.execution_id)
+                case Reroute():
+                    assert a.destination not in lost and a.execution_id in running
+                case MoveCell():
+                    assert a.cell not in lost
+                    moving.append(a.cell)
+                    if a.role is Role.TRAINING and params.policy != "async":
+                        assert a.cell < first_lost, (a, lost)
+                case Publish():
+                    publish.append(a.version)
+                case AssignGroups():
+                    closed = a.closes_batch
+                case WakeAt():
+                    wakes.append(a.time)
+        assert all(c < first_lost for c in s.training_cells) or params.policy == "async"
+        assert all(s.roles[c] is Role.LOST for c in lost)
+
+    absorb(s.handle(Start(now)))
+    lose_after = data.draw(st.integers(0, 60), label="lose after")
+    target, handled = None, 0
+    while target is None or s.version < target:
+        handled += 1
+        assert handled < 5000, f"no progress: version {s.version}, roles {s.roles}"
+        if target is None and handled >= lose_after:
+            losable = [c for c in range(params.cells) if s.why_not_lose(c) is None]
+            chosen = (
+                data.draw(st.lists(st.sampled_from(losable), unique=True), "lose")
+                if losable
+                else []
+            )
+            for cell in chosen:
+                if s.why_not_lose(cell) is None:  # one loss may keep the next from being one
+                    lost.add(cell)
+                    absorb(s.handle(CellLost(now, cell)))
+            event(f"cells lost: {len(lost)}")
+            target = s.version + 4
+            continue
+        choices = ["finish"] * bool(running) + ["move"] * bool(moving)
+        choices += ["publish"] * bool(publish) + ["step"] * closed
+        choices += ["pull"] * bool(s.training_cells and s.batch_needs) + ["wake"] * bool(wakes)
+        if not choices:
+            now += 1.0
+            absorb(s.handle(Tick(now)))
+            continue
+        now += 0.1
+        move = data.draw(st.sampled_from(choices), label="move")
+        if move == "finish":
+            eid = data.draw(st.sampled_from(sorted(running)), label="execution")
+            running.discard(eid)
+            if eid in cancelled:
+                absorb(s.handle(ExecutionFinished(now, eid, Outcome.CANCELLED, None)))
+            else:
+                absorb(s.handle(ExecutionFinished(now, eid, Outcome.COMPLETED, 1.0)))
+        elif move == "move":
+            absorb(s.handle(CellMoved(now, moving.pop(0))))
+        elif move == "publish":
+            absorb(s.handle(PublicationDone(now, publish.pop(0))))
+        elif move == "step":
+            closed = False
+            absorb(s.handle(StepDone(now, s.version)))
+        elif move == "pull":
+            absorb(s.handle(PullGroups(now, s.version, s.batch_needs)))
+        else:
+            now = max(now, min(wakes))
+            wakes[:] = [w for w in wakes if w > now]
+            absorb(s.handle(Tick(now)))
+    trained = [c.group_id for c in s.consumed()]
+    assert len(trained) == len(set(trained))
