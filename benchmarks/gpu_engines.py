@@ -321,8 +321,10 @@ def server_spec(name: str, bench: Bench, port: int, key: str) -> Any:
     extra: tuple[str, ...]
     if name == "sglang":
         extra = ("--mem-fraction-static", share, "--dtype", dtype)
+        if key:  # the key in a private config file, off the command line
+            extra += sglang.write_key_config(bench.logs / "sglang-server.yaml", key)
         return sglang.SGLangServerSpec(
-            model, port, api_key=key, context_length=bench.context, extra_args=extra, extra_env=env
+            model, port, context_length=bench.context, extra_args=extra, extra_env=env
         )
     if bench.device.type == "cuda":
         extra = ("--enable-sleep-mode", "--gpu-memory-utilization", share)

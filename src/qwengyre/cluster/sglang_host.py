@@ -30,12 +30,9 @@ and loads the newest weights.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from qwengyre.cluster.server_host import ServerHost
 from qwengyre.cluster.weights import BoardShards
@@ -45,6 +42,7 @@ from qwengyre.engines.sglang import (
     TensorRoute,
     TensorRouteUnavailable,
     launch_sglang,
+    write_key_config,
 )
 
 __all__ = ["SGLangHost"]
@@ -72,14 +70,12 @@ class SGLangHost(ServerHost[SGLangEngine]):
             context_length=self.max_context,
             weight_version=str(self.version) if self.version >= 0 else None,
             enable_memory_saver=self.device != "cpu",
-            extra_args=("--config", str(self._config)),  # two arguments: SGLang matches "--config"
+            extra_args=("--config", str(self._config)),  # written by write_key_config
             extra_env=self.gpu_env(),
         )
 
     def _popen(self, model: str, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        with os.fdopen(os.open(self._config, flags, 0o600), "w") as config:
-            yaml.safe_dump({"api-key": self.api_key}, config)
+        write_key_config(self._config, self.api_key)
         return launch_sglang(self.server_spec(model), **popen_kwargs)
 
     def _new_client(self) -> SGLangEngine:

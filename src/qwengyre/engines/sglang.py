@@ -75,9 +75,11 @@ import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
+import yaml
 
 from qwengyre.engines.base import (
     EngineAborted,
@@ -380,6 +382,18 @@ class SGLangEngine(HTTPEngineClient):
 # -- launching a server ----------------------------------------------------------------
 
 
+def write_key_config(path: Path, api_key: str) -> tuple[str, str]:
+    """Write ``api_key`` into the SGLang config file ``path`` (a ``.yaml`` name; mode
+    0600, a link there is refused) and return the arguments that make a server read it,
+    ``("--config", path)``: the key stays off the command line, where every local user
+    could read it (``ps``). Needs an SGLang with ``--config`` (sgl-project/sglang#10534,
+    September 2025, on)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(path, flags, 0o600), "w") as config:
+        yaml.safe_dump({"api-key": api_key}, config)
+    return "--config", str(path)  # two arguments: SGLang matches "--config" alone
+
+
 def _default_python() -> str:
     return os.environ.get("QWENGYRE_SGLANG_PYTHON") or sys.executable
 
@@ -580,4 +594,5 @@ __all__: Sequence[str] = (
     "sglang_available",
     "tensor_buckets",
     "wait_until_healthy",
+    "write_key_config",
 )
