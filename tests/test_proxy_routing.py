@@ -81,8 +81,11 @@ class FakeEngine:
     async def update_weights(self, source: Any, version: int) -> None: ...
     async def release_memory(self) -> None: ...
     async def resume_memory(self) -> None: ...
+
+    healthy: bool = True
+
     async def health(self) -> bool:
-        return True
+        return self.healthy
 
 
 def router_with(*engines: FakeEngine, max_attempts: int = 5) -> Router:
@@ -158,6 +161,55 @@ def test_a_failure_mid_stream_drains_the_engine_and_continues() -> None:
     assert b.requests[0].sampling.max_tokens == 2
     assert router.route_of("ex") == "b"
     assert router.route("other") == "b"  # "a" no longer accepts
+
+
+def test_an_engine_that_failed_is_taken_back_once_its_health_check_passes() -> None:
+    a = FakeEngine("a", [[ConnectionResetError("gone")], [((9,), "stop")]], healthy=False)
+    b = FakeEngine("b", [[((2, 3), "length")]])
+    router = router_with(a, b)
+
+    async def scenario() -> tuple[list[str], list[str], str]:
+        await consume(router, 2)  # "a" fails, the call ends at "b"
+        still_down = await router.recover()
+        a.healthy = True
+        back = await router.recover()
+        return still_down, back, router.route("new")
+
+    still_down, back, route = asyncio.run(scenario())
+    assert still_down == [] and back == ["a"] and route == "a"  # preferred again
+    assert asyncio.run(router.recover()) == []  # nothing left to take back
+
+
+def test_an_engine_drained_for_a_move_is_not_taken_back_even_if_a_call_then_fails() -> None:
+    a = FakeEngine("a", [[((1,), None), WAIT]])
+    b = FakeEngine("b", [[((2,), "stop")]])
+    router = router_with(a, b)
+
+    async def scenario() -> list[str]:
+        await consume(router, 5, after_first=lambda: router.drain("a"))  # its cell moves
+        await router.fail("a")  # a call it aborted ended in a connection error after all
+        return await router.recover()
+
+    assert asyncio.run(scenario()) == []
+    assert router.route("new") == "b"
+    router.resume("a")  # the cell is back from training
+    assert router.route("newer") == "a"
+
+
+def test_keep_recovering_takes_an_engine_back_on_its_own() -> None:
+    a = FakeEngine("a", [[ConnectionResetError("gone")]], healthy=True)
+    b = FakeEngine("b", [[((2,), "stop")]])
+    router = router_with(a, b)
+
+    async def scenario() -> str:
+        await consume(router, 2)
+        assert router.route("x") == "b"
+        task = asyncio.ensure_future(router.keep_recovering(every_s=0.01))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        return router.route("y")
+
+    assert asyncio.run(scenario()) == "a"
 
 
 @pytest.mark.parametrize(

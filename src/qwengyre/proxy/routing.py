@@ -6,7 +6,10 @@ stops it accepting, moves the routes of its executions to other engines (standal
 first, then rollout cells in descending index, as the scheduler orders them), and
 aborts its in-flight requests; each aborted call is retried transparently at its new
 engine, so the harness sees one successful answer and the tree gets one record.
-An engine that fails outright is drained the same way.
+An engine that fails outright is drained the same way (:meth:`Router.fail`), and taken
+back once its health check passes again (:meth:`Router.recover`, which the proxy runs
+every :data:`RECOVER_S`): a timeout or a restarted server does not cost an engine for
+the rest of the run. An engine drained for a move is never taken back that way.
 
 A call streams (:meth:`Router.stream`): tokens reach the harness as they are sampled,
 so a call moved after it produced some continues at its new engine from where it
@@ -41,6 +44,9 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 60.0
 """How long a drain waits for its aborted calls to end at the engine."""
+
+RECOVER_S = 2.0
+"""How often the proxy checks whether an engine that failed is healthy again."""
 
 
 class Handoff(Protocol):
@@ -84,6 +90,7 @@ class _Slot:
     engine: InferenceEngine
     preference: int  # higher is tried first: standalone pools high, cell i gets i
     accepting: bool = True
+    failed: bool = False  # drained because it failed, not for a move: recover() may resume
     inflight: dict[str, str] = field(default_factory=dict)  # request id -> execution
     emptied: asyncio.Event = field(default_factory=asyncio.Event)  # set when inflight empties
 
@@ -210,7 +217,7 @@ class Router:
             except (OSError, ConnectionError, TimeoutError) as exc:
                 log.warning("engine %s failed (%s); draining it", engine, exc)
                 last = exc
-                await self.drain(engine, wait=False)
+                await self.fail(engine)
             finally:
                 await deltas.aclose()  # early (the consumer left): aborts on the engine
                 slot.inflight.pop(request_id, None)
@@ -225,7 +232,7 @@ class Router:
         idle and may free its memory), or after ``DRAIN_TIMEOUT_S`` with a warning. A
         drain for an engine that failed does not wait."""
         slot = self._slots[name]
-        slot.accepting = False
+        slot.accepting = slot.failed = False
         moved = [e for e, n in self._routes.items() if n == name]
         for execution_id in moved:
             try:
@@ -250,4 +257,36 @@ class Router:
 
     def resume(self, name: str) -> None:
         """The engine accepts again (a cell back from training)."""
-        self._slots[name].accepting = True
+        slot = self._slots[name]
+        slot.accepting, slot.failed = True, False
+
+    async def fail(self, name: str) -> None:
+        """``name`` failed a call: drain it without waiting. If it was serving (not
+        already drained for a move), :meth:`recover` takes it back once it is healthy."""
+        slot = self._slots[name]
+        serving = slot.accepting or slot.failed
+        await self.drain(name, wait=False)
+        slot.failed = serving
+
+    async def recover(self) -> list[str]:
+        """Engines that failed and pass their health check now accept again; their
+        names. A health check that raises counts as failed."""
+        back = []
+        for name, slot in self._slots.items():
+            if not slot.failed:
+                continue
+            try:
+                healthy = await slot.engine.health()
+            except Exception:
+                healthy = False
+            if healthy and slot.failed:  # not drained for a move meanwhile
+                slot.accepting, slot.failed = True, False
+                log.info("engine %s is healthy again: it accepts calls", name)
+                back.append(name)
+        return back
+
+    async def keep_recovering(self, every_s: float = RECOVER_S) -> None:
+        """:meth:`recover` every ``every_s`` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(every_s)
+            await self.recover()

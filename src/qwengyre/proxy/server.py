@@ -207,20 +207,26 @@ class ProxyServer:
                 del self._resident[state.id]
                 state.recorder, state.bodies = None, BodyMemo()
 
-    async def _sweeping(self, app: web.Application) -> AsyncIterator[None]:
-        """While the app runs: executions idle for ``idle_s`` leave memory even when no
-        other call comes to evict them."""
+    async def _sweep(self) -> None:
+        """Executions idle for ``idle_s`` leave memory even when no other call comes to
+        evict them."""
+        while True:
+            await asyncio.sleep(max(0.05, self.idle_s / 2))
+            self._evict()
 
-        async def sweep() -> None:
-            while True:
-                await asyncio.sleep(max(0.05, self.idle_s / 2))
-                self._evict()
-
-        task = asyncio.ensure_future(sweep())
+    async def _background(self, app: web.Application) -> AsyncIterator[None]:
+        """While the app runs: :meth:`_sweep`, and an engine that failed a call is taken
+        back once it is healthy again (:meth:`~qwengyre.proxy.routing.Router.recover`)."""
+        tasks = [
+            asyncio.ensure_future(self._sweep()),
+            asyncio.ensure_future(self.router.keep_recovering()),
+        ]
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     # ------------------------------------------------------------ the app
 
@@ -232,7 +238,7 @@ class ProxyServer:
             middlewares=[_api_errors],
             handler_args={"auto_decompress": False},
         )
-        app.cleanup_ctx.append(self._sweeping)
+        app.cleanup_ctx.append(self._background)
         routes: list[tuple[str, str, Handler]] = [
             ("POST", "/v1/messages", self._anthropic_messages),
             ("POST", "/v1/messages/count_tokens", self._anthropic_count_tokens),
