@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -188,6 +189,22 @@ def test_release_puts_it_to_sleep_and_resume_serves_the_newest(
     version = max(cell.host.version, 0) + 1
     cell.board.write(perturbed(tiny_model_dir, seed=version).items(), version)
     assert cell.host.resume(cell.boards) == version
+    assert generate(cell.endpoint).versions == (version,) * 6
+
+
+def test_a_crashed_server_is_started_again_at_its_address_with_the_newest_weights(
+    cell: Cell, tiny_model_dir: Path
+) -> None:
+    assert not cell.host.revive(cell.boards)  # it runs: left alone
+    process = cell.host._process
+    assert process is not None
+    os.killpg(process.pid, signal.SIGKILL)  # the server crashes
+    process.wait()
+    version = max(cell.host.version, 0) + 1  # and the core published meanwhile
+    cell.board.write(perturbed(tiny_model_dir, seed=version).items(), version)
+    assert cell.host.revive(cell.boards)
+    assert cell.host._process is not process and cell.host.version == version
+    # The proxy's client of the same endpoint (address and key) is served again.
     assert generate(cell.endpoint).versions == (version,) * 6
 
 

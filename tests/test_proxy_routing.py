@@ -170,6 +170,7 @@ def test_an_engine_that_failed_is_taken_back_once_its_health_check_passes() -> N
 
     async def scenario() -> tuple[list[str], list[str], str]:
         await consume(router, 2)  # "a" fails, the call ends at "b"
+        assert router.failed() == ["a"]
         still_down = await router.recover()
         a.healthy = True
         back = await router.recover()
@@ -177,7 +178,7 @@ def test_an_engine_that_failed_is_taken_back_once_its_health_check_passes() -> N
 
     still_down, back, route = asyncio.run(scenario())
     assert still_down == [] and back == ["a"] and route == "a"  # preferred again
-    assert asyncio.run(router.recover()) == []  # nothing left to take back
+    assert asyncio.run(router.recover()) == [] and router.failed() == []
 
 
 def test_an_engine_drained_for_a_move_is_not_taken_back_even_if_a_call_then_fails() -> None:

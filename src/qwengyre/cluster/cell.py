@@ -226,6 +226,11 @@ class Cell:
         if self.spec.device != "cpu":
             self._trainer().offload()
 
+    def revive_engine(self) -> bool:
+        """Start the engine's server again if it crashed (True if it did; False on the
+        other shards). Only for a cell that serves rollout."""
+        return self._serves and self._engine().revive(self._board_shards())
+
     def update_engine_weights(self) -> int:
         """Load the boards' weights into the engine (between decode steps) if newer."""
         if not self._serves:

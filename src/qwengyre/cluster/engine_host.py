@@ -88,6 +88,12 @@ class RolloutHost(Protocol):
         """Load the boards' weights if newer (between steps of generation); the version."""
         ...
 
+    def revive(self, boards: BoardShards) -> bool:
+        """If the server crashed (its process exited while it should serve), start it
+        again, at the same address and key, with the boards' newest weights; True if it
+        did. A server that runs, or was stopped on purpose, is left alone."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -222,6 +228,9 @@ class EngineHost:
                 self.engine.update_weights(boards.source(version), version)
             ),
         )
+
+    def revive(self, boards: BoardShards) -> bool:
+        return False  # the engine lives in this process: it cannot crash on its own
 
     def close(self) -> None:
         self.engine.close()

@@ -255,7 +255,8 @@ class ServerHost(ABC, Generic[C]):
     def resume(self, boards: BoardShards) -> int:
         """Serve again with the boards' newest weights; returns their version."""
         start = time.monotonic()
-        if self._process is None:
+        if self._process is None or self._process.poll() is not None:  # stopped, or crashed
+            self._stop()
             self._launch()  # from the newest weights directory: already at self.version
             state = "started"
         else:
@@ -263,6 +264,19 @@ class ServerHost(ABC, Generic[C]):
             state = "awake"
         log.info("%s: %s in %.1f s", self.name, state, time.monotonic() - start)
         return self.load_newest(boards)
+
+    def revive(self, boards: BoardShards) -> bool:
+        """Start the server again if its process exited (a crash; a server stopped on
+        purpose has no process) and load the boards' newest weights; True if it did."""
+        if self._process is None or (code := self._process.poll()) is None:
+            return False
+        log.warning(
+            "%s: the %s server exited (code %s); starting it again", self.name, self.api, code
+        )
+        self._stop()  # reap it and whatever it left in its group
+        self._launch()  # the same port and key, from the newest weights directory
+        self.load_newest(boards)
+        return True
 
     def close(self) -> None:
         self._stop()

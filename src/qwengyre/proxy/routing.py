@@ -268,6 +268,10 @@ class Router:
         await self.drain(name, wait=False)
         slot.failed = serving
 
+    def failed(self) -> list[str]:
+        """The engines drained because they failed, not yet taken back."""
+        return [name for name, slot in self._slots.items() if slot.failed]
+
     async def recover(self) -> list[str]:
         """Engines that failed and pass their health check now accept again; their
         names. A health check that raises counts as failed."""

@@ -203,6 +203,7 @@ class Controller:
         self._accounted_at = 0.0
         self.failure: BaseException | None = None
         self._lost: dict[int, ActorDied] = {}  # cells given up for dead: why
+        self._reviving: set[int] = set()  # cells starting a crashed engine again
         self.step_records: list[StepRecord] = []
 
     # ------------------------------------------------------------------ clock
@@ -578,7 +579,29 @@ class Controller:
                         await self._lose(cell, died)
             if self.standalone is not None:
                 await self.standalone.check_alive()
+            self._revive_failed_engines()
             await asyncio.sleep(CELL_WATCH_S)
+
+    def _revive_failed_engines(self) -> None:
+        """A rollout cell whose engine the proxy drained for failing asks its host to
+        start the server again if it crashed; the proxy takes it back once healthy."""
+        cells = {engine_name(c): c for c in range(len(self.cells))}
+        for name in self.proxy.router.failed():
+            cell = cells.get(name)
+            if cell is None or cell in self._lost or cell in self._reviving:
+                continue
+            if self.scheduler.roles[cell] is Role.ROLLOUT:
+                self._reviving.add(cell)
+                self._spawn(self._revive(cell))
+
+    async def _revive(self, cell: int) -> None:
+        try:
+            if await self.cells[cell].call("revive_engine"):
+                log.warning("%s: its engine crashed and was started again", engine_name(cell))
+        except ActorDied as died:
+            await self._lose(cell, died)
+        finally:
+            self._reviving.discard(cell)
 
     async def _lose(self, cell: int, died: ActorDied) -> None:
         """Go on without ``cell``, which ``died``; re-raise it if the run cannot."""
