@@ -412,45 +412,57 @@ def test_vllm_cells_serve_rollout_and_take_every_publication(
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
 
 
-def test_a_crashed_sglang_server_is_started_again_and_the_run_goes_on(
+def test_crashed_sglang_servers_are_started_again_and_the_run_goes_on(
     tiny_model_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Cell 1's server (the fake SGLang) is killed while it serves rollout: the proxy
-    drains it, the cell starts it again at the same address, the proxy takes it back,
-    and the run trains every step."""
+    """Cell 1's server and the standalone pool's (the fake SGLang) are killed while they
+    serve rollout: the proxy drains them, their hosts start them again at the same
+    address, the proxy takes them back, and the run trains every step."""
     fake = Path(__file__).parent / "fake_sglang"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.delenv("QWENGYRE_SGLANG_PYTHON", raising=False)
     run_dir, killed = tmp_path / "run", []
 
-    def crash_cell_1() -> None:
+    def crash_cell_1_and_the_pool() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not killed:
             metrics = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else None
             if metrics is not None and any(load.running for load in metrics.loads):
                 assert not metrics.switches, "too late: a cell moved"
-                cells = sorted(c for c, cmd in children(os.getpid()).items() if "spawn_main" in cmd)
-                servers = [c for c, cmd in children(cells[1]).items() if "sglang" in cmd]
-                os.killpg(servers[0], signal.SIGKILL)
-                killed.append(servers[0])
+                # Spawned in order: cell 0, cell 1, then the pool (once the core's board exists).
+                spawned = sorted(
+                    c for c, cmd in children(os.getpid()).items() if "spawn_main" in cmd
+                )
+                for owner in spawned[1:]:
+                    (server,) = [c for c, cmd in children(owner).items() if "sglang" in cmd]
+                    os.killpg(server, signal.SIGKILL)
+                    killed.append(server)
             time.sleep(0.05)
 
-    crasher = threading.Thread(target=crash_cell_1)
+    crasher = threading.Thread(target=crash_cell_1_and_the_pool)
     crasher.start()
     caplog.set_level(logging.INFO, logger="qwengyre")
     try:
-        run(tmp_path, tiny_model_dir, "run.steps=2", "cells.count=2", "engine.backend=sglang")
+        run(
+            tmp_path,
+            tiny_model_dir,
+            "run.steps=2",
+            "cells.count=2",
+            "cells.standalone_capacity=2",
+            "engine.backend=sglang",
+        )
     finally:
         crasher.join()
-    assert killed and not running(killed[0])
+    assert len(killed) == 2 and not any(running(pid) for pid in killed)
     metrics = read_metrics(run_dir)
     assert [s.version for s in metrics.steps] == [1, 2]
     said = {r.getMessage() for r in caplog.records}
-    assert "cell-1: its engine crashed and was started again" in said
-    assert "engine cell-1 is healthy again: it accepts calls" in said  # either comes first
+    for engine in ("cell-1", "standalone"):
+        assert f"{engine}: its engine crashed and was started again" in said
+        assert f"engine {engine} is healthy again: it accepts calls" in said  # either first
 
 
 def test_sglang_cells_switch_roles_and_take_every_publication(

@@ -76,9 +76,16 @@ class StandalonePool:
 
     def update_engine_weights(self) -> int:
         """Load the board's weights if newer (the core's publication); their version."""
+        return self.host.load_newest(self._board())
+
+    def revive_engine(self) -> bool:
+        """Start the engine's server again if it crashed; True if it did."""
+        return self.host.revive(self._board())
+
+    def _board(self) -> BoardShards:
         if self.board is None:
             raise RuntimeError("standalone pool: start_engine() first")
-        return self.host.load_newest(self.board)
+        return self.board
 
     def pid(self) -> int:
         return os.getpid()

@@ -583,25 +583,32 @@ class Controller:
             await asyncio.sleep(CELL_WATCH_S)
 
     def _revive_failed_engines(self) -> None:
-        """A rollout cell whose engine the proxy drained for failing asks its host to
-        start the server again if it crashed; the proxy takes it back once healthy."""
-        cells = {engine_name(c): c for c in range(len(self.cells))}
+        """A rollout cell (or the standalone pool) whose engine the proxy drained for
+        failing asks its host to start the server again if it crashed; the proxy takes
+        it back once healthy."""
+        engines = {engine_name(c): c for c in range(len(self.cells))}
+        if self.standalone is not None:
+            engines[engine_name(STANDALONE)] = STANDALONE
         for name in self.proxy.router.failed():
-            cell = cells.get(name)
-            if cell is None or cell in self._lost or cell in self._reviving:
+            engine = engines.get(name)
+            if engine is None or engine in self._lost or engine in self._reviving:
                 continue
-            if self.scheduler.roles[cell] is Role.ROLLOUT:
-                self._reviving.add(cell)
-                self._spawn(self._revive(cell))
+            if engine == STANDALONE or self.scheduler.roles[engine] is Role.ROLLOUT:
+                self._reviving.add(engine)
+                self._spawn(self._revive(engine))
 
-    async def _revive(self, cell: int) -> None:
+    async def _revive(self, engine: int) -> None:
+        actor = self.standalone if engine == STANDALONE else self.cells[engine]
+        assert actor is not None
         try:
-            if await self.cells[cell].call("revive_engine"):
-                log.warning("%s: its engine crashed and was started again", engine_name(cell))
+            if await actor.call("revive_engine"):
+                log.warning("%s: its engine crashed and was started again", engine_name(engine))
         except ActorDied as died:
-            await self._lose(cell, died)
+            if engine == STANDALONE:
+                raise
+            await self._lose(engine, died)
         finally:
-            self._reviving.discard(cell)
+            self._reviving.discard(engine)
 
     async def _lose(self, cell: int, died: ActorDied) -> None:
         """Go on without ``cell``, which ``died``; re-raise it if the run cannot."""
