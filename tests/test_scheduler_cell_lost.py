@@ -72,10 +72,29 @@ def test_with_no_room_left_the_executions_go_to_the_least_loaded_engine_over_cap
     assert of(Launch, finish(s, 3.0, 6)) == [Launch(7, 7, 0, 0, 0)]  # now it has room
 
 
+def test_a_cell_lost_mid_switch_never_arrives_and_a_colocate_pool_past_it_returns():
+    s = three_cells(phi=0)  # two groups of one, both on cell 2
+    s.handle(Start(0.0))
+    assert of(MoveCell, finish(s, 1.0, 0)) == [MoveCell(0, Role.TRAINING)]
+    assert of(MoveCell, s.handle(CellMoved(2.0, 0))) == [MoveCell(1, Role.TRAINING)]
+    assert s.handle(CellLost(3.0, 1)) == []  # on its way to training: no CellMoved comes
+    assert s.roles == [Role.TRAINING, Role.LOST, Role.ROLLOUT] and s.units == [(0,)]
+    pool = three_cells(policy="colocate", phi=0)
+    pool.handle(Start(0.0))
+    finish(pool, 1.0, 0)
+    assert len(of(MoveCell, finish(pool, 1.0, 1))) == 3  # the whole pool switches
+    pool.handle(CellMoved(2.0, 2))  # cell 2 arrives first
+    # Cell 1 dies on the way: cell 2 can reach no prefix without it, so it goes back.
+    assert of(MoveCell, pool.handle(CellLost(3.0, 1))) == [MoveCell(2, Role.ROLLOUT)]
+    assert pool.units == [(0,)]
+    pool.handle(CellMoved(4.0, 0))
+    assert pool.training_cells == (0,)
+
+
 @pytest.mark.parametrize(
     ("cell", "why"),
     [
-        (0, r"cell 0 \(rollout\) cannot be lost: only a rollout cell other than the core"),
+        (0, r"cell 0 \(rollout\) cannot be lost: only a cell other than the core that"),
         (3, r"cell 3 does not exist \(0\.\.2\)"),
     ],
 )
@@ -179,6 +198,7 @@ def test_after_any_loss_nothing_reaches_the_lost_cell_training_stays_before_it_a
             for cell in chosen:
                 if s.why_not_lose(cell) is None:  # one loss may keep the next from being one
                     lost.add(cell)
+                    moving[:] = [c for c in moving if c != cell]  # its switch never ends
                     absorb(s.handle(CellLost(now, cell)))
             event(f"cells lost: {len(lost)}")
             target = s.version + 4

@@ -21,10 +21,10 @@ scheduler assigns ready groups to the open step; the packing buffer turns them i
 micro-steps on the queue; every cell in training claims micro-steps; once the batch is
 closed and drained, the participating prefix of cells reduces and the core updates.
 
-A cell that dies while it serves rollout (not the core) is lost, and the run goes on
-without it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends its calls
-elsewhere, its harnesses keep running, and training keeps to the cells before it. Any
-other death stops the run (``run.restarts`` may resume it from its checkpoint).
+A cell that dies while it serves rollout or switches (not the core) is lost, and the
+run goes on without it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends
+its calls elsewhere, its harnesses keep running, and training keeps to the cells before
+it. Any other death stops the run (``run.restarts`` may resume it from its checkpoint).
 """
 
 from __future__ import annotations
@@ -373,12 +373,16 @@ class Controller:
         """A role switch (PAPER §role transitions); answers with CellMoved."""
         start = self.now()
         name = engine_name(cell)
-        if role is Role.TRAINING:
-            await self.proxy.router.drain(name)  # calls in flight retry at their new engine
-            self._freed[cell] = await self.cells[cell].call("release_engine")
-        else:
-            await self.cells[cell].call("resume_engine")
-            self.proxy.router.resume(name)
+        try:
+            if role is Role.TRAINING:
+                await self.proxy.router.drain(name)  # calls in flight retry elsewhere
+                self._freed[cell] = await self.cells[cell].call("release_engine")
+            else:
+                await self.cells[cell].call("resume_engine")
+                self.proxy.router.resume(name)
+        except ActorDied as died:  # died switching: lost (the core stops the run)
+            await self._lose(cell, died)
+            return
         to = "training" if role is Role.TRAINING else "rollout"
         seconds = self.now() - start
         how = self._freed.get(cell, "")  # the way back undoes what the way out did
@@ -568,8 +572,9 @@ class Controller:
 
     async def _watch_cells(self) -> None:
         """A cell that dies is seen at once, not at the next call it gets (a rollout
-        cell gets none from the controller until its next move or publication): a
-        rollout cell other than the core is lost, any other death stops the run."""
+        cell gets none from the controller until its next move or publication): a cell
+        other than the core that serves rollout or switches is lost, any other death
+        stops the run."""
         while True:
             for cell, actor in enumerate(self.cells):
                 if cell not in self._lost:

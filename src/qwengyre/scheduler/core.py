@@ -59,11 +59,12 @@ Policies share everything but the grouping of cells into *units* that move toget
   still running fits on the standalone engines, which keep those harnesses running;
 - ``async``: no unit moves; cells 0..T-1 train for the whole run.
 
-A rollout cell other than the core may be lost (:class:`CellLost`): the units are cut
-to the cells before it (a prefix), the cells past it serve rollout for the rest of the
-run, and its executions move to the engines that serve, to ones with room first: a
-loss is not planned by Eq 5, so an engine may hold more than its capacity until its
-executions end (nothing new launches there meanwhile).
+A cell other than the core that serves rollout or is switching may be lost
+(:class:`CellLost`): the units are cut to the cells before it (a prefix), the cells past
+it serve rollout for the rest of the run (a Colocate pool's return at once), a switch it
+was making never ends, and its executions move to the engines that serve, to ones with
+room first: a loss is not planned by Eq 5, so an engine may hold more than its capacity
+until its executions end (nothing new launches there meanwhile).
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ from qwengyre.types import Outcome
 
 if TYPE_CHECKING:
     from qwengyre.config import Config
+
+
+_LOSABLE = (Role.ROLLOUT, Role.TO_TRAINING, Role.TO_ROLLOUT)
+"""A cell in these roles holds no part of a training step: the run can go on without it."""
 
 
 class SchedulerError(ValueError):
@@ -546,21 +551,30 @@ class Scheduler:
         can go on without it."""
         if not 0 <= cell < len(self.roles):
             return f"cell {cell} does not exist (0..{len(self.roles) - 1})"
-        if cell == 0 or self.roles[cell] is not Role.ROLLOUT:
+        if cell == 0 or self.roles[cell] not in _LOSABLE:
             return (
-                f"cell {cell} ({self.roles[cell]}) cannot be lost: only a rollout cell other"
-                " than the core can (the run stops for any other)"
+                f"cell {cell} ({self.roles[cell]}) cannot be lost: only a cell other than the"
+                " core that serves rollout or is switching can (the run stops for any other)"
             )
-        others = [c for c, r in enumerate(self.roles) if r is Role.ROLLOUT and c != cell]
-        if not others and not self.params.standalone_capacity:
-            return f"cell {cell} cannot be lost: no other engine serves rollout"
+        if self.params.standalone_capacity:
+            return None
+        serving = [c for c, r in enumerate(self.roles) if r is Role.ROLLOUT and c != cell]
+        if self._load[cell] and not serving:
+            return f"cell {cell} cannot be lost: no other engine serves its executions"
+        fixed = self.params.async_training_cells if self.params.policy == "async" else 0
+        if all(r is Role.LOST or c in (cell, *range(fixed)) for c, r in enumerate(self.roles)):
+            return f"cell {cell} cannot be lost: no engine would be left to serve rollout"
         return None
 
     def _on_cell_lost(self, cell: int) -> None:
         if (why := self.why_not_lose(cell)) is not None:
             raise SchedulerError(why)
-        self._set_role(cell, Role.LOST)
+        self._set_role(cell, Role.LOST)  # a switch it was making never ends
+        self._return_after_move.discard(cell)
         self._cut_units(cell)
+        for past in range(cell + 1, len(self.roles)):  # a Colocate pool's other cells
+            if self.roles[past] in (Role.TO_TRAINING, Role.TRAINING):
+                self._move(past, Role.ROLLOUT)  # no prefix without ``cell`` reaches them
         for eid in sorted(self._load[cell]):
             destination = self._free_engine()
             self._reroute(eid, cell, self._least_loaded() if destination is None else destination)

@@ -57,14 +57,15 @@ class CellMoved:
 
 @dataclass(frozen=True)
 class CellLost:
-    """Cell ``cell`` is gone for good (its process died) while it served rollout.
+    """Cell ``cell`` is gone for good (its process died) while it served rollout or
+    switched roles.
 
     The run goes on without it: its executions move to engines that serve (their
     harnesses keep running; the proxy already sent their calls elsewhere), rollout
-    capacity shrinks by one cell, and no cell at or past it trains again (cells join
-    training as a prefix, core first, and the prefix now ends before it). Only a
-    rollout cell other than the core may be lost; the driver stops the run for any
-    other (a training cell's micro-steps and the core's optimizer die with it).
+    capacity shrinks by one cell, a switch it was making never ends, and no cell at or
+    past it trains again (cells join training as a prefix, core first, and the prefix
+    now ends before it). The core and a cell in training cannot be lost: the driver
+    stops the run (the optimizer, or a step's micro-steps, die with them).
     """
 
     time: float
