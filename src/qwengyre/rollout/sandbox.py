@@ -87,11 +87,11 @@ class Bubblewrap:
     ) -> list[str]:
         args = [self.binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         # a mount point must exist on the read-only root
-        gone = [Path(p) for p in (*hidden, *self.hide) if Path(p).exists()]
-        covered = [str(p) for p in gone if p.is_dir()]
+        present = [Path(p) for p in (*hidden, *self.hide) if Path(p).exists()]
+        covered = [str(p) for p in present if p.is_dir()]
         for hide in covered:
             args += ["--tmpfs", hide]
-        for hide in (str(p) for p in gone if not p.is_dir()):  # a file reads as empty
+        for hide in (str(p) for p in present if not p.is_dir()):  # a file reads as empty
             args += ["--ro-bind", "/dev/null", hide]
         for keep in (str(workspace), str(home)):
             args += ["--bind", keep, keep]
