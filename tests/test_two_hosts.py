@@ -132,7 +132,7 @@ def test_cells_engines_and_harnesses_on_two_hosts_train_together(
     # engines sampled with the weights published after step 1 (read shard by shard).
     calls = served_calls(run_dir)
     assert "cell-1" in {engine for engine, _ in calls}
-    assert 1 in {version for _, version in calls}
+    assert {version for _, version in calls} >= {1}
     traces = [json.loads(t) for t in (run_dir / "traces.jsonl").read_text().splitlines()]
     ran = Counter(t["host"].partition("/")[0] for t in traces if t["outcome"] == "completed")
     assert set(ran) == {a.address, b.address}, ran  # harnesses ran on both hosts
