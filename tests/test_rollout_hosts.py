@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -203,8 +204,14 @@ def test_the_local_host_runs_cancels_and_closes_real_executions(tmp_path: Path) 
 def orphan(root: Path, execution_id: str, runs_as: str | None = None) -> subprocess.Popen[bytes]:
     """A harness a killed run left: its own session, its group noted in the execution's
     logs under ``root``, carrying ``runs_as`` (default: that execution) as its id."""
+    marker = f"QWENGYRE_EXECUTION_ID={runs_as or execution_id}"
     env = {**os.environ, "QWENGYRE_EXECUTION_ID": runs_as or execution_id}
     proc = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    environ = Path(f"/proc/{proc.pid}/environ")
+    deadline = time.monotonic() + 10
+    while marker.encode() not in environ.read_bytes():  # until it has exec'd
+        assert time.monotonic() < deadline, "the orphan never started"
+        time.sleep(0.01)
     logs = root / "logs" / execution_id
     logs.mkdir(parents=True)
     (logs / PGID_FILE).write_text(f"{proc.pid}\n")
