@@ -280,6 +280,7 @@ def _plan_config(args: argparse.Namespace) -> Config:
     """The tree ``plan`` simulates: ``--trace`` sets the workload, and a trace recorded
     by ``qwengyre train`` (its run directory, or the traces.jsonl in it) comes with that
     run's config.yaml unless a config file is given."""
+    from qwengyre.report.metrics import METRICS_FILE
     from qwengyre.sim.plan import run_inputs
 
     given = args.config_file is not None and "=" not in args.config_file
@@ -301,8 +302,6 @@ def _plan_config(args: argparse.Namespace) -> Config:
     if trace is not None:
         sim = {**config.sim.model_dump(), "workload": "trace", "trace": trace}
         config = Config.model_validate({**config.model_dump(), "sim": sim})
-        from qwengyre.report.metrics import METRICS_FILE
-
         if recorded is not None and (trace.parent / METRICS_FILE).is_file():
             config = _run_costs(config, trace.parent / METRICS_FILE, overrides)
     return config

@@ -272,14 +272,18 @@ class BoardShards:
     def version(self) -> int:
         return min(board.version for board in self.boards)
 
-    def source(self, version: int) -> WeightsInShards:
-        def read(shard: int) -> Mapping[str, Tensor]:
-            found, tensors = self.boards[shard].read()
-            if found != version:
-                raise StaleWeights(f"shard {shard} holds version {found}, not {version}")
-            return tensors
+    def _read(
+        self, shard: int, version: int, names: Collection[str] | None = None
+    ) -> dict[str, Tensor]:
+        """Shard ``shard``'s rows (of ``names``, or all) of ``version``; StaleWeights if
+        the board holds another version."""
+        found, tensors = self.boards[shard].read(names)
+        if found != version:
+            raise StaleWeights(f"shard {shard} holds version {found}, not {version}")
+        return tensors
 
-        return WeightsInShards(len(self.boards), read)
+    def source(self, version: int) -> WeightsInShards:
+        return WeightsInShards(len(self.boards), lambda shard: self._read(shard, version))
 
     def by_name(self, version: int) -> WeightsByName:
         """The weights of ``version`` as whole tensors, read a few names at a time: each
@@ -288,11 +292,8 @@ class BoardShards:
 
         def read(names: Sequence[str]) -> dict[str, Tensor]:
             whole: dict[str, Tensor] = {}
-            for r, board in enumerate(self.boards):
-                found, part = board.read(names)
-                if found != version:
-                    raise StaleWeights(f"shard {r} holds version {found}, not {version}")
-                for name, rows in part.items():
+            for r in range(len(self.boards)):
+                for name, rows in self._read(r, version, names).items():
                     shape = self.shapes[name]
                     if tuple(rows.shape) == shape:  # one shard holds it all
                         whole[name] = rows

@@ -49,7 +49,7 @@ from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import (
     HarnessSpec,
     claude_code_spec,
-    kill_orphaned_harness,
+    kill_orphaned_harnesses,
     mini_swe_agent_spec,
 )
 from qwengyre.rollout.sandbox import NoSandbox, Sandbox
@@ -144,9 +144,6 @@ class ResultStore:
     def done(self) -> set[tuple[str, int]]:
         return {(t, i) for t, i in self._db.execute("SELECT task, idx FROM rollout_results")}
 
-    def executions(self) -> set[str]:
-        return {e for (e,) in self._db.execute("SELECT execution FROM rollout_results")}
-
     def add(self, index: int, result: ExecutionResult) -> None:
         assessments = json.dumps([a.to_dict() for a in result.assessments])
         self._db.execute(
@@ -234,10 +231,7 @@ async def _rollout(
     admin = {"authorization": f"Bearer {server.admin_token}"}
     done = results.done()
     if options.resume:  # harnesses a killed runner left behind must not keep running
-        committed = results.executions()
-        for logs in sorted((run_dir / "logs").glob("*")):
-            if logs.name not in committed:
-                kill_orphaned_harness(logs, logs.name)
+        kill_orphaned_harnesses(run_dir)
     start_wall = time.time()
     limit = asyncio.Semaphore(options.concurrency)
     assessments = AssessmentLog(run_dir / ASSESSMENTS_FILE)

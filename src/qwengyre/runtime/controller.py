@@ -576,16 +576,19 @@ class Controller:
         other than the core that serves rollout or switches is lost, any other death
         stops the run."""
         while True:
-            for cell, actor in enumerate(self.cells):
-                if cell not in self._lost:
-                    try:
-                        await actor.check_alive()
-                    except ActorDied as died:
-                        await self._lose(cell, died)
+            for cell, actor in self._watched():
+                try:
+                    await actor.check_alive()
+                except ActorDied as died:
+                    await self._lose(cell, died)
             if self.standalone is not None:
                 await self.standalone.check_alive()
             self._revive_failed_engines()
             await asyncio.sleep(CELL_WATCH_S)
+
+    def _watched(self) -> list[tuple[int, CellHandle]]:
+        """The cells not lost, by index."""
+        return [(cell, actor) for cell, actor in enumerate(self.cells) if cell not in self._lost]
 
     def _revive_failed_engines(self) -> None:
         """A rollout cell (or the standalone pool) whose engine the proxy drained for
@@ -630,9 +633,8 @@ class Controller:
     async def _check_cells(self) -> None:
         """Raise ``ActorDied`` for the first cell (or the standalone pool) that is gone,
         of those not already lost."""
-        for cell, actor in enumerate(self.cells):
-            if cell not in self._lost:
-                await actor.check_alive()
+        for _, actor in self._watched():
+            await actor.check_alive()
         if self.standalone is not None:
             await self.standalone.check_alive()
 

@@ -390,7 +390,7 @@ async def _train_once(options: TrainOptions) -> Controller:
     try:
         engines = await _start_engines(config, resumed, run_dir, proxy)
         hosts = _harness_hosts(config, run_dir, proxy)  # after the cells: Ray is up
-        await hosts.check_sandbox(confine)  # on every node
+        await hosts.check_sandbox(confine)  # on every node (a Ray node may lack bwrap)
         if options.resume:
             stopped = ", ".join(
                 f"{n} on {host}" for host, n in (await hosts.stop_orphans()).items()
