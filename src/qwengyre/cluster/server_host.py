@@ -248,7 +248,11 @@ class ServerHost(ABC, Generic[C]):
         """Free the device once the proxy drained the server; ``"asleep"`` or
         ``"stopped"`` (see the module docstring)."""
         start = time.monotonic()
-        state = self._free(timeout_s)
+        if self._process is not None and self._process.poll() is not None:
+            self._stop()  # it crashed: nothing to free; resume starts it again
+            state = "stopped"
+        else:
+            state = self._free(timeout_s)
         log.info("%s: %s in %.1f s", self.name, state, time.monotonic() - start)
         return state
 
