@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from qwengyre import cli
-from qwengyre.proxy.serve import ServeOptions
-from qwengyre.rollout.runner import RolloutOptions
+from qwengyre.apps.rollout import RolloutOptions
+from qwengyre.apps.serve import ServeOptions
 from qwengyre.rollout.tasks import example_tasks_path
 
 SHARED = """
@@ -51,8 +51,8 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def run_app(app: Any, **kwargs: Any) -> None:
         seen["bind"] = kwargs
 
-    monkeypatch.setattr("qwengyre.rollout.runner.rollout", rollout)
-    monkeypatch.setattr("qwengyre.proxy.serve.serve", lambda options: seen.update(proxy=options))
+    monkeypatch.setattr("qwengyre.apps.rollout.rollout", rollout)
+    monkeypatch.setattr("qwengyre.apps.serve.serve", lambda options: seen.update(proxy=options))
     monkeypatch.setattr("qwengyre.engines.embedded.EmbeddedEngine", Engine)
     monkeypatch.setattr("aiohttp.web.run_app", run_app)
     return seen

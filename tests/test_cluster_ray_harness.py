@@ -19,16 +19,15 @@ from tests.test_proxy_server import ADMIN, Running, start
 from tests.test_rollout_assessments import SCRIPT
 from tests.test_rollout_hosts import gone, orphan
 
+from qwengyre.apps.train import TrainOptions, train
 from qwengyre.config import load_config
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.rollout.execution import Budgets
-from qwengyre.rollout.harness import HarnessSpec
+from qwengyre.rollout.harness import HarnessSpec, harness_spec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool
-from qwengyre.rollout.runner import harness_spec
 from qwengyre.rollout.sandbox import Bubblewrap, NoSandbox, SandboxUnavailable
 from qwengyre.rollout.tasks import CommandEvaluator, Task, load_tasks
 from qwengyre.rollout.toy_tasks import toy_tasks_path
-from qwengyre.runtime.train import TrainOptions, train
 from qwengyre.types import Outcome
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")

@@ -23,6 +23,7 @@ from tests.core_boards import core_boards
 from tests.fake_sglang.sglang.launch_server import parser, with_config
 from transformers import AutoModelForCausalLM
 
+from qwengyre.apps.serve import ServeOptions, close_engine, load_tokenizer, model_engine
 from qwengyre.cluster.engine_host import Endpoint, rollout_host
 from qwengyre.cluster.sglang_host import SGLangHost
 from qwengyre.cluster.vllm_host import VLLMHost
@@ -35,7 +36,6 @@ from qwengyre.engines.base import (
 )
 from qwengyre.engines.embedded import EmbeddedEngine
 from qwengyre.engines.sglang import SGLangEngine
-from qwengyre.proxy.serve import ServeOptions, close_engine, load_tokenizer, model_engine
 from qwengyre.types import SamplingParams
 
 FAKE = Path(__file__).parent / "fake_sglang"

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from qwengyre.config import ConfigError, load_config
-from qwengyre.report import sinks as sinks_module
-from qwengyre.report.metrics import (
+from qwengyre.records.metrics import (
     GroupRecord,
     LoadRecord,
     MetricsWriter,
@@ -24,6 +23,7 @@ from qwengyre.report.metrics import (
     UsageRecord,
     read_metrics,
 )
+from qwengyre.report import sinks as sinks_module
 from qwengyre.report.sinks import ScalarStream, check_metrics, open_metrics, wandb_mode
 
 
@@ -179,7 +179,7 @@ def test_a_failing_sink_is_dropped_and_the_log_stays_complete(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ):
     broken = _Broken()
-    with MetricsWriter(tmp_path / "m.jsonl", tensorboard=False, sinks=[broken]) as writer:
+    with MetricsWriter(tmp_path / "m.jsonl", sinks=[broken]) as writer:
         writer.write(_run())
         writer.write(_step(0, 1.0, 0.5, 1.0))
         assert writer.sinks == ()

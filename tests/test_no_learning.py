@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from qwengyre.report import RunRecord, StepRecord, learning_signal_warning
-from qwengyre.report.html import summarize, write_report
-from qwengyre.report.metrics import read_metrics
+from qwengyre.records.metrics import RunRecord, StepRecord, read_metrics
+from qwengyre.report.html import learning_signal_warning, summarize, write_report
 from qwengyre.runtime import display
 from qwengyre.scheduler.core import Scheduler, SchedulerParams
 from qwengyre.scheduler.events import Start
@@ -148,8 +147,8 @@ def test_the_report_warns_and_counts_the_steps_with_no_learning_signal(tmp_path:
 def test_the_train_summary_warns_when_the_run_learned_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ):
+    from qwengyre.apps import train as train_module
     from qwengyre.cli import main
-    from qwengyre.runtime import train as train_module
 
     steps = list(DEAD)
 

@@ -19,11 +19,11 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
+from qwengyre.apps.serve import ADMIN_TOKEN_ENV, resolve_admin_token
 from qwengyre.cli import main as cli_main
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
-from qwengyre.proxy.serve import ADMIN_TOKEN_ENV, resolve_admin_token
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.proxy.store import Store
 

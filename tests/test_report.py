@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from qwengyre.cli import main
-from qwengyre.report import (
+from qwengyre.config import load_config
+from qwengyre.records.assessments import ASSESSMENTS_FILE, Assessment, AssessmentLog
+from qwengyre.records.metrics import (
     GroupRecord,
     LoadRecord,
     MetricsError,
@@ -29,10 +31,10 @@ from qwengyre.report import (
     parse_record,
     read_metrics,
 )
-from qwengyre.report import metrics as metrics_module
+from qwengyre.report import sinks as sinks_module
 from qwengyre.report.html import role_spans, summarize, training_fractions, write_report
-from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
-from qwengyre.rollout.evaluation import Assessment, placeholder
+from qwengyre.report.sinks import open_metrics
+from qwengyre.rollout.evaluation import placeholder
 from qwengyre.scheduler.events import Role
 from qwengyre.sim.simulator import RoleSpan
 
@@ -112,7 +114,7 @@ def _records() -> list[Record]:
 
 
 def _write_run(run_dir: Path, records: list[Record] | None = None) -> Path:
-    with MetricsWriter(run_dir / "metrics.jsonl", tensorboard=False) as writer:
+    with MetricsWriter(run_dir / "metrics.jsonl") as writer:
         for record in records if records is not None else _records():
             writer.write(record)
     return run_dir / "metrics.jsonl"
@@ -227,9 +229,9 @@ def test_step_metrics_are_mirrored_to_tensorboard_when_available(
         dirs.append(log_dir)
         return fake
 
-    monkeypatch.setattr(metrics_module, "open_tensorboard", open_fake)
-    with MetricsWriter(tmp_path / "metrics.jsonl", fsync=True) as writer:
-        assert writer.mirrors_tensorboard
+    monkeypatch.setattr(sinks_module, "open_tensorboard", open_fake)
+    with open_metrics(tmp_path, load_config(None, []), fsync=True) as writer:
+        assert [sink.name for sink in writer.sinks] == ["tensorboard"]
         writer.write(_step(7, 10.0))
         writer.write(LoadRecord(1.0, 1, 2, 3))  # at the latest step
     assert dirs == [tmp_path / "tensorboard"]
@@ -244,12 +246,10 @@ def test_step_metrics_are_mirrored_to_tensorboard_when_available(
     assert tags["load/queued"] == (2.0, 7)  # tests/test_metric_sinks.py: the other scalars
 
 
-def test_no_tensorboard_is_skipped_silently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(metrics_module, "tensorboard_available", lambda: False)
+def test_a_closed_metrics_log_refuses_records(tmp_path: Path):
     with MetricsWriter(tmp_path / "m.jsonl") as writer:
-        assert not writer.mirrors_tensorboard
         writer.write(_step(0, 1.0))
-    assert not (tmp_path / "tensorboard").exists()
+    assert read_metrics(tmp_path / "m.jsonl").steps[0].step == 0
     with pytest.raises(ValueError, match="closed"):
         writer.write(_step(1, 2.0))
 

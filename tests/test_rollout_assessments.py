@@ -16,16 +16,16 @@ import pytest
 from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
-from qwengyre.rollout.assessments import (
-    ArtifactVersions,
+from qwengyre.records.assessments import (
+    Assessment,
     AssessmentLog,
     AssessmentRecord,
-    AssessmentUnavailable,
     read_assessments,
 )
-from qwengyre.rollout.evaluation import Assessment, final, placeholder
+from qwengyre.rollout.assessments import ArtifactVersions, AssessmentUnavailable
+from qwengyre.rollout.evaluation import final, placeholder
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
-from qwengyre.rollout.runner import harness_spec
+from qwengyre.rollout.harness import harness_spec
 from qwengyre.rollout.tasks import PythonEvaluator, Task
 from qwengyre.rollout.toy_harness import CRITIQUE_PREFIX
 from qwengyre.trajectories.selection import admit_execution

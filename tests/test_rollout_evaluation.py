@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from qwengyre.records.assessments import Assessment
 from qwengyre.rollout.evaluation import (
-    Assessment,
     EvaluationOptions,
     artifact_digest,
     assess,

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from qwengyre.rollout.assessments import read_assessments
+from qwengyre.apps.rollout import RolloutOptions, rollout, summary
+from qwengyre.records.assessments import read_assessments
+from qwengyre.records.trace import read_trace
 from qwengyre.rollout.evaluation import EvaluationOptions
-from qwengyre.rollout.runner import RolloutOptions, harness_spec, rollout, summary
+from qwengyre.rollout.harness import harness_spec
 from qwengyre.rollout.tasks import dump_tasks, example_tasks_path, load_tasks
-from qwengyre.sim.trace import TraceWorkload, read_trace
+from qwengyre.sim.replay import TraceWorkload
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +164,7 @@ def _options(tmp_path: Path, tiny_model_dir: Path, tasks: Path, **kw) -> Rollout
 def test_oversampled_surplus_is_not_launched_once_n_rewards_are_valid(
     tmp_path: Path, tiny_model_dir: Path
 ):
-    from qwengyre.rollout.runner import ResultStore
+    from qwengyre.apps.rollout import ResultStore
 
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
@@ -179,7 +181,7 @@ def test_oversampled_surplus_is_not_launched_once_n_rewards_are_valid(
 
 
 def test_a_group_without_valid_rewards_is_dropped_not_zeroed(tmp_path: Path, tiny_model_dir: Path):
-    from qwengyre.rollout.runner import ResultStore
+    from qwengyre.apps.rollout import ResultStore
     from qwengyre.rollout.tasks import CommandEvaluator, Task
 
     broken = CommandEvaluator(type="command", command="exit 1", timeout_s=5)
@@ -217,8 +219,7 @@ def test_claude_code_as_the_rollout_harness_with_the_embedded_engine(
 
 
 def test_a_call_the_harness_never_received_is_not_one_of_its_calls_in_the_trace():
-    from qwengyre.rollout.execution import ExecutionResult
-    from qwengyre.rollout.runner import trace_record
+    from qwengyre.rollout.execution import ExecutionResult, trace_record
     from qwengyre.trajectories.tree import NodeMeta, TrajectoryTree
     from qwengyre.types import Outcome
 

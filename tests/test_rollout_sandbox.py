@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from tests.test_rollout_runner import _options
 
+from qwengyre.apps.rollout import rollout
 from qwengyre.cli import main
-from qwengyre.rollout.harness import HarnessSpec, run_harness
-from qwengyre.rollout.runner import harness_spec, rollout
+from qwengyre.records.trace import read_trace
+from qwengyre.rollout.harness import HarnessSpec, harness_spec, run_harness
 from qwengyre.rollout.sandbox import Bubblewrap, NoSandbox, SandboxUnavailable, sandbox
 from qwengyre.rollout.tasks import dump_tasks, example_tasks_path, load_tasks
-from qwengyre.sim.trace import read_trace
 
 BWRAP = shutil.which("bwrap")
 needs_bwrap = pytest.mark.skipif(

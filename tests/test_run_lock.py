@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from qwengyre.apps import train as train_module
+from qwengyre.apps.train import CONFIG_FILE, TrainOptions, prepare_run_dir, train
 from qwengyre.cli import main
 from qwengyre.cluster.local import ActorDied
 from qwengyre.config import config_to_yaml, load_config
-from qwengyre.runtime import train as train_module
 from qwengyre.runtime.lock import LOCK_FILE, RunDirLocked, lock_holder, lock_run_dir
-from qwengyre.runtime.train import CONFIG_FILE, TrainOptions, prepare_run_dir, train
 
 HOLDER = """
 import sys, time

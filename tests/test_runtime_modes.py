@@ -24,12 +24,11 @@ from tests.test_runtime_train import run, served_calls
 
 from qwengyre.config import ConfigError, Dispatch, Policy, load_config
 from qwengyre.presets import preset_path
+from qwengyre.records.assessments import read_assessments
+from qwengyre.records.metrics import read_metrics
 from qwengyre.report.html import steady_staleness
-from qwengyre.report.metrics import read_metrics
-from qwengyre.rollout.assessments import read_assessments
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 from qwengyre.runtime.ledger import Ledger
-from qwengyre.scheduler.core import SchedulerParams
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +62,7 @@ def mode_overrides(policy: str, dispatch: str, streaming: bool, standalone: int)
 def refusal(mode: tuple[str, str, bool, int]) -> str | None:
     """Why the config refuses ``mode``, or None when it accepts it."""
     try:
-        SchedulerParams.from_config(load_config(preset_path("embedded"), mode_overrides(*mode)))
+        load_config(preset_path("embedded"), mode_overrides(*mode)).scheduler_params()
     except (ConfigError, ValueError) as error:
         return str(error)
     return None

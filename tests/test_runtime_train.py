@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from qwengyre.apps.train import TrainOptions, train
 from qwengyre.cli import main
 from qwengyre.config import Config, load_config
 from qwengyre.presets import preset_path
 from qwengyre.proxy.store import Store
-from qwengyre.report.metrics import read_metrics
-from qwengyre.rollout.assessments import read_assessments
+from qwengyre.records.assessments import read_assessments
+from qwengyre.records.metrics import read_metrics
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 from qwengyre.runtime.ledger import Ledger
-from qwengyre.runtime.train import TrainOptions, train
 from qwengyre.training.checkpoint import latest_checkpoint, list_checkpoints, read_checkpoint
 
 pytestmark = pytest.mark.slow

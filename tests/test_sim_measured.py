@@ -11,7 +11,7 @@ import pytest
 
 from qwengyre.cli import main
 from qwengyre.config import Config, config_to_yaml, load_config
-from qwengyre.report.metrics import (
+from qwengyre.records.metrics import (
     METRICS_FILE,
     PublicationRecord,
     Record,
@@ -19,9 +19,9 @@ from qwengyre.report.metrics import (
     StepRecord,
     SwitchRecord,
 )
+from qwengyre.records.trace import TraceRecord, write_trace
 from qwengyre.sim.measured import measured_costs, with_costs
 from qwengyre.sim.simulator import simulate
-from qwengyre.sim.trace import TraceRecord, write_trace
 from qwengyre.sim.workload import workload_from_name
 from qwengyre.types import Outcome
 

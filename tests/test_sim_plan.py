@@ -11,9 +11,9 @@ import yaml
 
 from qwengyre.cli import main
 from qwengyre.config import Config, config_to_yaml, load_config
+from qwengyre.records.trace import TraceRecord, write_trace
 from qwengyre.sim.plan import best_times, plan_run, plan_workloads, sweep
 from qwengyre.sim.simulator import simulate
-from qwengyre.sim.trace import TraceRecord, write_trace
 from qwengyre.sim.workload import workload_from_name
 from qwengyre.types import Outcome
 

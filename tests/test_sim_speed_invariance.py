@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from qwengyre.config import Config, load_config
-from qwengyre.scheduler.core import GroupState, Scheduler, SchedulerParams
+from qwengyre.scheduler.core import GroupState, Scheduler
 from qwengyre.scheduler.events import Role
 from qwengyre.sim.simulator import SimCosts, SimResult, Simulation
 from qwengyre.sim.workload import ExecutionSpec, FixedWorkload, Workload, _mix64
@@ -70,7 +70,7 @@ def _config(cells: int, policy: str, extra: tuple[str, ...]) -> Config:
 
 def _run(cells: int, policy: str, workload: Workload, extra: tuple[str, ...]) -> tuple:
     config = _config(cells, policy, extra)
-    params, costs = SchedulerParams.from_config(config), SimCosts.from_config(config)
+    params, costs = config.scheduler_params(), SimCosts.from_config(config)
     r = Simulation(params, costs, workload, STEPS).run()
     return (
         r.end_to_end_s,
@@ -210,7 +210,7 @@ def test_incremental_views_match_a_recount_after_every_event(
     cells: int, policy: str, extra: tuple[str, ...]
 ):
     config = _config(cells, policy, extra)
-    params, costs = SchedulerParams.from_config(config), SimCosts.from_config(config)
+    params, costs = config.scheduler_params(), SimCosts.from_config(config)
     sim = _Recounted(params, costs, _Hashed(), STEPS)
     result: SimResult = sim.run()
     assert sim.checks > 500 and result.launched > 0

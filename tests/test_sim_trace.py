@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from qwengyre.sim.trace import (
+from qwengyre.records.trace import (
     TraceCall,
     TraceError,
     TraceRecord,
-    TraceWorkload,
     TraceWriter,
     read_trace,
     write_trace,
 )
+from qwengyre.sim.replay import TraceWorkload
 from qwengyre.sim.workload import ExecutionSpec, paper_122b
 from qwengyre.types import Outcome
 

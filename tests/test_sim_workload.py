@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwengyre.sim.trace import TraceRecord, TraceWorkload, write_trace
+from qwengyre.records.trace import TraceRecord, write_trace
+from qwengyre.sim.replay import TraceWorkload
 from qwengyre.sim.workload import (
     WORKLOAD_NAMES,
     ExecutionSpec,

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import pytest
 
 from qwengyre.config import Config, load_config, retarget
-from qwengyre.scheduler.core import SchedulerParams
 from qwengyre.scheduler.events import Role
 from qwengyre.sim.compare import NON_STREAMING_ASYNC, NON_STREAMING_COLOCATE, compare_policies
 from qwengyre.sim.search import Shape, shapes
@@ -212,9 +211,7 @@ def test_colocate_trains_the_other_groups_instead_of_waiting_for_top_ups():
             "sim.steps=4",
         ],
     )
-    sim = Simulation(
-        SchedulerParams.from_config(config), SimCosts.from_config(config), _OneGroupFails(2), 4
-    )
+    sim = Simulation(config.scheduler_params(), SimCosts.from_config(config), _OneGroupFails(2), 4)
     result = sim.run()
     assert result.step_end_s[0] < 1500  # trained before a top-up round could end
     assert result.groups_dropped == 0

@@ -20,8 +20,8 @@ import pytest
 
 from qwengyre.config import load_config
 from qwengyre.proxy.store import Store
-from qwengyre.report.metrics import read_metrics
-from qwengyre.rollout.runner import CLAUDE_BIN_ENV
+from qwengyre.records.metrics import read_metrics
+from qwengyre.rollout.harness import CLAUDE_BIN_ENV
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 
@@ -69,7 +69,7 @@ def test_one_step_of_rl_through_claude_code(
 ) -> None:
     if shutil.which("node") is None:
         pytest.skip("node is needed to run the real Claude Code CLI")
-    from qwengyre.runtime.train import TrainOptions, train
+    from qwengyre.apps.train import TrainOptions, train
 
     # The harness child inherits PATH only; the binary is named by $QWENGYRE_CLAUDE_BIN.
     monkeypatch.setenv(CLAUDE_BIN_ENV, str(claude_bin))
@@ -132,7 +132,7 @@ def test_one_step_of_rl_through_claude_code(
 
 
 def test_claude_code_harness_names_and_binary(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qwengyre.rollout.runner import harness_spec
+    from qwengyre.rollout.harness import harness_spec
 
     monkeypatch.delenv(CLAUDE_BIN_ENV, raising=False)
     tools = harness_spec("claude-code", 10).command

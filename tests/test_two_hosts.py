@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from tests.test_runtime_train import overrides, served_calls
 
-from qwengyre.report.metrics import read_metrics
+from qwengyre.records.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

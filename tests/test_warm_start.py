@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from tests.test_proxy_server import Running, start
 
+from qwengyre.apps import warm_start as ws
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.rollout import toy_tasks
 from qwengyre.rollout.tasks import load_tasks
 from qwengyre.rollout.toy_harness import run_toy_agent
-from qwengyre.training import warm_start as ws
 
 PROBLEM = toy_tasks.addition_problem(37, 45)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import qwengyre.models
+from qwengyre.apps import warm_start as ws
+from qwengyre.apps.train import base_model
 from qwengyre.config import ConfigError, RunConfig, load_config
-from qwengyre.runtime.train import base_model
-from qwengyre.training import warm_start as ws
 
 SHORT: dict[str, Any] = {"batch_size": 2, "answer_batch": 4, "eval_size": 2}
 

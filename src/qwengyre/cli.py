@@ -280,7 +280,7 @@ def _plan_config(args: argparse.Namespace) -> Config:
     """The tree ``plan`` simulates: ``--trace`` sets the workload, and a trace recorded
     by ``qwengyre train`` (its run directory, or the traces.jsonl in it) comes with that
     run's config.yaml unless a config file is given."""
-    from qwengyre.report.metrics import METRICS_FILE
+    from qwengyre.records.metrics import METRICS_FILE
     from qwengyre.sim.plan import run_inputs
 
     given = args.config_file is not None and "=" not in args.config_file
@@ -310,7 +310,7 @@ def _plan_config(args: argparse.Namespace) -> Config:
 def _run_costs(config: Config, metrics_path: Path, overrides: list[str]) -> Config:
     """``config`` with the costs measured in the recording run's metrics log
     (:mod:`qwengyre.sim.measured`); a cost set by an override keeps the override."""
-    from qwengyre.report.metrics import read_metrics
+    from qwengyre.records.metrics import read_metrics
     from qwengyre.sim.measured import measured_costs, with_costs
 
     given = {o.split("=", 1)[0] for o in overrides}
@@ -370,7 +370,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_proxy_serve(args: argparse.Namespace) -> int:
-    from qwengyre.proxy.serve import ServeOptions, resolve_admin_token, serve
+    from qwengyre.apps.serve import ServeOptions, resolve_admin_token, serve
 
     config = _command_config(args, "proxy")
     admin_token = resolve_admin_token(args.admin_token, config.proxy.admin_token_file)
@@ -386,9 +386,9 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
     import torch
     from aiohttp import web
 
+    from qwengyre.apps.serve import model_dir, read_secret_file
     from qwengyre.engines.embedded import EmbeddedEngine
     from qwengyre.engines.server import engine_app
-    from qwengyre.proxy.serve import model_dir, read_secret_file
 
     config = _command_config(args, "engine")
     settings = config.engine
@@ -418,8 +418,8 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
 def cmd_rollout(args: argparse.Namespace) -> int:
     import asyncio
 
-    from qwengyre.proxy.serve import model_dir
-    from qwengyre.rollout.runner import RolloutOptions, rollout, summary
+    from qwengyre.apps.rollout import RolloutOptions, rollout, summary
+    from qwengyre.apps.serve import model_dir
     from qwengyre.rollout.sandbox import sandbox
     from qwengyre.rollout.toy_tasks import toy_tasks_path
 
@@ -498,7 +498,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import asyncio
     import time
 
-    from qwengyre.runtime.train import TrainOptions, train
+    from qwengyre.apps.train import TrainOptions, train
 
     if args.resume is not None:
         if args.config_file or args.overrides or args.run_dir:

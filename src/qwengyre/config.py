@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from qwengyre.scheduler.core import SchedulerParams
 from qwengyre.scheduler.staleness import burst_for_staleness
 
 Policy = Literal["elastic", "async", "colocate"]
@@ -459,10 +460,32 @@ class Config(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         """Cross-section rules live with the scheduler's parameters (one place)."""
-        from qwengyre.scheduler.core import SchedulerParams
-
-        SchedulerParams.from_config(self)
+        self.scheduler_params()
         return self
+
+    def scheduler_params(self) -> SchedulerParams:
+        """What the scheduler decides with, from the sections that hold it."""
+        s, c, g = self.scheduler, self.cells, self.groups
+        return SchedulerParams(
+            policy=s.policy,
+            dispatch=s.dispatch,
+            group_size=g.size,
+            oversample=g.oversample,
+            max_topups=g.max_topups,
+            min_valid=g.min_valid,
+            batch=g.batch,
+            mu=s.mu,
+            phi=s.phi,
+            cells=c.count,
+            cell_capacity=c.capacity,
+            standalone_capacity=c.standalone_capacity,
+            rho_min=s.rho_min,
+            tau_s=s.tau_s,
+            supply=s.supply,
+            streaming=s.streaming,
+            async_training_cells=s.async_training_cells,
+            reserve=g.reserve,
+        )
 
 
 def _format_error(err: ValidationError) -> str:

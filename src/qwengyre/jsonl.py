@@ -1,6 +1,6 @@
 """Reading JSONL files of pydantic records with errors that name ``file:line`` and field.
 
-Shared by the execution traces (:mod:`qwengyre.sim.trace`) and the task datasets
+Shared by the execution traces (:mod:`qwengyre.records.trace`) and the task datasets
 (:mod:`qwengyre.rollout.tasks`).
 """
 

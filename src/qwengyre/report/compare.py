@@ -20,8 +20,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from qwengyre.records.metrics import RunMetrics
 from qwengyre.report.html import Summary, describe_policy, read_run, summarize
-from qwengyre.report.metrics import RunMetrics
 from qwengyre.sim.report import table_console
 
 COLUMNS = (

@@ -1,6 +1,6 @@
 """A training run's report: ``RUN_DIR/report/index.html`` and its PNG figures.
 
-Built from ``RUN_DIR/metrics.jsonl`` alone (see :mod:`qwengyre.report.metrics`):
+Built from ``RUN_DIR/metrics.jsonl`` alone (see :mod:`qwengyre.records.metrics`):
 
 - ``reward.png``: mean reward per step with a ± one standard deviation band, steps with
   no learning signal (nothing packed: every advantage zero) marked;
@@ -30,7 +30,13 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from qwengyre.report.metrics import (
+from qwengyre.records.assessments import (
+    ASSESSMENTS_FILE,
+    Assessment,
+    AssessmentRecord,
+    read_assessments,
+)
+from qwengyre.records.metrics import (
     METRICS_FILE,
     SWITCH_DIRECTIONS,
     GroupRecord,
@@ -40,8 +46,6 @@ from qwengyre.report.metrics import (
     SwitchRecord,
     read_metrics,
 )
-from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentRecord, read_assessments
-from qwengyre.rollout.evaluation import Assessment
 from qwengyre.scheduler.events import Role
 from qwengyre.scheduler.staleness import steady_steps
 from qwengyre.sim.plots import (
@@ -530,7 +534,7 @@ def read_run(run_dir: Path) -> RunMetrics:
     """The metrics of ``run_dir``.
 
     Raises ``FileNotFoundError`` when ``run_dir`` or its ``metrics.jsonl`` is missing and
-    :class:`~qwengyre.report.metrics.MetricsError` for an unreadable log.
+    :class:`~qwengyre.records.metrics.MetricsError` for an unreadable log.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

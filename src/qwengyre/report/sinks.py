@@ -1,8 +1,8 @@
 """Where a live run's metrics go besides ``RUN_DIR/metrics.jsonl``.
 
-:class:`~qwengyre.report.metrics.MetricsWriter` appends every record to the JSONL log
+:class:`~qwengyre.records.metrics.MetricsWriter` appends every record to the JSONL log
 (the source of truth: the report reads it) and hands it to its sinks, each behind
-:class:`~qwengyre.report.metrics.MetricsSink` (``name``, ``write(record)``,
+:class:`~qwengyre.records.metrics.MetricsSink` (``name``, ``write(record)``,
 ``close()``):
 
 - :class:`TensorBoardSink`: event files in ``RUN_DIR/tensorboard/``
@@ -46,18 +46,18 @@ W&B rows carry ``time_s`` for the same purpose. The standalone pool is cell
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 from qwengyre.config import Config, ConfigError, MetricsConfig
-from qwengyre.report.metrics import (
+from qwengyre.records.metrics import (
     METRICS_FILE,
-    STEP_SCALARS,
     GroupRecord,
     LoadRecord,
     MetricsSink,
@@ -69,8 +69,6 @@ from qwengyre.report.metrics import (
     StepRecord,
     SwitchRecord,
     UsageRecord,
-    _ScalarWriter,
-    tensorboard_available,
 )
 from qwengyre.scheduler.events import STANDALONE, Role
 
@@ -94,7 +92,48 @@ ROLE_LEVEL: Mapping[str, float] = {
 }
 """A role as one number, so a cell's role plots as a line: 1 training, 0 rollout, -1 lost."""
 
+TENSORBOARD_DIR = "tensorboard"
+"""Where a live run's TensorBoard event files go, inside its run directory."""
+
 WANDB_EXTRA = "pip install 'qwengyre[wandb]'"
+
+
+class _ScalarWriter(Protocol):
+    def add_scalar(
+        self, tag: str, scalar_value: float, global_step: int, walltime: float | None = None
+    ) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def tensorboard_available() -> bool:
+    """Whether TensorBoard event files can be written: ``tensorboard`` and ``torch``."""
+    return (
+        importlib.util.find_spec("tensorboard") is not None
+        and importlib.util.find_spec("torch") is not None
+    )
+
+
+def open_tensorboard(log_dir: Path, purge_step: int | None = None) -> _ScalarWriter | None:
+    """A TensorBoard ``SummaryWriter`` on ``log_dir``, or None when it is not installed.
+
+    ``purge_step``: a resumed run's first step; TensorBoard hides what an earlier
+    process logged at or after it (those steps are trained again).
+    """
+    if not tensorboard_available():
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer: _ScalarWriter = SummaryWriter(
+        log_dir=str(log_dir), purge_step=purge_step or None, flush_secs=10
+    )
+    return writer
+
+
+#: Step fields written to TensorBoard (as ``step/<name>``), all but the step index.
+STEP_SCALARS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(StepRecord) if f.name != "step"
+)
 
 
 def _cell(cell: int) -> str:
@@ -284,13 +323,11 @@ def open_metrics(
     if config.metrics.wandb_project is not None:
         sinks.append(WandbSink.open(run_dir, config, step=step))
     try:
-        return MetricsWriter(
-            run_dir / METRICS_FILE,
-            tensorboard=config.metrics.tensorboard,
-            fsync=fsync,
-            sinks=sinks,
-            step=step,
-        )
+        if config.metrics.tensorboard:
+            writer = open_tensorboard(run_dir / TENSORBOARD_DIR, step)
+            if writer is not None:
+                sinks.insert(0, TensorBoardSink(writer, step=step))
+        return MetricsWriter(run_dir / METRICS_FILE, fsync=fsync, sinks=sinks)
     except BaseException:
         for sink in sinks:
             sink.close()

@@ -26,58 +26,32 @@ Mechanism:
   records it as injected tokens (a node's ``input_ids``, provenance 0), whatever its
   role (user or assistant), so it is never a training target
   (:mod:`qwengyre.trajectories.selection`).
-- :class:`AssessmentLog` keeps every assessment of every execution -- final attempts,
-  intermediate ones, placeholders -- as JSON lines in the run directory
-  (``assessments.jsonl``); :func:`read_assessments` reads them back.
-
-Log format: one JSON object per line, one line per assessment, lines of an execution
-in the order its assessments were made::
-
-    {"execution_id": "ex_...", "task_id": "add-1", "group": 0, "index": 3,
-     "score": 1.0, "valid": true, "artifact": "<sha256>", "attempt": 1,
-     "evaluator": "command", "detail": "ok", "placeholder": false, "kind": "final",
-     "version": 2, "evaluator_name": "python grade.py", "branch": null,
-     "critique": "", "time_s": 1760000000.0, "duration_s": 0.4}
-
-(the keys after ``index`` are :meth:`Assessment.to_dict`).  Each :meth:`AssessmentLog.write`
-appends its lines in one write and ``fsync`` s them before it returns.  Intermediate
-assessments are held in memory until their execution ends and are written with its
-result, before the execution counts as finished: an execution whose runner died has no
-result and is not counted, so nothing that counted is lost.
+- Every assessment is kept in the run's assessment log
+  (:mod:`qwengyre.records.assessments`). Intermediate assessments are held in memory
+  until their execution ends and are written with its result, before the execution
+  counts as finished: an execution whose runner died has no result and is not counted,
+  so nothing that counted is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from qwengyre.rollout.evaluation import (
-    Assessment,
-    Evaluator,
-    artifact_digest,
-    evaluate_once,
-)
+from qwengyre.records.assessments import Assessment
+from qwengyre.rollout.evaluation import Evaluator, artifact_digest, evaluate_once
 
 __all__ = [
-    "ASSESSMENTS_FILE",
     "ArtifactVersions",
     "AssessmentHub",
-    "AssessmentLog",
-    "AssessmentRecord",
     "AssessmentUnavailable",
     "IntermediateAssessor",
     "critique_text",
-    "read_assessments",
 ]
 
-ASSESSMENTS_FILE = "assessments.jsonl"
 """The log's name in a run directory."""
 
 Assessor = Callable[[int | None], Awaitable[Mapping[str, Any]]]
@@ -238,95 +212,3 @@ class IntermediateAssessor:
             task.cancel()
         if running:
             await asyncio.wait(running)
-
-
-# --------------------------------------------------------------------------- the log
-
-
-@dataclass(frozen=True)
-class AssessmentRecord:
-    """One line of the log: an assessment and the execution it belongs to."""
-
-    execution_id: str
-    task_id: str
-    group: int
-    index: int
-    assessment: Assessment
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "execution_id": self.execution_id,
-            "task_id": self.task_id,
-            "group": self.group,
-            "index": self.index,
-            **self.assessment.to_dict(),
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> AssessmentRecord:
-        fields = dict(data)
-        return cls(
-            execution_id=str(fields.pop("execution_id")),
-            task_id=str(fields.pop("task_id", "")),
-            group=int(fields.pop("group")),
-            index=int(fields.pop("index")),
-            assessment=Assessment.from_dict(fields),
-        )
-
-
-class AssessmentLog:
-    """Appends every assessment of an execution to ``path`` (JSON lines, fsync'd).
-
-    Safe to call from several tasks or threads (one lock); the file is opened for each
-    write, so the log holds no descriptor between executions.
-    """
-
-    def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        self._lock = threading.Lock()
-
-    def write(
-        self,
-        execution_id: str,
-        group: int,
-        index: int,
-        assessments: Iterable[Assessment],
-        *,
-        task_id: str = "",
-    ) -> int:
-        """Append one line per assessment, in order, durable on return; how many."""
-        records = [AssessmentRecord(execution_id, task_id, group, index, a) for a in assessments]
-        if not records:
-            return 0
-        data = "".join(json.dumps(r.to_json(), allow_nan=False) + "\n" for r in records)
-        with self._lock, self.path.open("a", encoding="utf-8") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        return len(records)
-
-
-def read_assessments(path: Path | str) -> list[AssessmentRecord]:
-    """Every record of a log, in file order (``[]`` if there is no file).
-
-    A last line cut short by a crash mid-write (no newline, not JSON) is ignored; any
-    other bad line raises ``ValueError`` naming ``file:line``.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    lines = text.split("\n")
-    records: list[AssessmentRecord] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        torn = number == len(lines)  # the last piece had no newline after it
-        try:
-            records.append(AssessmentRecord.from_json(json.loads(line)))
-        except (ValueError, KeyError, TypeError) as error:
-            if torn:
-                break
-            raise ValueError(f"{path}:{number}: not an assessment record: {error}") from None
-    return records

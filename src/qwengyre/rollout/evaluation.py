@@ -64,13 +64,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qwengyre.records.assessments import Assessment
 from qwengyre.rollout.harness import kill_group
 from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, PythonEvaluator
 
 __all__ = [
     "DEFAULT_PYTHON_TIMEOUT_S",
-    "KINDS",
-    "Assessment",
     "EvaluationOptions",
     "artifact_digest",
     "assess",
@@ -84,9 +83,6 @@ DEFAULT_PYTHON_TIMEOUT_S = 600.0
 """Timeout of one Python-evaluator attempt (the spec has no timeout field)."""
 
 Evaluator = CommandEvaluator | PythonEvaluator | ExactMatchEvaluator
-
-#: The kinds of assessment (see the module docstring).
-KINDS: tuple[str, ...] = ("final", "intermediate", "placeholder")
 
 _CHUNK = 1 << 20
 _DETAIL_TAIL = 500  # characters of stderr/stdout quoted in a failure's detail
@@ -161,118 +157,6 @@ def artifact_digest(workspace: Path | str) -> str:
             _field(hasher, rel_bytes)
             _field(hasher, str(stat.S_IFMT(mode)).encode())
     return hasher.hexdigest()
-
-
-# --------------------------------------------------------------------------- assessment
-
-
-@dataclass(frozen=True)
-class Assessment:
-    """One assessment: an evaluation attempt's result, kept with its execution.
-
-    - ``score``: a finite float when ``valid``, else ``None`` (an invalid assessment has
-      no score -- in particular it is not 0);
-    - ``artifact``: the :func:`artifact_digest` of the workspace state assessed (``""``
-      only for a placeholder, or an attempt that could not read the workspace at all);
-    - ``attempt``: 1-based attempt number (0 for a placeholder); for intermediate
-      assessments, their 1-based sequence number within the execution;
-    - ``evaluator``: the evaluator kind (``command``, ``python``, ``exact_match``,
-      ``placeholder``); ``evaluator_name`` names it (:func:`evaluator_name`);
-    - ``detail``: ``"ok"`` or why the attempt is invalid (timeout, bad output,
-      exception, ...), plus why retrying stopped where that applies; for a placeholder,
-      the reason for the failure;
-    - ``placeholder``: the zero-reward stand-in for a complete failure (:func:`placeholder`);
-    - ``kind``: ``final`` | ``intermediate`` | ``placeholder`` (:data:`KINDS`);
-      ``placeholder`` <=> ``kind == "placeholder"`` (either one sets the other);
-    - ``version``: the artifact version (1-based, one per distinct digest within the
-      execution: :class:`qwengyre.rollout.assessments.ArtifactVersions`); always set on
-      intermediate assessments, set on final ones by :func:`run_execution
-      <qwengyre.rollout.execution.run_execution>`, ``None`` where unknown;
-    - ``branch``: the available branch reference -- the id of the execution's latest
-      recorded model call (trajectory-tree node) when the harness asked for the
-      assessment through the proxy -- else ``None``;
-    - ``critique``: feedback text the evaluator returned (``""`` if none);
-    - ``time_s``: wall-clock time (:func:`time.time`) the assessment finished;
-      ``duration_s``: how long it took.
-
-    ``__post_init__`` enforces: ``valid`` <=> ``score`` is a finite float (an ``int`` is
-    converted, a ``bool`` refused); a valid non-placeholder names its artifact;
-    ``placeholder`` => valid, ``score == 0.0`` and ``artifact == ""``; an intermediate
-    assessment has a version.
-    """
-
-    score: float | None
-    valid: bool
-    artifact: str
-    attempt: int
-    evaluator: str
-    detail: str
-    placeholder: bool = False
-    kind: str = "final"
-    version: int | None = None
-    evaluator_name: str = ""
-    branch: int | None = None
-    critique: str = ""
-    time_s: float = 0.0
-    duration_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.valid, bool) or not isinstance(self.placeholder, bool):
-            raise TypeError("valid and placeholder must be bools")
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.placeholder and self.kind == "final":
-            object.__setattr__(self, "kind", "placeholder")
-        elif self.kind == "placeholder" and not self.placeholder:
-            object.__setattr__(self, "placeholder", True)
-        if self.placeholder and self.kind != "placeholder":
-            raise ValueError(f"a placeholder has kind 'placeholder', not {self.kind!r}")
-        score = self.score
-        if isinstance(score, bool):
-            raise TypeError("score must be a float or None, not a bool")
-        if isinstance(score, int):
-            score = float(score)
-            object.__setattr__(self, "score", score)
-        if score is not None and not isinstance(score, float):
-            raise TypeError(f"score must be a float or None, got {type(score).__name__}")
-        finite = score is not None and math.isfinite(score)
-        if self.valid and not finite:
-            raise ValueError(f"a valid assessment needs a finite score, got {score!r}")
-        if not self.valid and score is not None:
-            raise ValueError(
-                f"an invalid assessment has no score (got {score!r}); it is never a number"
-            )
-        for name in ("attempt", "version", "branch"):
-            value = getattr(self, name)
-            if value is None and name != "attempt":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int")
-        if self.attempt < 0:
-            raise ValueError(f"attempt must be >= 0, got {self.attempt}")
-        if self.version is not None and self.version < 1:
-            raise ValueError(f"version must be >= 1, got {self.version}")
-        if self.kind == "intermediate" and self.version is None:
-            raise ValueError("an intermediate assessment needs its artifact version")
-        for name in ("artifact", "detail", "evaluator", "evaluator_name", "critique"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name} must be a string")
-        if self.placeholder:
-            if not self.valid or score != 0.0:
-                raise ValueError("a placeholder is valid with score 0.0")
-            if self.artifact:
-                raise ValueError("a placeholder assesses no artifact (artifact must be '')")
-        elif self.valid and not self.artifact:
-            raise ValueError("a valid assessment must name the artifact state it assessed")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The assessment as a JSON-ready dict (for durable records)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Assessment:
-        """The inverse of :meth:`to_dict`; unknown keys are refused (``TypeError``)."""
-        return cls(**data)
 
 
 def placeholder(reason: str) -> Assessment:

@@ -39,10 +39,12 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+from qwengyre.records.assessments import Assessment
+from qwengyre.records.trace import TraceCall, TraceRecord
 from qwengyre.rollout.assessments import ArtifactVersions, AssessmentHub, IntermediateAssessor
 from qwengyre.rollout.evaluation import (
-    Assessment,
     EvaluationOptions,
     artifact_digest,
     assess,
@@ -307,3 +309,41 @@ async def run_execution(
         return result(Outcome.OVERALL_TIMEOUT, None, run, everything, ended)
     why = attempts[-1].detail if attempts else "no evaluation attempt was made"
     return result(Outcome.FAILED, None, run, everything, f"no valid evaluation attempt: {why}")
+
+
+def trace_record(
+    task: Task,
+    group: int,
+    index: int,
+    result: ExecutionResult,
+    began: float,
+    nodes: list[dict[str, Any]],
+    start_wall: float,
+    version: int | None = None,
+) -> TraceRecord:
+    """The execution's trace line; its calls' timings and token counts come from its tree.
+    A call whose answer never reached the harness is not one of its calls (the harness
+    retried it, and the retry is). ``version``: the policy version it launched with."""
+    calls = [
+        TraceCall(
+            start_s=max(0.0, n["started_s"] - start_wall),
+            end_s=max(0.0, n["finished_s"] - start_wall),
+            input_tokens=n["usage"]["input_tokens"],
+            output_tokens=n["usage"]["output_tokens"],
+        )
+        for n in nodes
+        if n["delivered"]
+    ]
+    duration = result.ended_s - result.started_s
+    return TraceRecord(
+        query=task.id,
+        group=group,
+        index=index,
+        start_s=began,
+        end_s=began + duration,
+        outcome=result.outcome,
+        reward=result.reward,
+        train_tokens=sum(c.output_tokens for c in calls),
+        calls=calls,
+        version=version,
+    )

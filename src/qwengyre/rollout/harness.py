@@ -26,14 +26,16 @@ import math
 import os
 import signal
 import string
+import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from qwengyre.rollout.sandbox import NoSandbox, Sandbox
+from qwengyre.rollout.toy_harness import CRITIQUE_ENV
 
 try:  # POSIX only; resource limits are skipped where it is missing.
     import resource as _resource
@@ -631,3 +633,45 @@ async def run_python_harness(
         stderr_path=stderr_path,
         error=error,
     )
+
+
+#: Environment variable naming the Claude Code binary (default: ``claude`` on PATH).
+CLAUDE_BIN_ENV = "QWENGYRE_CLAUDE_BIN"
+
+
+def harness_spec(name: str, deadline_s: float, sandbox: Sandbox | None = None) -> HarnessSpec:
+    """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec),
+    confined by ``sandbox`` (default: none).
+
+    ``toy-critique`` / ``toy-critique-assistant`` run the toy harness in critique mode
+    (it asks for an intermediate assessment after each tool turn and feeds the critique
+    back as a user / assistant message: :mod:`qwengyre.rollout.toy_harness`).
+
+    ``claude-code`` runs Claude Code with ``--tools Bash,Read,Edit,Write``;
+    ``claude-code-bare`` runs it with ``--bare`` (3 tools, a far shorter prompt: the one
+    that fits a tiny model's window). The binary is ``$QWENGYRE_CLAUDE_BIN`` if set, else
+    ``claude`` looked up on the PATH the harness inherits.
+    """
+    return replace(_named_spec(name, deadline_s), sandbox=sandbox or NoSandbox())
+
+
+def _named_spec(name: str, deadline_s: float) -> HarnessSpec:
+    if name in ("toy", "toy-critique", "toy-critique-assistant"):
+        command = (sys.executable, "-m", "qwengyre.rollout.toy_harness", "{instructions}")
+        role = {"toy-critique": "user", "toy-critique-assistant": "assistant"}.get(name)
+        env = {CRITIQUE_ENV: role} if role else {}
+        return HarnessSpec(command=command, deadline_s=deadline_s, env=env)
+    if name in ("claude-code", "claude-code-bare"):
+        binary = os.environ.get(CLAUDE_BIN_ENV) or "claude"
+        binary = binary.replace("{", "{{").replace("}", "}}")  # a literal, not a template
+        if name == "claude-code-bare":
+            return claude_code_spec(binary, tools=None, deadline_s=deadline_s)
+        return claude_code_spec(binary, deadline_s=deadline_s)
+    if name == "mini-swe-agent":
+        return mini_swe_agent_spec(deadline_s=deadline_s)
+    if "{instructions}" not in name:
+        raise ValueError(
+            f"harness {name!r}: use toy, toy-critique, toy-critique-assistant, claude-code,"
+            " claude-code-bare, mini-swe-agent or a command template containing {instructions}"
+        )
+    return HarnessSpec(command=tuple(name.split()), deadline_s=deadline_s)

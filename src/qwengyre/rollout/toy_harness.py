@@ -371,7 +371,7 @@ async def run_episode(
     critique_role: str = "user",
 ) -> ToyResult:
     """The agent's loop over any :class:`ModelClient` (the HTTP one, or an in-process
-    stand-in such as :mod:`qwengyre.training.warm_start`'s, which drives the proxy's
+    stand-in such as :mod:`qwengyre.apps.warm_start`'s, which drives the proxy's
     recorder directly and must see exactly the requests the HTTP client would send).
 
     ``assess`` (critique mode): called after each main-agent tool turn; the critique it

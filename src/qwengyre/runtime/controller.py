@@ -46,7 +46,8 @@ from qwengyre.cluster.placement import CellHandle
 from qwengyre.cluster.standalone import STANDALONE_NAME
 from qwengyre.config import Config
 from qwengyre.proxy.server import ProxyServer
-from qwengyre.report.metrics import (
+from qwengyre.records.assessments import AssessmentLog
+from qwengyre.records.metrics import (
     GroupRecord,
     LoadRecord,
     MetricsWriter,
@@ -56,13 +57,12 @@ from qwengyre.report.metrics import (
     SwitchRecord,
     UsageRecord,
 )
-from qwengyre.rollout.assessments import AssessmentLog
+from qwengyre.records.trace import TraceWriter
 from qwengyre.rollout.evaluation import EvaluationOptions
-from qwengyre.rollout.execution import Budgets
+from qwengyre.rollout.execution import Budgets, trace_record
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool
-from qwengyre.rollout.runner import trace_record
 from qwengyre.rollout.tasks import Task
 from qwengyre.runtime.ledger import Ledger
 from qwengyre.scheduler.core import GroupState, Scheduler
@@ -88,7 +88,6 @@ from qwengyre.scheduler.events import (
     Tick,
     WakeAt,
 )
-from qwengyre.sim.trace import TraceWriter
 from qwengyre.training.buffers import (
     ExecutionSample,
     GroupSample,

@@ -2,7 +2,7 @@
 running/queued executions and staleness, redrawn twice a second.
 
 A step with no learning signal (nothing packed: every advantage zero, see
-:attr:`~qwengyre.report.metrics.StepRecord.learning_signal`) is marked as such, in the
+:attr:`~qwengyre.records.metrics.StepRecord.learning_signal`) is marked as such, in the
 view and in the one-line-per-step log, with how many steps so far had none."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from qwengyre.report.metrics import StepRecord
+from qwengyre.records.metrics import StepRecord
 from qwengyre.runtime.controller import Controller
 from qwengyre.scheduler.events import STANDALONE, Role
 

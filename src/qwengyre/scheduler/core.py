@@ -76,7 +76,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from qwengyre.scheduler.events import (
     STANDALONE,
@@ -103,10 +102,6 @@ from qwengyre.scheduler.events import (
 )
 from qwengyre.types import Outcome
 
-if TYPE_CHECKING:
-    from qwengyre.config import Config
-
-
 _LOSABLE = (Role.ROLLOUT, Role.TO_TRAINING, Role.TO_ROLLOUT)
 """A cell in these roles holds no part of a training step: the run can go on without it."""
 
@@ -117,7 +112,8 @@ class SchedulerError(ValueError):
 
 @dataclass(frozen=True)
 class SchedulerParams:
-    """Everything the scheduler decides with; see :class:`qwengyre.config.Config`."""
+    """Everything the scheduler decides with, drawn from the config tree by
+    :meth:`qwengyre.config.Config.scheduler_params` (the pure core reads no config)."""
 
     policy: str = "elastic"
     dispatch: str = "boundary"
@@ -202,30 +198,6 @@ class SchedulerParams:
     def valid_needed(self) -> int:
         """Valid rewards a finished group needs to be trained (advantages over those)."""
         return self.group_size if self.min_valid is None else self.min_valid
-
-    @classmethod
-    def from_config(cls, config: Config) -> SchedulerParams:
-        s, c, g = config.scheduler, config.cells, config.groups
-        return cls(
-            policy=s.policy,
-            dispatch=s.dispatch,
-            group_size=g.size,
-            oversample=g.oversample,
-            max_topups=g.max_topups,
-            min_valid=g.min_valid,
-            batch=g.batch,
-            mu=s.mu,
-            phi=s.phi,
-            cells=c.count,
-            cell_capacity=c.capacity,
-            standalone_capacity=c.standalone_capacity,
-            rho_min=s.rho_min,
-            tau_s=s.tau_s,
-            supply=s.supply,
-            streaming=s.streaming,
-            async_training_cells=s.async_training_cells,
-            reserve=g.reserve,
-        )
 
 
 class GroupState(StrEnum):

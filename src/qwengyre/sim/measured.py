@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass
 
 from qwengyre.config import Config
-from qwengyre.report.metrics import RunMetrics
+from qwengyre.records.metrics import RunMetrics
 
 
 @dataclass(frozen=True)

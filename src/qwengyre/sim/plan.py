@@ -34,7 +34,7 @@ SWEEP_TARGETS: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0)
 """The targets ``qwengyre plan --plot`` sweeps (with the planned one)."""
 RUN_CONFIG_FILE = "config.yaml"
 RUN_TRACE_FILE = "traces.jsonl"
-"""What ``qwengyre train`` writes in its run directory (:mod:`qwengyre.runtime.train`)."""
+"""What ``qwengyre train`` writes in its run directory (:mod:`qwengyre.apps.train`)."""
 
 
 @dataclass(frozen=True)

@@ -442,5 +442,5 @@ def _utilisation(load: list[LoadSample], end: float) -> float:
 
 def simulate(config: Config, workload: Workload) -> SimResult:
     """Run the scheduler configured by ``config`` on ``workload`` for ``config.sim.steps``."""
-    params = SchedulerParams.from_config(config)
+    params = config.scheduler_params()
     return Simulation(params, SimCosts.from_config(config), workload, config.sim.steps).run()

@@ -14,7 +14,7 @@ Three workloads exist:
   budget), with two presets fitted to the paper's NL2RepoBench measurements,
   :func:`paper_122b` and :func:`paper_2p4t`;
 - :class:`FixedWorkload`: every execution takes the same time and completes validly;
-- :class:`qwengyre.sim.trace.TraceWorkload`: replays a recorded JSONL trace.
+- :class:`qwengyre.sim.replay.TraceWorkload`: replays a recorded JSONL trace.
 
 :func:`workload_from_name` builds one from its registry name; :func:`workload_stats`
 measures the statistics the presets were fitted to.
@@ -630,7 +630,7 @@ def workload_from_name(name: str, seed: int = 0, trace: Path | None = None) -> W
     if name == "trace":
         if trace is None:
             raise ValueError("workload 'trace' requires a trace path")
-        from qwengyre.sim.trace import TraceWorkload
+        from qwengyre.sim.replay import TraceWorkload
 
         return TraceWorkload.from_path(trace)
     if name == "paper-122b":

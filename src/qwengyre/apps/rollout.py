@@ -21,42 +21,33 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sqlite3
-import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from qwengyre.config import EngineBackend
-from qwengyre.proxy.serve import (
+from qwengyre.apps.serve import (
     ServeOptions,
     build_proxy,
     close_engine,
     load_tokenizer,
     model_engine,
 )
+from qwengyre.config import EngineBackend
 from qwengyre.proxy.server import ProxyServer
-from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
+from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
+from qwengyre.records.trace import TraceWriter
 from qwengyre.rollout.evaluation import EvaluationOptions
-from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
+from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution, trace_record
 from qwengyre.rollout.groups import group_advantages
-from qwengyre.rollout.harness import (
-    HarnessSpec,
-    claude_code_spec,
-    kill_orphaned_harnesses,
-    mini_swe_agent_spec,
-)
+from qwengyre.rollout.harness import harness_spec, kill_orphaned_harnesses
 from qwengyre.rollout.sandbox import NoSandbox, Sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
-from qwengyre.rollout.toy_harness import CRITIQUE_ENV
 from qwengyre.runtime.lock import lock_run_dir
-from qwengyre.sim.trace import TraceCall, TraceRecord, TraceWriter
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollout_results (
@@ -89,48 +80,6 @@ class RolloutOptions:
     max_context: int | None = None  # tokens per model call; None: the model's limit
     evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)  # retries, schedule
     sandbox: Sandbox = field(default_factory=NoSandbox)  # what confines each harness
-
-
-#: Environment variable naming the Claude Code binary (default: ``claude`` on PATH).
-CLAUDE_BIN_ENV = "QWENGYRE_CLAUDE_BIN"
-
-
-def harness_spec(name: str, deadline_s: float, sandbox: Sandbox | None = None) -> HarnessSpec:
-    """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec),
-    confined by ``sandbox`` (default: none).
-
-    ``toy-critique`` / ``toy-critique-assistant`` run the toy harness in critique mode
-    (it asks for an intermediate assessment after each tool turn and feeds the critique
-    back as a user / assistant message: :mod:`qwengyre.rollout.toy_harness`).
-
-    ``claude-code`` runs Claude Code with ``--tools Bash,Read,Edit,Write``;
-    ``claude-code-bare`` runs it with ``--bare`` (3 tools, a far shorter prompt: the one
-    that fits a tiny model's window). The binary is ``$QWENGYRE_CLAUDE_BIN`` if set, else
-    ``claude`` looked up on the PATH the harness inherits.
-    """
-    return replace(_named_spec(name, deadline_s), sandbox=sandbox or NoSandbox())
-
-
-def _named_spec(name: str, deadline_s: float) -> HarnessSpec:
-    if name in ("toy", "toy-critique", "toy-critique-assistant"):
-        command = (sys.executable, "-m", "qwengyre.rollout.toy_harness", "{instructions}")
-        role = {"toy-critique": "user", "toy-critique-assistant": "assistant"}.get(name)
-        env = {CRITIQUE_ENV: role} if role else {}
-        return HarnessSpec(command=command, deadline_s=deadline_s, env=env)
-    if name in ("claude-code", "claude-code-bare"):
-        binary = os.environ.get(CLAUDE_BIN_ENV) or "claude"
-        binary = binary.replace("{", "{{").replace("}", "}}")  # a literal, not a template
-        if name == "claude-code-bare":
-            return claude_code_spec(binary, tools=None, deadline_s=deadline_s)
-        return claude_code_spec(binary, deadline_s=deadline_s)
-    if name == "mini-swe-agent":
-        return mini_swe_agent_spec(deadline_s=deadline_s)
-    if "{instructions}" not in name:
-        raise ValueError(
-            f"harness {name!r}: use toy, toy-critique, toy-critique-assistant, claude-code,"
-            " claude-code-bare, mini-swe-agent or a command template containing {instructions}"
-        )
-    return HarnessSpec(command=tuple(name.split()), deadline_s=deadline_s)
 
 
 class ResultStore:
@@ -296,44 +245,6 @@ async def _rollout(
         results.close()
         await runner.cleanup()
         server.store.close()
-
-
-def trace_record(
-    task: Task,
-    group: int,
-    index: int,
-    result: ExecutionResult,
-    began: float,
-    nodes: list[dict[str, Any]],
-    start_wall: float,
-    version: int | None = None,
-) -> TraceRecord:
-    """The execution's trace line; its calls' timings and token counts come from its tree.
-    A call whose answer never reached the harness is not one of its calls (the harness
-    retried it, and the retry is). ``version``: the policy version it launched with."""
-    calls = [
-        TraceCall(
-            start_s=max(0.0, n["started_s"] - start_wall),
-            end_s=max(0.0, n["finished_s"] - start_wall),
-            input_tokens=n["usage"]["input_tokens"],
-            output_tokens=n["usage"]["output_tokens"],
-        )
-        for n in nodes
-        if n["delivered"]
-    ]
-    duration = result.ended_s - result.started_s
-    return TraceRecord(
-        query=task.id,
-        group=group,
-        index=index,
-        start_s=began,
-        end_s=began + duration,
-        outcome=result.outcome,
-        reward=result.reward,
-        train_tokens=sum(c.output_tokens for c in calls),
-        calls=calls,
-        version=version,
-    )
 
 
 def group_outcome(valid: dict[int, float], options: RolloutOptions) -> tuple[str, dict[int, float]]:

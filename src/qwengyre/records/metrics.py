@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -41,7 +40,6 @@ from qwengyre.scheduler.events import Role
 METRICS_FILE = "metrics.jsonl"
 """The metrics log's name inside a run directory."""
 
-TENSORBOARD_DIR = "tensorboard"
 """Where the TensorBoard mirror is written inside a run directory."""
 
 SWITCH_DIRECTIONS = ("training", "rollout")
@@ -434,91 +432,27 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
-class _ScalarWriter(Protocol):
-    def add_scalar(
-        self, tag: str, scalar_value: float, global_step: int, walltime: float | None = None
-    ) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
-
-
-def tensorboard_available() -> bool:
-    """Whether TensorBoard event files can be written: ``tensorboard`` and ``torch``."""
-    return (
-        importlib.util.find_spec("tensorboard") is not None
-        and importlib.util.find_spec("torch") is not None
-    )
-
-
-def open_tensorboard(log_dir: Path, purge_step: int | None = None) -> _ScalarWriter | None:
-    """A TensorBoard ``SummaryWriter`` on ``log_dir``, or None when it is not installed.
-
-    ``purge_step``: a resumed run's first step; TensorBoard hides what an earlier
-    process logged at or after it (those steps are trained again).
-    """
-    if not tensorboard_available():
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer: _ScalarWriter = SummaryWriter(
-        log_dir=str(log_dir), purge_step=purge_step or None, flush_secs=10
-    )
-    return writer
-
-
-#: Step fields written to TensorBoard (as ``step/<name>``), all but the step index.
-STEP_SCALARS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(StepRecord) if f.name != "step"
-)
-
-
 class MetricsWriter:
     """Appends records to a metrics log, one flushed line each, and hands every record
-    to its sinks (:mod:`qwengyre.report.sinks` says what each one logs).
-
-    ``tensorboard``: where to write TensorBoard event files (default
-    ``<log's dir>/tensorboard``), or False for none; skipped silently when TensorBoard
-    is not installed (:func:`qwengyre.report.sinks.open_metrics`, which a live run
-    uses, refuses to start without it instead). ``sinks``: further sinks, e.g. W&B.
-    ``step``: the step a resumed run continues from (records before its first step
-    are logged at it). ``fsync``: also fsync after every line (durable across power
-    loss). A sink that raises is reported once on stderr and dropped; the log itself
-    stays complete.
+    to its ``sinks`` (TensorBoard, W&B: :mod:`qwengyre.report.sinks`, whose
+    :func:`~qwengyre.report.sinks.open_metrics` opens a live run's). ``fsync``: also
+    fsync after every line (durable across power loss). A sink that raises is reported
+    once on stderr and dropped; the log itself stays complete.
     """
 
     def __init__(
-        self,
-        path: Path,
-        *,
-        tensorboard: Path | bool = True,
-        fsync: bool = False,
-        sinks: Sequence[MetricsSink] = (),
-        step: int = 0,
+        self, path: Path, *, fsync: bool = False, sinks: Sequence[MetricsSink] = ()
     ) -> None:
-        from qwengyre.report.sinks import TensorBoardSink
-
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self._file = self.path.open("a", encoding="utf-8")
-        self._sinks: list[MetricsSink] = []
-        if tensorboard is not False:
-            log_dir = (
-                self.path.parent / TENSORBOARD_DIR if tensorboard is True else Path(tensorboard)
-            )
-            writer = open_tensorboard(log_dir, step)
-            if writer is not None:
-                self._sinks.append(TensorBoardSink(writer, step=step))
-        self._sinks.extend(sinks)
+        self._sinks: list[MetricsSink] = list(sinks)
 
     @property
     def sinks(self) -> tuple[MetricsSink, ...]:
         """The sinks still receiving records (a failed one is dropped)."""
         return tuple(self._sinks)
-
-    @property
-    def mirrors_tensorboard(self) -> bool:
-        return any(sink.name == "tensorboard" for sink in self._sinks)
 
     @property
     def closed(self) -> bool:

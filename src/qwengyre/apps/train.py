@@ -7,7 +7,7 @@ Everything lives under the run directory::
     proxy.sqlite       every model call (TITO records) and execution
     ledger.jsonl       every group that finished its rollout (admitted trajectories)
     assessments.jsonl  every assessment of every execution (final, intermediate, placeholder)
-    metrics.jsonl      steps, roles, switches, load, groups (qwengyre.report.metrics)
+    metrics.jsonl      steps, roles, switches, load, groups (qwengyre.records.metrics)
     traces.jsonl       one line per execution, in the simulator's trace format
     checkpoints/       model + optimizer + what a resumed run needs (every step)
     workspaces/, logs/ per execution (with Ray harness hosts: under run.harness_dir, per node)
@@ -45,21 +45,21 @@ from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.proxy.store import Store
-from qwengyre.report.metrics import RunRecord
+from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
+from qwengyre.records.metrics import RunRecord
+from qwengyre.records.trace import TraceWriter
 from qwengyre.report.sinks import check_metrics, open_metrics
-from qwengyre.rollout.assessments import ASSESSMENTS_FILE, AssessmentLog
+from qwengyre.rollout.harness import harness_spec
 from qwengyre.rollout.hosts import HostPool, LocalHarnessHost
-from qwengyre.rollout.runner import harness_spec
 from qwengyre.rollout.sandbox import sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.runtime.controller import Controller, RunOutputs, engine_name
 from qwengyre.runtime.display import show
 from qwengyre.runtime.ledger import Ledger
 from qwengyre.runtime.lock import lock_run_dir
-from qwengyre.scheduler.core import Scheduler, SchedulerParams
+from qwengyre.scheduler.core import Scheduler
 from qwengyre.scheduler.events import STANDALONE, Start
 from qwengyre.scheduler.staleness import predicted_staleness
-from qwengyre.sim.trace import TraceWriter
 from qwengyre.training.buffers import TrajectoryBuffer
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 
@@ -117,7 +117,7 @@ def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Pat
     out = run_dir / "warm_start"
     if (out / "config.json").exists():
         return out
-    from qwengyre.training.warm_start import warm_start
+    from qwengyre.apps.warm_start import warm_start
 
     log(
         f"warm start: supervised, until accuracy >= {target:.2f} "
@@ -353,7 +353,7 @@ async def _train_once(options: TrainOptions) -> Controller:
             f"{config.run.steps}; to train on, raise run.steps in {run_dir / CONFIG_FILE}"
             " and resume again"
         )
-    scheduler = Scheduler(SchedulerParams.from_config(config))
+    scheduler = Scheduler(config.scheduler_params())
     if options.resume:
         scheduler.resume(
             resumed.version,
