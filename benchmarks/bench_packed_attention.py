@@ -1,5 +1,5 @@
-"""Peak memory of a packed row's forward + backward against its length (issue 17,
-item 7): transformers' packed SDPA forward (a dense block-diagonal L x L mask) against
+"""Peak memory of a packed row's forward + backward against its length:
+transformers' packed SDPA forward (a dense block-diagonal L x L mask) against
 :func:`qwengyre.training.packed.packed_hidden_states` (the row's documents as one
 right-padded causal batch, one forward call).
 

@@ -1,4 +1,4 @@
-"""Publication and role-switch cost per rollout backend (issue 18), measured in one run.
+"""Publication and role-switch cost per rollout backend, measured in one run.
 
 For each backend available here (the embedded engine always; vLLM when
 ``$QWENGYRE_VLLM_PYTHON`` names a vLLM venv; SGLang only where it runs, on GPUs), one

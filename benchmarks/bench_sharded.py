@@ -1,5 +1,5 @@
 """A cell's FSDP2-sharded trainer: memory per rank for G=1 vs G=2, and the sharded
-path's step time against a plain replica (issue 17).
+path's step time against a plain replica.
 
 (a) Memory. One cell of ``G`` ranks (one process each, ``start_cells("local", ...)``)
 trains ``--batches`` batches of the same micro-steps (``train_micro_step`` on every

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run (a lent device's `run`, or any GPU machine):
-# the engine's CUDA tests (CUDA-graph decode steps keep exact log-probs), then issue 5's
-# benchmark, the engine against HF generate on a Qwen3-0.6B-shaped model in bf16.
+# the engine's CUDA tests (CUDA-graph decode steps keep exact log-probs), then the
+# engine's benchmark against HF generate on a Qwen3-0.6B-shaped model in bf16.
 # Uses the machine's own python3 with torch and transformers; logs go to $OUT. The parts
 # are time-boxed (120 + 300 + 150 s) to fit one 10-minute call; the tables print as
 # they go, so a part cut short still reports what it measured.
 #
 #   bash benchmarks/gpu_checks.sh          # the checks above (one 10-minute call)
-#   bash benchmarks/gpu_checks.sh fsdp     # only issue 17's FSDP2 trainer section (~8 min)
+#   bash benchmarks/gpu_checks.sh fsdp     # only the FSDP2 trainer section (~8 min)
 #   bash benchmarks/gpu_checks.sh engines  # only the real server engines section (< 10 min)
 #   bash benchmarks/gpu_checks.sh all      # all three (longer than one 10-minute call)
 set -uo pipefail
@@ -26,7 +26,7 @@ if [[ $section == default || $section == all ]]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_embedded.py -k cuda 2>&1 | tee "$out/cuda-tests.log"
     timeout 300 python3 benchmarks/bench_engine.py --qwen3-0.6b --device cuda --dtype bfloat16 \
         --prompt 512 --new 256 --concurrency 1 8 32 128 --also-eager --repeat 2 2>&1 | tee "$out/bench-engine.log"
-    # Issue 7's trainer benchmark needs pydantic; a bare GPU image may lack it: install its wheels
+    # The trainer benchmark needs pydantic; a bare GPU image may lack it: install its wheels
     # there (pydantic, pydantic-core, annotated-types, typing-inspection for its Python).
     if python3 -c "import pydantic" 2>/dev/null; then
         timeout 150 python3 benchmarks/bench_trainer.py --qwen3-0.6b --device cuda --dtype bfloat16 \
@@ -37,7 +37,7 @@ if [[ $section == default || $section == all ]]; then
 fi
 
 # ---------------------------------------------------------------------------------------
-# Issue 17: the FSDP2-sharded Trainer in bf16 against plain HF + AdamW (autocast bf16) on
+# The FSDP2-sharded Trainer in bf16 against plain HF + AdamW (autocast bf16) on
 # Qwen3-0.6B- and 4B-shaped models built locally with random weights (no download):
 # tokens/s at 8 x 2,048 tokens per step, the ratio, MFU (6N over 800 TFLOP/s), and whether
 # one 32,768-token row fits through the Trainer (peak memory). Needs pydantic, as above.

@@ -1,5 +1,5 @@
-"""bf16 training throughput of the FSDP2-sharded Trainer on one GPU against plain HF
-(issue 17), and whether one 32k-token row fits.
+"""bf16 training throughput of the FSDP2-sharded Trainer on one GPU against plain HF,
+and whether one 32k-token row fits.
 
 No download: each model is built from a config with random weights
 (``AutoModelForCausalLM.from_config``, SDPA attention, fp32 parameters on the device):

@@ -1,4 +1,4 @@
-"""Harness hosts on Ray nodes: ``run.harness_hosts=ray`` (issue 18, :mod:`qwengyre.rollout.hosts`).
+"""Harness hosts on Ray nodes: ``run.harness_hosts=ray`` (:mod:`qwengyre.rollout.hosts`).
 
 Each alive Ray node with CPUs gets one :class:`RayHarnessHost`: an async Ray actor
 (:class:`HarnessActor`) pinned to the node with ``NodeAffinitySchedulingStrategy``. It

@@ -1,4 +1,4 @@
-"""One execution end to end: workspace, harness, evaluation, outcome (issue 6, lifecycle).
+"""One execution end to end: workspace, harness, evaluation, outcome (the execution lifecycle).
 
 Two budgets, both from the execution's launch:
 

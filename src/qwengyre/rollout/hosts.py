@@ -1,4 +1,4 @@
-"""Harness hosts: where executions run, and the pool that spreads them (issue 18).
+"""Harness hosts: where executions run, and the pool that spreads them.
 
 A :class:`HarnessHost` starts, watches and kills the harness processes of the
 executions it is given, with their workspaces on its machine, and evaluates them there

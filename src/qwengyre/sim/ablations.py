@@ -1,4 +1,4 @@
-"""The paper's ablation rows (A0-A3, C0-C3, E0-E2), reproduced in the simulator (issue 19).
+"""The paper's ablation rows (A0-A3, C0-C3, E0-E2), reproduced in the simulator.
 
 The paper ablates each policy one change at a time on NL2RepoBench with Qwen 3.6 122B:
 32 nodes as 8 cells of 4 nodes (144 executions per cell), 12 training steps, E[d] = 1.5.

@@ -1,4 +1,4 @@
-"""Elastic against its strongest baselines at the same target staleness (issue 19).
+"""Elastic against its strongest baselines at the same target staleness.
 
 The paper compares Elastic with Async and Colocate at one E[d]. A baseline shown at a
 setting nobody would run overstates what elasticity buys, so each baseline here is its

@@ -1,4 +1,4 @@
-"""``qwengyre plan``: the simulator as a capacity planner (issue 19 §4).
+"""``qwengyre plan``: the simulator as a capacity planner.
 
 Given a config (its cells, groups and costs) and a workload, every shape each policy
 may take at a target staleness (:func:`qwengyre.sim.search.shapes`: policy, mu and phi

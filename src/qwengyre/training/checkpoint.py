@@ -1,4 +1,4 @@
-"""Atomic, resumable, sharded training checkpoints (issue 17, item 6).
+"""Atomic, resumable, sharded training checkpoints.
 
 Layout under a checkpoint root::
 

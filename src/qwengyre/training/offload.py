@@ -1,4 +1,4 @@
-"""Trainer state out of device memory while its cell serves rollout (issue 17, item 5).
+"""Trainer state out of device memory while its cell serves rollout.
 
 :class:`Offloaded` frees the storage of the given tensors (parameter shards, their
 optimizer state) and keeps a host copy (pinned for CUDA) when asked to keep it;

@@ -1,5 +1,4 @@
-"""The forward pass of a packed row with attention memory linear in its length
-(issue 17, item 7).
+"""The forward pass of a packed row with attention memory linear in its length.
 
 A micro-step packs whole executions into one row: documents (trajectories) one after
 another, ``position_ids`` restarting at 0 at each. Given such ``position_ids``,

@@ -1,4 +1,4 @@
-"""A policy model sharded over its cell's ranks with FSDP2 (issue 17).
+"""A policy model sharded over its cell's ranks with FSDP2.
 
 :func:`shard_policy` is the whole parallelisation, block by block as in torchtitan:
 ``fully_shard`` on every decoder layer, then on the root, a :class:`PolicyScorer` that
