@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from aiohttp import web
+from tests.contracts import implementations
 from tests.sglang_fake import FakeSGLang
-from tests.test_engine_vllm import Server, _perturbed_copy, serving
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from tests.test_engine_vllm import Server, perturbed_copy, serving
+from transformers import AutoTokenizer
 
 from qwengyre.engines.base import (
     EngineAborted,
@@ -84,15 +84,9 @@ def long(subject: Subject, rid: str) -> GenerateRequest:
     return GenerateRequest(rid, PROMPT, sampling)
 
 
-def perturbed_checkpoint(model_dir: Path, out: Path) -> WeightsOnDisk:
-    """``model_dir``'s weights moved by noise (std 0.05), saved to ``out``."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=noise) * 0.05)
-    model.save_pretrained(out)
-    return WeightsOnDisk(str(out))
+def moved(model: Path) -> Callable[[Path], WeightSource]:
+    """Writes ``model``'s weights, moved by noise, into a directory."""
+    return lambda out: WeightsOnDisk(str(perturbed_copy(model, out)))
 
 
 @asynccontextmanager
@@ -106,7 +100,7 @@ async def scripted(setting: Setting) -> AsyncIterator[Subject]:
 async def embedded(setting: Setting) -> AsyncIterator[Subject]:
     engine = EmbeddedEngine(setting.model_dir, capacity=4, max_context=256)
     try:
-        yield Subject(engine, 240, lambda out: perturbed_checkpoint(setting.model_dir, out))
+        yield Subject(engine, 240, moved(setting.model_dir))
     finally:
         engine.close()
 
@@ -120,7 +114,7 @@ async def served(setting: Setting) -> AsyncIterator[Subject]:
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
         async with SGLangEngine(url, "served", api_key=KEY) as client:
-            yield Subject(client, 240, lambda out: perturbed_checkpoint(setting.model_dir, out))
+            yield Subject(client, 240, moved(setting.model_dir))
     finally:
         await runner.cleanup()
         engine.close()
@@ -144,9 +138,7 @@ async def vllm(setting: Setting) -> AsyncIterator[Subject]:
     assert server is not None
     try:
         async with VLLMEngine(server.base_url, "vllm0", api_key=server.api_key) as engine:
-            yield Subject(
-                engine, 1500, lambda out: WeightsOnDisk(str(_perturbed_copy(server.model, out)))
-            )
+            yield Subject(engine, 1500, moved(server.model))
     except BaseException:
         print(server.log.read_text(errors="replace")[-3000:], file=sys.stderr)
         raise
@@ -162,17 +154,9 @@ IMPLEMENTATIONS: dict[str, Build] = {
 }
 
 
-def implementations(**cannot: str) -> list[Any]:
-    """Every implementation as a parameter; ``cannot`` maps those the case does not
-    apply to (``-`` in a name written ``_``) to the reason, shown as their skip."""
-    reasons = {name.replace("_", "-"): why for name, why in cannot.items()}
-    assert set(reasons) <= set(IMPLEMENTATIONS), reasons
-    return [
-        pytest.param(name, marks=pytest.mark.skip(reason=reasons[name]))
-        if name in reasons
-        else name
-        for name in IMPLEMENTATIONS
-    ]
+def engines(**cannot: str) -> pytest.MarkDecorator:
+    """Parametrise a case over every engine (see :func:`tests.contracts.implementations`)."""
+    return pytest.mark.parametrize("name", implementations(IMPLEMENTATIONS, **cannot))
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +191,7 @@ async def until_idle(engine: InferenceEngine) -> None:
         await asyncio.sleep(0.005)
 
 
-@pytest.mark.parametrize("name", implementations())
+@engines()
 def test_streamed_deltas_collect_to_the_generated_result(name: str, drive: Drive) -> None:
     async def t(subject: Subject) -> None:
         engine = subject.engine
@@ -230,7 +214,7 @@ def test_streamed_deltas_collect_to_the_generated_result(name: str, drive: Drive
     drive(t)
 
 
-@pytest.mark.parametrize("name", implementations())
+@engines()
 def test_an_abort_stops_its_request_and_the_engine_serves_on(name: str, drive: Drive) -> None:
     async def t(subject: Subject) -> None:
         engine = subject.engine
@@ -271,7 +255,7 @@ async def update_while_streaming(
     return during, await engine.generate(greedy("after"))
 
 
-@pytest.mark.parametrize("name", implementations())
+@engines()
 def test_tokens_carry_the_version_of_the_weights_that_sampled_them(
     name: str, drive: Drive, tmp_path: Path
 ) -> None:
@@ -293,9 +277,7 @@ def test_tokens_carry_the_version_of_the_weights_that_sampled_them(
     drive(t)
 
 
-@pytest.mark.parametrize(
-    "name", implementations(scripted="a script has no weights: an update changes only the version")
-)
+@engines(scripted="a script has no weights: an update changes only the version")
 def test_new_weights_change_what_is_sampled(name: str, drive: Drive, tmp_path: Path) -> None:
     async def t(subject: Subject) -> None:
         before = await subject.engine.generate(greedy("before"))
@@ -308,10 +290,7 @@ def test_new_weights_change_what_is_sampled(name: str, drive: Drive, tmp_path: P
     drive(t)
 
 
-@pytest.mark.parametrize(
-    "name",
-    implementations(scripted="a script holds no memory to release: it replies while released"),
-)
+@engines(scripted="a script holds no memory to release: it replies while released")
 def test_released_memory_refuses_requests_and_resumed_serves_as_before(
     name: str, drive: Drive
 ) -> None:

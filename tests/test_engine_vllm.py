@@ -272,7 +272,7 @@ def test_a_consumer_that_leaves_frees_the_server(server: Server) -> None:
     run(server, t)
 
 
-def _perturbed_copy(model: Path, out: Path) -> Path:
+def perturbed_copy(model: Path, out: Path) -> Path:
     """``model`` with noise on every parameter (far from their old values: std 0.05
     against 0.02)."""
     perturbed = type(hf_model(model)).from_pretrained(model, dtype=torch.float32)
@@ -294,7 +294,7 @@ def test_weight_update_mid_request(server: Server, tmp_path: Path) -> None:
 async def _update_mid_request(server: Server, out: Path, engine: VLLMEngine) -> None:
     """An update to a perturbed copy of the server's model, written to ``out``, while a
     request runs; then a fresh request on it; then back to the model as version 2."""
-    new = _perturbed_copy(server.model, out)
+    new = perturbed_copy(server.model, out)
 
     deltas = []
     updated_at = None
