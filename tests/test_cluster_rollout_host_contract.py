@@ -13,7 +13,6 @@ A case an implementation cannot meet is marked in its parametrisation with the r
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -24,20 +23,17 @@ from typing import Any
 import pytest
 from tests.contracts import implementations
 from tests.core_boards import core_boards, perturbed
-from tests.test_cluster_sglang_host import use_fake
+from tests.test_cluster_sglang_host import generate, use_fake
 
 from qwengyre.cluster.engine_host import Endpoint, RolloutHost, rollout_host
 from qwengyre.cluster.server_host import ServerHost
 from qwengyre.cluster.weights import BoardShards, SharedWeights
-from qwengyre.engines.base import EngineAborted, GenerateRequest, GenerateResult
-from qwengyre.engines.http_client import HTTPEngineClient
+from qwengyre.engines.base import EngineAborted
 from qwengyre.engines.vllm import vllm_available
 from qwengyre.models import cached_tiny_model
-from qwengyre.types import SamplingParams
 
 FREED = {"embedded": "released", "sglang-fake": "asleep", "vllm": "stopped"}
 """What each host's release answers on the CPU (vLLM's sleep frees nothing there)."""
-GREEDY = GenerateRequest("r", (5, 6, 7, 8), SamplingParams(6, 0.0, ignore_eos=True))
 
 
 @dataclass
@@ -115,18 +111,6 @@ def cell(
             yield Cell(request.param, host, endpoint, model, board, boards, crash)
         finally:
             host.close()
-
-
-def generate(endpoint: Endpoint) -> GenerateResult:
-    """Greedy tokens from the proxy's client of ``endpoint``."""
-
-    async def main() -> GenerateResult:
-        engine = endpoint.client("proxy", 1, version=-1)
-        assert isinstance(engine, HTTPEngineClient)
-        async with engine:
-            return await engine.generate(GREEDY)
-
-    return asyncio.run(main())
 
 
 @backends()

@@ -31,6 +31,7 @@ from qwengyre.engines.base import (
     WeightsInMemory,
 )
 from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.engines.http_client import HTTPEngineClient
 from qwengyre.engines.sglang import SGLangEngine
 from qwengyre.proxy.serve import ServeOptions, close_engine, load_tokenizer, model_engine
 from qwengyre.types import SamplingParams
@@ -90,7 +91,7 @@ def generate(endpoint: Endpoint) -> GenerateResult:
 
     async def main() -> GenerateResult:
         engine = endpoint.client("proxy", 1, version=-1)
-        assert isinstance(engine, SGLangEngine)
+        assert isinstance(engine, HTTPEngineClient)
         async with engine:
             return await engine.generate(GREEDY)
 
