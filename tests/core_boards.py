@@ -7,6 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from qwengyre.cluster.weights import (
     BoardShards,
     SharedWeights,
@@ -29,3 +32,13 @@ def core_boards(model_dir: Path) -> Iterator[tuple[SharedWeights, BoardShards]]:
     finally:
         boards.close()
         board.close()
+
+
+def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The model's weights, moved a little (what the core publishes after a step)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: p.detach() + 0.05 * torch.randn(p.shape, generator=generator)
+        for name, p in model.named_parameters()
+    }

@@ -40,8 +40,7 @@ prefix match does). ``POST /update_weights_from_disk`` ``{"model_path", "load_fo
 "num_paused_requests"}`` (200, or 400 when ``success`` is false); like SGLang's
 model-update writer lock it waits for requests in flight and holds new ones back.
 ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``{"tags"}``) -> 200
-``null``; ``/flush_cache`` -> 200 or 400 with SGLang's plain text; ``GET /health`` ->
-200 or 503, empty; ``GET /get_weight_version``; ``--api-key`` -> 401
+``null``; ``GET /health`` -> 200 or 503, empty; ``GET /get_weight_version``; ``--api-key`` -> 401
 ``{"error": "Unauthorized"}``.
 
 Not verified against a running SGLang, so chosen here (keep the engine tolerant):
@@ -111,11 +110,6 @@ GENERATE_TYPES: dict[str, tuple[type, ...]] = {
     "rid": (str, list),
     "stream": (bool,),
 }
-
-FLUSH_TEXT = (
-    "Cache flushed.\nPlease check backend logs for more details. "
-    "(When there are running or waiting requests, the operation will not be performed.)\n"
-)
 
 
 def token_text(token: int) -> str:
@@ -204,7 +198,6 @@ class FakeSGLang:
         app.router.add_post("/update_weights_from_disk", self._update_weights)
         app.router.add_route("*", "/release_memory_occupation", self._release)
         app.router.add_route("*", "/resume_memory_occupation", self._resume)
-        app.router.add_route("*", "/flush_cache", self._flush)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
         app.router.add_get("/get_weight_version", self._weight_version)
@@ -510,9 +503,6 @@ class FakeSGLang:
     async def _resume(self, request: web.Request) -> web.Response:
         self.released = False
         return web.json_response(None)
-
-    async def _flush(self, request: web.Request) -> web.Response:
-        return web.Response(text=FLUSH_TEXT, status=400 if self._running else 200)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy and not self.released else 503)

@@ -1,15 +1,15 @@
 """A cell's SGLang server (``engine.backend=sglang``) against the fake launcher in
 tests/fake_sglang (qwengyre's engine server behind SGLang's API and flags, generating
 from the tiny model): its flags and key (in a private config file, not on its command
-line), the boards' weights published through disk, a role switch, its end; the fake's
-``--config``; and the tensor parallel commands of both server hosts."""
+line), the boards' weights published through disk, its end; the fake's ``--config``;
+and the tensor parallel commands of both server hosts. Role switches and revival are
+the rollout host contract's (test_cluster_rollout_host_contract.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import signal
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,11 +17,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import torch
 import yaml
-from tests.core_boards import core_boards
+from tests.core_boards import core_boards, perturbed
 from tests.fake_sglang.sglang.launch_server import parser, with_config
-from transformers import AutoModelForCausalLM
 
 from qwengyre.apps.serve import ServeOptions, close_engine, load_tokenizer, model_engine
 from qwengyre.cluster.engine_host import Endpoint, rollout_host
@@ -29,12 +27,12 @@ from qwengyre.cluster.sglang_host import SGLangHost
 from qwengyre.cluster.vllm_host import VLLMHost
 from qwengyre.cluster.weights import BoardShards, SharedWeights
 from qwengyre.engines.base import (
-    EngineAborted,
     GenerateRequest,
     GenerateResult,
     WeightsInMemory,
 )
 from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.engines.http_client import HTTPEngineClient
 from qwengyre.engines.sglang import SGLangEngine
 from qwengyre.types import SamplingParams
 
@@ -88,22 +86,12 @@ def cell(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             host.close()
 
 
-def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
-    """The model's weights, moved a little (what the core publishes after a step)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: p.detach() + 0.05 * torch.randn(p.shape, generator=generator)
-        for name, p in model.named_parameters()
-    }
-
-
 def generate(endpoint: Endpoint) -> GenerateResult:
     """Greedy tokens from the proxy's client of ``endpoint``."""
 
     async def main() -> GenerateResult:
         engine = endpoint.client("proxy", 1, version=-1)
-        assert isinstance(engine, SGLangEngine)
+        assert isinstance(engine, HTTPEngineClient)
         async with engine:
             return await engine.generate(GREEDY)
 
@@ -178,34 +166,6 @@ def test_load_newest_publishes_the_boards_weights(cell: Cell, tiny_model_dir: Pa
     assert cell.host.load_newest(cell.boards) == version + 1  # nothing newer: nothing loaded
     newest_only = ["server.yaml", f"v{version + 1}"]
     assert sorted(p.name for p in cell.host._work.iterdir()) == newest_only
-
-
-def test_release_puts_it_to_sleep_and_resume_serves_the_newest(
-    cell: Cell, tiny_model_dir: Path
-) -> None:
-    assert cell.host.release() == "asleep"
-    with pytest.raises(EngineAborted, match="released"):  # asleep: the server refuses
-        generate(cell.endpoint)
-    version = max(cell.host.version, 0) + 1
-    cell.board.write(perturbed(tiny_model_dir, seed=version).items(), version)
-    assert cell.host.resume(cell.boards) == version
-    assert generate(cell.endpoint).versions == (version,) * 6
-
-
-def test_a_crashed_server_is_started_again_at_its_address_with_the_newest_weights(
-    cell: Cell, tiny_model_dir: Path
-) -> None:
-    assert not cell.host.revive(cell.boards)  # it runs: left alone
-    process = cell.host._process
-    assert process is not None
-    os.killpg(process.pid, signal.SIGKILL)  # the server crashes
-    process.wait()
-    version = max(cell.host.version, 0) + 1  # and the core published meanwhile
-    cell.board.write(perturbed(tiny_model_dir, seed=version).items(), version)
-    assert cell.host.revive(cell.boards)
-    assert cell.host._process is not process and cell.host.version == version
-    # The proxy's client of the same endpoint (address and key) is served again.
-    assert generate(cell.endpoint).versions == (version,) * 6
 
 
 def test_a_host_serves_its_model_as_the_version_given_and_closes_for_good(

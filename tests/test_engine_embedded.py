@@ -1,4 +1,5 @@
-"""The embedded engine: continuous batching, log-prob agreement, abort, weight updates."""
+"""The embedded engine: continuous batching, log-probs against the trainer's recompute, weights
+switched mid-request (what every engine does is in test_engine_contract.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwengyre.engines import embedded
-from qwengyre.engines.base import EngineAborted, GenerateRequest, WeightsInMemory, WeightsOnDisk
+from qwengyre.engines.base import GenerateRequest, WeightsInMemory, WeightsOnDisk
 from qwengyre.engines.decode_graphs import GraphCaptureFailed
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs, prefill_batches
 from qwengyre.engines.kv_slots import MIN_COLUMNS
@@ -237,20 +238,6 @@ def test_batched_greedy_decoding_equals_decoding_alone(engine: EmbeddedEngine):
         assert asyncio.run(alone(req)).output_ids == result.output_ids
 
 
-def test_abort_frees_the_slot_and_the_others_continue(engine: EmbeddedEngine):
-    async def run():  # type: ignore[no-untyped-def]
-        long = asyncio.ensure_future(engine.generate(request(0, 8, 240, ignore_eos=True)))
-        short = asyncio.ensure_future(engine.generate(request(1, 8, 20)))
-        await running(engine)  # abort as soon as it runs
-        await engine.abort("r0")
-        with pytest.raises(EngineAborted):
-            await long
-        return await short
-
-    assert len(asyncio.run(run()).output_ids) == 20
-    assert engine.load == 0
-
-
 def test_weights_update_between_steps_and_tokens_carry_their_version(
     engine: EmbeddedEngine, tmp_path: Path
 ):
@@ -285,19 +272,6 @@ def test_weights_update_between_steps_and_tokens_carry_their_version(
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         asyncio.run(engine.update_weights(WeightsOnDisk(str(tmp_path)), version=4))
     assert engine.version == 3
-
-
-def test_release_and_resume(engine: EmbeddedEngine):
-    async def run():  # type: ignore[no-untyped-def]
-        await engine.release_memory()
-        assert not await engine.health()
-        with pytest.raises(EngineAborted, match="released"):
-            await engine.generate(request(0, 4, 3))
-        await engine.resume_memory()
-        assert await engine.health()
-        return await engine.generate(request(0, 4, 3))
-
-    assert len(asyncio.run(run()).output_ids) == 3
 
 
 def test_release_is_refused_while_a_request_is_being_admitted(
@@ -411,27 +385,6 @@ def test_cuda_graph_steps_keep_exact_logprobs_and_survive_release(
             assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
     finally:
         engine.close()
-
-
-def test_stream_yields_tokens_as_they_are_sampled(engine: EmbeddedEngine):
-    req = request(0, 8, 40, ignore_eos=True)
-
-    async def run():  # type: ignore[no-untyped-def]
-        seen = []
-        async for delta in engine.stream(req):
-            seen.append((delta, engine.load))
-        engine._generator.manual_seed(0)  # the same draws again, collected
-        return seen, await engine.generate(req)
-
-    engine._generator.manual_seed(0)
-    seen, whole = asyncio.run(run())
-    (first, load_then), (last, _) = seen[0], seen[-1]
-    assert first.output_ids and first.finish_reason is None and load_then == 1
-    assert len(seen) > 1 and last.finish_reason == "length"
-    assert all(d.finish_reason is None for d, _ in seen[:-1])
-    assert tuple(t for d, _ in seen for t in d.output_ids) == whole.output_ids
-    assert tuple(lp for d, _ in seen for lp in d.logprobs) == whole.logprobs
-    assert len(whole.output_ids) == 40 and engine.load == 0
 
 
 def slow_and_counted(engine: EmbeddedEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -13,14 +13,12 @@ import pytest
 
 from qwengyre.rollout.harness import (
     PLACEHOLDERS,
-    HarnessContext,
     HarnessRun,
     HarnessSpec,
     claude_code_spec,
     mini_swe_agent_spec,
     render_command,
     run_harness,
-    run_python_harness,
 )
 
 try:
@@ -344,90 +342,6 @@ def test_mini_swe_agent_spec_contents():
     assert env["MSWEA_CONFIGURED"] == "true"
     assert env["MSWEA_COST_TRACKING"] == "ignore_errors"
     assert env["MSWEA_GLOBAL_CONFIG_DIR"].startswith("<home_dir>")
-
-
-def test_python_harness_success_and_context(tmp_path):
-    seen: list[HarnessContext] = []
-
-    async def harness(ctx: HarnessContext) -> None:
-        seen.append(ctx)
-        (ctx.workspace / "out.txt").write_text(ctx.instructions)
-
-    run = asyncio.run(
-        run_python_harness(
-            harness,
-            deadline_s=5,
-            workspace=tmp_path,
-            execution_id="ex_p",
-            base_url=BASE_URL + "/",
-            api_key=KEY,
-            instructions="hi",
-        )
-    )
-    assert run.exit_code == 0 and run.ok
-    assert (tmp_path / "out.txt").read_text() == "hi"
-    (ctx,) = seen
-    assert ctx.base_url == BASE_URL and ctx.openai_base_url == BASE_URL + "/v1"
-    assert ctx.api_key == KEY and ctx.execution_id == "ex_p"
-
-
-def test_python_harness_deadline(tmp_path):
-    cleaned: list[bool] = []
-
-    async def harness(ctx: HarnessContext) -> None:
-        try:
-            await asyncio.sleep(300)
-        finally:
-            cleaned.append(True)
-
-    t0 = time.monotonic()
-    run = asyncio.run(
-        run_python_harness(
-            harness,
-            deadline_s=0.3,
-            workspace=tmp_path,
-            execution_id="ex_p",
-            base_url=BASE_URL,
-            api_key=KEY,
-            instructions="",
-        )
-    )
-    assert time.monotonic() - t0 < 3
-    assert run.timed_out and not run.cancelled and run.exit_code is None
-    assert cleaned == [True]
-
-
-def test_python_harness_cancel_and_crash(tmp_path):
-    async def sleeper(ctx: HarnessContext) -> None:
-        await asyncio.sleep(300)
-
-    async def crasher(ctx: HarnessContext) -> None:
-        raise RuntimeError("harness exploded")
-
-    async def main() -> tuple[HarnessRun, HarnessRun]:
-        cancel = asyncio.Event()
-        common = dict(
-            workspace=tmp_path, execution_id="e", base_url=BASE_URL, api_key=KEY, instructions=""
-        )
-        job = asyncio.create_task(
-            run_python_harness(sleeper, deadline_s=60, cancel=cancel, **common)
-        )
-        await asyncio.sleep(0.1)
-        cancel.set()
-        cancelled = await asyncio.wait_for(job, 5)
-        crashed = await run_python_harness(
-            crasher,
-            deadline_s=5,
-            logs_dir=tmp_path / "logs",
-            **common,
-        )
-        return cancelled, crashed
-
-    cancelled, crashed = asyncio.run(main())
-    assert cancelled.cancelled and not cancelled.timed_out and cancelled.exit_code is None
-    assert crashed.exit_code == 1 and "harness exploded" in (crashed.error or "")
-    assert crashed.stderr_path is not None
-    assert "RuntimeError: harness exploded" in crashed.stderr_path.read_text()
 
 
 ALLOC = "x = bytearray(1024 * 1024 * 1024); print(len(x))"

@@ -69,14 +69,12 @@ def test_valid_file_loads_all_kinds(valid_file: Path) -> None:
     assert isinstance(argv.evaluator, CommandEvaluator)
     assert argv.evaluator.command == ["python", "grade.py"]
     assert argv.evaluator.timeout_s == 30.0
-    assert not argv.evaluator.shell
     assert argv.workspace_template == (valid_file.parent / "templates" / "repo").resolve()
     assert argv.setup is None
     assert argv.metadata == {"difficulty": "hard", "tags": ["a", "b"], "n": None}
 
     assert isinstance(shell.evaluator, CommandEvaluator)
     assert shell.evaluator.command == "./grade.sh | tail -1"
-    assert shell.evaluator.shell
     assert shell.evaluator.timeout_s == 600.0
     assert shell.setup == "git init -q && echo hi > x"
     assert shell.workspace_template is None

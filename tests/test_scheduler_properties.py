@@ -175,7 +175,7 @@ class Driver:
         s = self.s
         w_before = s.counters.waterlevel
         outstanding_before = s.counters.dispatched - s.counters.finished
-        quota_before = s.counters.dispatched + s.reserve_left
+        quota_before = s.counters.dispatched + s._reserve_left
         owed_before = {g.id: g.owed for g in s.groups.values() if g.owed}
         assigned_before = self.assigned_this_step
         roles_before = list(s.roles)
@@ -371,7 +371,7 @@ class Driver:
             outstanding = c.dispatched - c.finished
             assert outstanding <= outstanding_before + added, (outstanding_before, c, added)
         if p.dispatch == "continuous":
-            assert c.reserved == 0 and s.reserve_left == 0
+            assert c.reserved == 0 and s._reserve_left == 0
         else:
             # The reserve held is what top-ups could still take: never more than the
             # groups in rollout may still get under their max_topups allowance.
@@ -380,8 +380,8 @@ class Driver:
                 for g in s.groups.values()
                 if g.state is GroupState.ROLLOUT
             )
-            assert c.reserved == min(s.reserve_left, could_need)
-            assert 0 <= s.reserve_left <= p.reserve
+            assert c.reserved == min(s._reserve_left, could_need)
+            assert 0 <= s._reserve_left <= p.reserve
         self._check_groups()
         self._check_training()
         self._check_cells(event, actions, roles_before)
@@ -412,7 +412,7 @@ class Driver:
     def _check_training(self) -> None:
         """Ready groups reach a training cell as soon as the rules allow."""
         s, p = self.s, self.params
-        assert s.groups_wanted == self.wanted
+        assert s._wanted == self.wanted
         if not s.training_cells or s.publishing:
             return
         if p.streaming:
@@ -510,7 +510,7 @@ class Driver:
             assert all(not a.topup for a in dispatches[len(topups) :])
             assert all(a.version == s.published for a in dispatches)
             assert not any(g.owed for g in s.groups.values())
-            assert s.reserve_left == p.reserve
+            assert s._reserve_left == p.reserve
             return
         if published:
             self.burst_steps, steps = 0, self.burst_steps
@@ -519,7 +519,7 @@ class Driver:
                 assert steps > 0 and assigned == 0 and not dispatches
                 assert self._supply(set()) < p.batch, "an early end without a stall"
                 self.early_ends += 1
-        quota = c.dispatched + s.reserve_left
+        quota = c.dispatched + s._reserve_left
         if quota <= quota_before:
             assert c.waterlevel <= w_before, (w_before, c.waterlevel)
             assert all(a.topup for a in dispatches), "a new group mid-burst"
@@ -680,7 +680,7 @@ def views(s: Scheduler) -> tuple:
         s.capacity,
         s.ready_unassigned,
         s.batch_needs,
-        s.groups_wanted,
+        s._wanted,
         s.publishing,
         tuple((g.id, g.state, len(g.valid), len(g.pending)) for g in s.groups.values()),
     )

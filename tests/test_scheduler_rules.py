@@ -278,7 +278,7 @@ def test_the_reserve_launches_top_ups_at_once_and_counts_in_the_waterlevel():
     assert of(Dispatch, out) == [Dispatch(0, (4,), 0, topup=True)]
     c = s.counters
     assert (c.dispatched, c.finished, c.reserved, c.waterlevel) == (5, 1, 0, 4)
-    assert s.reserve_left == 0
+    assert s._reserve_left == 0
     out = finish(s, 2.0, 4, None)  # the reserve is spent: owed to the boundary
     assert not of(Dispatch, out) and s.groups[0].owed == 1
     for eid in (1, 2, 3):

@@ -194,7 +194,7 @@ def _recount(s: Scheduler) -> None:
         for g in s.groups.values()
         if g.state is GroupState.ROLLOUT
     )
-    assert s.counters.reserved == min(s.reserve_left, could_need)
+    assert s.counters.reserved == min(s._reserve_left, could_need)
 
 
 @pytest.mark.parametrize(

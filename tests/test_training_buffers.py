@@ -311,7 +311,7 @@ def test_groups_assigned_across_calls_are_each_consumed_once():
         tb.add(groups[3])
     with pytest.raises(KeyError, match="group 9 is not ready"):
         packer.assign(1, [9], closes_batch=True)
-    assert packer.open_step is None  # a refused assign opens nothing
+    assert packer._step is None  # a refused assign opens nothing
 
 
 def test_step_errors():

@@ -26,7 +26,8 @@ def test_paths_contexts_and_leaves():
     assert tree.context_ids(b.id) == [1, 2, 3, 4, 5, 6]
     assert tree.context_ids(c.id) == [1, 2, 3, 7, 8]
     assert {n.id for n in tree.leaves()} == {b.id, c.id, d.id}
-    assert tree.children(a.id) == [b.id, c.id] and tree.children(None) == [a.id, d.id]
+    assert [n.id for n in tree.nodes if n.parent == a.id] == [b.id, c.id]
+    assert [n.id for n in tree.nodes if n.parent is None] == [a.id, d.id]
     assert b.to_json()["provenance"] == [0, 1, 1]
 
 

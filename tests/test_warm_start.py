@@ -18,6 +18,8 @@ from qwengyre.rollout.tasks import load_tasks
 from qwengyre.rollout.toy_harness import run_toy_agent
 
 PROBLEM = toy_tasks.addition_problem(37, 45)
+TWO_DIGIT: toy_tasks.Ranges = ((10, 99), (10, 99))
+"""Two-digit plus two-digit (8,100 pairs): operand ranges other than the default."""
 
 
 @pytest.fixture
@@ -113,7 +115,7 @@ def test_parity_tasks_score_the_workspace_and_split_disjointly(tmp_path: Path):
     assert toy_tasks.score_even(tmp_path, {}) == 0.0
 
 
-@pytest.mark.parametrize("ranges", [toy_tasks.RANGES, toy_tasks.TWO_DIGIT])
+@pytest.mark.parametrize("ranges", [toy_tasks.RANGES, TWO_DIGIT])
 def test_tasks_are_deterministic_and_disjoint(ranges: toy_tasks.Ranges):
     rl, held, train = (
         toy_tasks.rl_pairs(ranges),
@@ -141,7 +143,7 @@ def test_tasks_are_deterministic_and_disjoint(ranges: toy_tasks.Ranges):
 def test_default_tasks_are_parity_and_bundled():
     assert toy_tasks.RANGES == toy_tasks.TWO_PLUS_ONE == ((10, 99), (1, 9))
     assert len(toy_tasks.all_pairs()) == 810
-    assert len(toy_tasks.all_pairs(toy_tasks.TWO_DIGIT)) == 8100
+    assert len(toy_tasks.all_pairs(TWO_DIGIT)) == 8100
     bundled = load_tasks(toy_tasks.toy_tasks_path())
     assert toy_tasks.TOY_KIND == "parity" and bundled == toy_tasks.rl_tasks()
     assert bundled[0].instructions == toy_tasks.EVEN_INSTRUCTIONS

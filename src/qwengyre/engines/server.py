@@ -4,7 +4,7 @@ A cell hosts its engine here and everything else drives it with
 :class:`qwengyre.engines.sglang.SGLangEngine`, the same client that drives real SGLang
 servers: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``, ``rid``),
 ``/abort_request``, ``/update_weights_from_disk``, ``/release_memory_occupation``,
-``/resume_memory_occupation``, ``/flush_cache``, ``/health``. One addition to SGLang's
+``/resume_memory_occupation``, ``/health``. One addition to SGLang's
 answer: ``meta_info.output_token_versions``, the policy version of every output token.
 Binds 127.0.0.1 by default and requires ``Authorization: Bearer <api key>``.
 
@@ -240,9 +240,6 @@ def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
         await engine.resume_memory()
         return web.json_response(None)
 
-    async def flush(request: web.Request) -> web.Response:
-        return web.Response(text="Cache flushed.")
-
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200 if await engine.health() else 503)
 
@@ -252,6 +249,5 @@ def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
     app.router.add_post("/update_weights_from_disk", update_from_disk)
     app.router.add_post("/release_memory_occupation", release)
     app.router.add_post("/resume_memory_occupation", resume)
-    app.router.add_post("/flush_cache", flush)
     app.router.add_get("/health", health)
     return app

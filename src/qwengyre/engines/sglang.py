@@ -37,7 +37,7 @@ dataclasses of ``sglang/srt/managers/io_struct.py``):
 - ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation`` with
   ``{}`` (all tags: weights and KV cache); the server must run with
   ``--enable-memory-saver`` for memory to be actually freed.
-- ``POST /flush_cache``; ``GET /health`` (200 healthy, 503 not).
+- ``GET /health`` (200 healthy, 503 not).
 
 Weight versions: SGLang reports no per-token version. ``update_weights_from_disk``
 takes the tokenizer manager's model-update writer lock, so a load waits for the
@@ -356,13 +356,6 @@ class SGLangEngine(HTTPEngineClient):
     async def resume_memory(self) -> None:
         await self._json("POST", "/resume_memory_occupation", {})
         self.released = False
-
-    async def flush_cache(self) -> None:
-        """Drop the radix (prefix) cache; SGLang refuses while requests run."""
-        try:
-            await self._call("POST", "/flush_cache")
-        except ValueError as exc:
-            raise RuntimeError(f"SGLang {self.name} did not flush its cache: {exc}") from exc
 
     async def health(self) -> bool:
         """``GET /health``; False on errors and while released.

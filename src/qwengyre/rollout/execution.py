@@ -137,9 +137,9 @@ def infrastructure_failure(
     1. the harness process could not be spawned (:attr:`HarnessRun.spawned` is False:
        missing binary, exec failure, a working directory that vanished); or
     2. it ended by itself -- not timed out, not cancelled -- with a non-zero status (or
-       a signal, or a Python harness that raised) *and* the workspace digest after it
-       (``after_digest``) equals the one taken right after setup (``setup_digest``)
-       *and* it made no model call (``model_calls == 0``, from the proxy's records).
+       a signal) *and* the workspace digest after it (``after_digest``) equals the one
+       taken right after setup (``setup_digest``) *and* it made no model call
+       (``model_calls == 0``, from the proxy's records).
 
     Without the proxy's records (``model_calls is None``: no hub was given) rule 2 rests
     on the exit status and the digest alone. The model-call condition is what separates

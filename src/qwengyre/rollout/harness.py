@@ -1,4 +1,4 @@
-"""Harness launching: run a black-box agent program (or a Python coroutine) for one execution.
+"""Harness launching: run a black-box agent program for one execution.
 
 A harness reaches the model only through qwengyre's proxy. :func:`run_harness` starts the
 harness as a subprocess in ``workspace`` with the proxy's per-execution URL and key under
@@ -28,11 +28,10 @@ import signal
 import string
 import sys
 import time
-import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from qwengyre.rollout.sandbox import NoSandbox, Sandbox
 from qwengyre.rollout.toy_harness import CRITIQUE_ENV
@@ -45,16 +44,13 @@ except ImportError:  # pragma: no cover - non-POSIX
 __all__ = [
     "BASE_ENV_NAMES",
     "PLACEHOLDERS",
-    "HarnessContext",
     "HarnessRun",
     "HarnessSpec",
-    "PythonHarness",
     "claude_code_spec",
     "harness_env",
     "mini_swe_agent_spec",
     "render_command",
     "run_harness",
-    "run_python_harness",
 ]
 
 #: Names a command or env template may use.
@@ -141,7 +137,7 @@ class HarnessRun:
     """How one harness run ended.
 
     ``exit_code`` is the child's return code (negative: killed by that signal), or None
-    when a Python harness did not finish. ``timed_out`` / ``cancelled`` say why qwengyre
+    when no child was spawned. ``timed_out`` / ``cancelled`` say why qwengyre
     stopped it (never both). Times are ``time.monotonic()`` readings. ``error`` is a short
     reason when the harness could not run or raised. ``spawned`` is False only when the
     harness process could not be created at all (missing binary, exec failure, bad
@@ -516,123 +512,6 @@ def mini_swe_agent_spec(
 def _escape(literal: str) -> str:
     """A literal value made safe to embed in a template."""
     return literal.replace("{", "{{").replace("}", "}}")
-
-
-# --- Python harnesses -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HarnessContext:
-    """What a Python harness gets: the same facts a subprocess harness sees."""
-
-    workspace: Path
-    base_url: str
-    openai_base_url: str
-    api_key: str
-    execution_id: str
-    instructions: str
-    logs_dir: Path | None = None
-
-
-class PythonHarness(Protocol):
-    """An in-process harness: an async callable that works in ``ctx.workspace`` and talks
-    to the model only at ``ctx.base_url`` / ``ctx.openai_base_url``."""
-
-    def __call__(self, ctx: HarnessContext) -> Awaitable[None]: ...
-
-
-async def run_python_harness(
-    fn: PythonHarness,
-    *,
-    deadline_s: float,
-    workspace: Path,
-    execution_id: str,
-    base_url: str,
-    api_key: str,
-    instructions: str,
-    logs_dir: Path | None = None,
-    cancel: asyncio.Event | None = None,
-    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
-) -> HarnessRun:
-    """Run ``fn(ctx)`` under the same deadline/cancel rules as :func:`run_harness`.
-
-    On deadline or cancel the coroutine is cancelled and given ``kill_grace_s`` to unwind
-    (a coroutine cannot be killed harder; one that swallows cancellation is abandoned
-    and reported with ``error``). ``exit_code`` is 0 on success, 1 when ``fn`` raised
-    (the traceback goes to ``logs_dir/stderr.log`` when ``logs_dir`` is given, and its
-    last line to ``error``), None when it was stopped.
-    """
-    if not (math.isfinite(deadline_s) and deadline_s > 0):
-        raise ValueError(f"deadline_s must be a finite number > 0, got {deadline_s!r}")
-    stderr_path: Path | None = None
-    if logs_dir is not None:
-        logs_dir = Path(logs_dir)
-        logs_dir.mkdir(parents=True, exist_ok=True)
-        stderr_path = logs_dir / "stderr.log"
-    ctx = HarnessContext(
-        workspace=Path(workspace),
-        base_url=base_url.rstrip("/"),
-        openai_base_url=_openai_base_url(base_url),
-        api_key=api_key,
-        execution_id=execution_id,
-        instructions=instructions,
-        logs_dir=logs_dir,
-    )
-
-    async def call() -> None:
-        await fn(ctx)
-
-    started = time.monotonic()
-    task: asyncio.Task[None] = asyncio.ensure_future(call())
-    cancel_task: asyncio.Task[bool] | None = (
-        asyncio.ensure_future(cancel.wait()) if cancel is not None else None
-    )
-    timed_out = cancelled = False
-    exit_code: int | None = None
-    error: str | None = None
-    try:
-        waiting: set[asyncio.Future[Any]] = {task}
-        if cancel_task is not None:
-            waiting.add(cancel_task)
-        done, _ = await asyncio.wait(
-            waiting, timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        if task not in done:
-            if cancel_task is not None and cancel_task in done:
-                cancelled = True
-            else:
-                timed_out = True
-            task.cancel()
-            finished, _ = await asyncio.wait({task}, timeout=kill_grace_s)
-            if task not in finished:
-                error = "harness ignored cancellation; abandoned"
-            elif not task.cancelled() and task.exception() is None:
-                exit_code = 0  # it finished its work while being stopped
-        elif task.cancelled():
-            exit_code, error = None, "harness cancelled itself"
-        elif (exc := task.exception()) is not None:
-            exit_code = 1
-            error = "".join(traceback.format_exception_only(exc)).strip()
-            if stderr_path is not None:
-                stderr_path.write_text("".join(traceback.format_exception(exc)))
-        else:
-            exit_code = 0
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        if cancel_task is not None and not cancel_task.done():
-            cancel_task.cancel()
-    return HarnessRun(
-        exit_code=exit_code,
-        timed_out=timed_out,
-        cancelled=cancelled,
-        started_s=started,
-        ended_s=time.monotonic(),
-        stdout_path=None,
-        stderr_path=stderr_path,
-        error=error,
-    )
 
 
 #: Environment variable naming the Claude Code binary (default: ``claude`` on PATH).

@@ -114,11 +114,6 @@ class CommandEvaluator(BaseModel):
             return value
         raise ValueError("command must be a list of strings or a string")
 
-    @property
-    def shell(self) -> bool:
-        """Whether the command is a shell string (rather than an argv list)."""
-        return isinstance(self.command, str)
-
 
 class PythonEvaluator(BaseModel):
     """Score a workspace with a Python callable named ``package.module:function``.

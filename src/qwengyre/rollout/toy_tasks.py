@@ -12,10 +12,9 @@ Every toy task is a :class:`ToyProblem`: the task, and what its ideal episode wr
 Addition pairs:
 
 Every ordered pair ``(a, b)`` with operands in their inclusive ranges (:data:`RANGES`,
-by default :data:`TWO_PLUS_ONE`: ``10 <= a <= 99``, ``1 <= b <= 9``, 810 pairs;
-:data:`TWO_DIGIT` is two-digit plus two-digit, 8,100 pairs) belongs to exactly one of
-three sets, fixed by a seeded shuffle (:data:`SPLIT_SEED`) so that every process and
-machine agrees:
+by default :data:`TWO_PLUS_ONE`: ``10 <= a <= 99``, ``1 <= b <= 9``, 810 pairs)
+belongs to exactly one of three sets, fixed by a seeded shuffle (:data:`SPLIT_SEED`)
+so that every process and machine agrees:
 
 * the **RL** set (:func:`rl_pairs`, :func:`rl_tasks`): the tasks ``qwengyre train`` rolls
   out; it always starts with the pairs of the bundled ``example_tasks.jsonl`` that lie
@@ -57,7 +56,6 @@ __all__ = [
     "RL_SIZE",
     "SPLIT_SEED",
     "TOY_KIND",
-    "TWO_DIGIT",
     "TWO_PLUS_ONE",
     "Kind",
     "Ranges",
@@ -86,8 +84,6 @@ ANSWER_FILE = "answer.txt"
 Pair = tuple[int, int]
 Ranges = tuple[tuple[int, int], tuple[int, int]]
 """Inclusive ``((a_min, a_max), (b_min, b_max))`` operand ranges."""
-TWO_DIGIT: Ranges = ((10, 99), (10, 99))
-"""Two-digit plus two-digit (8,100 pairs)."""
 TWO_PLUS_ONE: Ranges = ((10, 99), (1, 9))
 """Two-digit plus one-digit (810 pairs)."""
 RANGES: Ranges = TWO_PLUS_ONE

@@ -337,11 +337,6 @@ class Scheduler:
         return Counters(self._d, self._p, self._f, held)
 
     @property
-    def reserve_left(self) -> int:
-        """Executions of this burst's replacement reserve not yet dispatched."""
-        return self._reserve_left
-
-    @property
     def capacity(self) -> int:
         """Eq 3: rollout capacity of the engines that serve now."""
         serving = self._role_counts[Role.ROLLOUT]
@@ -362,11 +357,6 @@ class Scheduler:
     def batch_needs(self) -> int:
         """Groups the current step's batch still needs (0 while publishing)."""
         return 0 if self._publishing else self.params.batch - len(self._batch)
-
-    @property
-    def groups_wanted(self) -> int:
-        """Outstanding demand from the packing buffer (see :class:`PullGroups`)."""
-        return self._wanted
 
     @property
     def publishing(self) -> bool:

@@ -431,10 +431,6 @@ class PackingBuffer:
         self._num_over_budget = 0
         self._num_zero_gradient = 0
 
-    @property
-    def open_step(self) -> int | None:
-        return self._step
-
     def summary(self, step: int) -> BatchSummary:
         if step not in self._summaries:
             raise KeyError(f"step {step} is not closed")

@@ -79,7 +79,6 @@ __all__ = [
     "read_checkpoint",
     "save_checkpoint",
     "save_sharded_checkpoint",
-    "verify_checkpoint",
 ]
 
 FORMAT_VERSION: Final = 2  # 1: whole HF weights + optimizer.pt (before sharded cells)
@@ -308,7 +307,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     Reads ``root/latest``; if it is missing, corrupt, or names a directory that is not a
     complete checkpoint (its manifest must parse, name the directory's step and list files
     of the right sizes), falls back to the highest-step complete ``step-*`` directory.
-    Full checksums are verified by :func:`load_sharded` / :func:`verify_checkpoint`.
+    Full checksums are verified by :func:`load_sharded` / :func:`read_checkpoint`.
     """
     root = Path(root)
     with contextlib.suppress(OSError, UnicodeDecodeError):
@@ -476,18 +475,6 @@ def _prune(root: Path, step: int, keep: int) -> None:
 
 
 # --------------------------------------------------------------------------- loading
-
-
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check every file of the checkpoint at ``path`` against its manifest; return the manifest.
-
-    Raises :class:`CheckpointCorruptError` naming the first missing or altered file, and
-    :class:`CheckpointError` if ``path`` is not a checkpoint directory.
-    """
-    path = Path(path)
-    manifest = _read_manifest(path)
-    _check_files(path, manifest, checksums=True)
-    return manifest
 
 
 def _read_state(path: Path) -> dict[str, Any]:

@@ -177,10 +177,6 @@ class CellComm:
         dist.all_gather_object(gathered, value, group=self.cell_group)
         return gathered
 
-    def cell_barrier(self) -> None:
-        if self.shards > 1:
-            dist.barrier(group=self.cell_group)
-
     def close(self) -> None:
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()

@@ -138,9 +138,6 @@ class TrajectoryTree:
             ids += node.output_ids
         return ids
 
-    def children(self, node_id: int | None) -> list[int]:
-        return list(self._children.get(node_id, []))
-
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes if not self._children[n.id]]
 
