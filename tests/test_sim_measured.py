@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from tests.traces import write_trace
 
 from qwengyre.cli import main
 from qwengyre.config import Config, config_to_yaml, load_config
@@ -19,7 +20,7 @@ from qwengyre.records.metrics import (
     StepRecord,
     SwitchRecord,
 )
-from qwengyre.records.trace import TraceRecord, write_trace
+from qwengyre.records.trace import TraceRecord
 from qwengyre.sim.measured import measured_costs, with_costs
 from qwengyre.sim.simulator import simulate
 from qwengyre.sim.workload import workload_from_name

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.traces import write_trace
 
 from qwengyre.cli import main
 from qwengyre.config import Config, config_to_yaml, load_config
-from qwengyre.records.trace import TraceRecord, write_trace
+from qwengyre.records.trace import TraceRecord
 from qwengyre.sim.plan import best_times, plan_run, plan_workloads, sweep
 from qwengyre.sim.simulator import simulate
 from qwengyre.sim.workload import workload_from_name

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.traces import write_trace
 
-from qwengyre.records.trace import TraceRecord, write_trace
+from qwengyre.records.trace import TraceRecord
 from qwengyre.sim.replay import TraceWorkload
 from qwengyre.sim.workload import (
     WORKLOAD_NAMES,

@@ -30,6 +30,16 @@ def ideal_proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
     yield from start(tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000)
 
 
+ANSWER_CALL = ("sub.task", 0)
+"""(request class, turn within that class) of the call that writes answer.txt."""
+
+
+def answer_correct(text: str, problem: toy_tasks.ToyProblem) -> bool:
+    """Does a decoded reply write a correct answer for ``problem``?"""
+    content = ws.written_answer(text)
+    return content is not None and problem.correct(content)
+
+
 def test_ideal_episode_equals_what_the_proxy_records(ideal_proxy: Running, tmp_path: Path):
     task = PROBLEM.task
     ex = ideal_proxy.new_execution()
@@ -73,10 +83,10 @@ def test_ideal_episode_equals_what_the_proxy_records(ideal_proxy: Running, tmp_p
             leaf["output_ids"]
         )
     # The answer call's reply is the sum, parsed as the proxy parses it.
-    answer = next(c for c in episode.calls if (c.request_class, c.turn) == ws.ANSWER_CALL)
+    answer = next(c for c in episode.calls if (c.request_class, c.turn) == ANSWER_CALL)
     text = ideal_proxy.tokenizer.decode(answer.reply_ids[:-1])  # type: ignore[attr-defined]
-    assert ws.answer_correct(text, PROBLEM)
-    assert not ws.answer_correct(text, toy_tasks.addition_problem(37, 46))
+    assert answer_correct(text, PROBLEM)
+    assert not answer_correct(text, toy_tasks.addition_problem(37, 46))
     # The cheap answer-call-only rows are that same call.
     assert ws.answer_call(ChatRenderer(ideal_proxy.tokenizer), PROBLEM) == answer  # type: ignore[arg-type]
 
@@ -84,13 +94,13 @@ def test_ideal_episode_equals_what_the_proxy_records(ideal_proxy: Running, tmp_p
 def test_answer_parsing_and_the_parity_rule():
     call = ws.tool_call_text
     sum82 = toy_tasks.addition_problem(40, 42)
-    assert ws.answer_correct(call("write_file", path="answer.txt", content=" 82\n"), sum82)
-    assert not ws.answer_correct(call("write_file", path="other.txt", content="82"), sum82)
-    assert not ws.answer_correct("82", sum82)
+    assert answer_correct(call("write_file", path="answer.txt", content=" 82\n"), sum82)
+    assert not answer_correct(call("write_file", path="other.txt", content="82"), sum82)
+    assert not answer_correct("82", sum82)
     two = call("write_file", path="answer.txt", content="82") + call(
         "write_file", path="answer.txt", content="8"
     )
-    assert not ws.answer_correct(two, sum82)  # the last write wins, as in the workspace
+    assert not answer_correct(two, sum82)  # the last write wins, as in the workspace
     parity = toy_tasks.parity_problem(3)
     assert [parity.correct(x) for x in ("42", " 18\n", "43", "08", "4", "100")] == [
         True,

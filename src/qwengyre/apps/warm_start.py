@@ -109,7 +109,6 @@ from qwengyre.rollout.toy_tasks import (
 )
 
 __all__ = [
-    "ANSWER_CALL",
     "MAX_STEPS",
     "Episode",
     "ModelCall",
@@ -118,8 +117,6 @@ __all__ = [
     "WarmStartError",
     "WarmStartResult",
     "answer_call",
-    "answer_correct",
-    "episode_accuracy",
     "ideal_episode",
     "ideal_script",
     "run_recorded_episode",
@@ -131,9 +128,6 @@ __all__ = [
 
 MAX_STEPS = 250
 """Default bound on warm-start updates (the default needs 70, see the module docstring)."""
-
-ANSWER_CALL = ("sub.task", 0)
-"""(request class, turn within that class) of the call that writes answer.txt."""
 
 Policy = Callable[[str, int, Sequence[int]], Sequence[int]]
 """(request class, turn within the class, prompt ids) -> output ids (end-of-turn included)."""
@@ -277,12 +271,6 @@ def written_answer(text: str) -> str | None:
     return written[-1] if written and isinstance(written[-1], str) else None
 
 
-def answer_correct(text: str, problem: ToyProblem) -> bool:
-    """Does a decoded reply write a correct answer for ``problem``?"""
-    content = written_answer(text)
-    return content is not None and problem.correct(content)
-
-
 # --------------------------------------------------------------------------- model work
 
 
@@ -423,33 +411,6 @@ def _sample(
         )
         pos += 1
     return replies
-
-
-def _decode_reply(tokenizer: Any, ids: Sequence[int]) -> str:
-    """The text the proxy parses: the reply minus its end-of-turn token, specials dropped."""
-    body = list(ids[:-1]) if ids and ids[-1] == tokenizer.eos_token_id else list(ids)
-    return str(tokenizer.decode(body, skip_special_tokens=True))
-
-
-def episode_accuracy(
-    model_dir: Path | str,
-    chosen: Sequence[ToyProblem] | None = None,
-    *,
-    n: int = 32,
-    seed: int = 0,
-    kind: Kind = TOY_KIND,
-    ranges: Ranges = RANGES,
-) -> float:
-    """Fraction of whole toy-harness episodes (every call sampled at temperature 1, through
-    the in-process proxy recorder) that the task's evaluator scores 1.0."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    chosen = list(chosen) if chosen is not None else problems("heldout", kind, ranges)[:n]
-    return _episode_score(
-        model, ChatRenderer(tokenizer), chosen, torch.Generator().manual_seed(seed)
-    )
 
 
 def _episode_score(

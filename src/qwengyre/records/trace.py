@@ -31,7 +31,6 @@ first bad line, e.g. ``trace.jsonl:7: field 'end_s': end_s (3.0) < start_s (5.0)
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Self
@@ -152,13 +151,6 @@ def read_trace(path: Path | str, *, allow_empty: bool = False) -> list[TraceReco
 
 def _line(record: TraceRecord) -> str:
     return record.model_dump_json() + "\n"
-
-
-def write_trace(path: Path | str, records: Iterable[TraceRecord]) -> None:
-    """Write ``records`` to ``path`` (replacing it), one JSON line each."""
-    with Path(path).open("w", encoding="utf-8") as stream:
-        for record in records:
-            stream.write(_line(record))
 
 
 class TraceWriter:

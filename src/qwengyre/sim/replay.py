@@ -60,10 +60,6 @@ class TraceWorkload:
         """The number of distinct recorded queries with replayable records."""
         return len(self._queries)
 
-    def query_key(self, query_id: int) -> str | int:
-        """The recorded ``query`` that ``query_id`` replays."""
-        return self._queries[query_id % len(self._queries)][0].query
-
     def execution(self, query_id: int, index: int) -> ExecutionSpec:
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
