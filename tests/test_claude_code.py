@@ -201,7 +201,7 @@ def compacted(done: subprocess.CompletedProcess[str], trigger: str) -> bool:
 
 def last_user_message(proxy: Running, execution_id: str, node_id: int) -> str:
     """The last user message of what the proxy recorded for a node (request + reply)."""
-    conversation = proxy.server.executions[execution_id].recorder.conversation(node_id)
+    conversation = proxy.server.residency.executions[execution_id].recorder.conversation(node_id)
     return next(m.content for m in reversed(conversation) if m.role == "user")
 
 
