@@ -5,6 +5,8 @@ into an API-neutral :class:`~qwengyre.proxy.types.ChatRequest`; :func:`message_b
 :func:`stream_events` turn a :class:`~qwengyre.proxy.types.Completion` back into the JSON
 body or the SSE byte stream the API sends. Errors are :class:`~qwengyre.proxy.types.ApiError`
 and render with :func:`error_body` / :func:`error_headers` / :func:`stream_error_event`.
+The server uses them through :class:`AnthropicMessages`, this API's
+:class:`~qwengyre.proxy.dialect.Dialect`.
 
 What real clients send (see ``shared/HARNESSES.md``) is accepted: unknown top-level fields
 (``thinking``, ``context_management``, ``output_config``, ``metadata``, ...) and

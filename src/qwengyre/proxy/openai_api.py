@@ -4,6 +4,8 @@ Pure functions, no I/O: the server hands :func:`parse_chat_request` the raw body
 request headers, runs the engine, and answers with :func:`completion_body` or
 :func:`stream_chunks`; an :class:`~qwengyre.proxy.types.ApiError` raised anywhere is
 answered with :func:`error_status`, :func:`error_headers` and :func:`error_body`.
+The server uses them through :class:`OpenAIChat`, this API's
+:class:`~qwengyre.proxy.dialect.Dialect`.
 
 The parser accepts what real clients (the ``openai`` SDK, LiteLLM, agent harnesses) send:
 unknown or unsupported-but-harmless top-level fields are ignored (see

@@ -243,30 +243,29 @@ class ProxyServer:
             body = await read_body(http, self.max_body_bytes)
             recorder = await self.residency.recorder(state)
             chat, split, reuse = _parse(dialect, body, http.headers, state.bodies)
-            call = _prepare(dialect, recorder, chat, reuse)
+            prepared = _prepare(dialect, recorder, chat, reuse)
         except ApiError as error:
             return _error_response(dialect, error)
         if split is not None:  # the next body of this client can reuse this one's work
             earlier = _Earlier(
-                KnownMessages(call.messages[chat.lead :], chat.last_user_texts),
-                call.messages[: chat.lead],
-                call.parent,
+                KnownMessages(prepared.messages[chat.lead :], chat.last_user_texts),
+                prepared.messages[: chat.lead],
+                prepared.parent,
             )
             state.bodies.remember(body, split, earlier)
+        call = _Call(http, dialect, state, recorder, chat, prepared)
         state.busy += 1
         try:
             if chat.stream:
-                return await self._stream(http, dialect, state, recorder, chat, call)
-            return await self._reply(http, dialect, state, recorder, chat, call)
+                return await self._stream(call)
+            return await self._reply(call)
         finally:
             state.busy -= 1
             state.used_s = time.monotonic()
 
-    def _request(
-        self, state: ExecutionState, chat: ChatRequest, call: PreparedCall
-    ) -> GenerateRequest:
-        room = self.max_context - len(call.prompt_ids)
-        asked = chat.sampling
+    def _request(self, call: _Call) -> GenerateRequest:
+        room = self.max_context - len(call.prepared.prompt_ids)
+        asked = call.chat.sampling
         sampling = SamplingParams(
             max_tokens=min(asked.max_tokens, room),
             temperature=self.temperature if self.force_sampling else asked.temperature,
@@ -276,19 +275,15 @@ class ProxyServer:
         )
         return GenerateRequest(
             new_id("req_", 12),
-            call.prompt_ids,
+            call.prepared.prompt_ids,
             sampling,
-            {"execution": state.id, "class": call.request_class.name},
+            {"execution": call.state.id, "class": call.prepared.request_class.name},
         )
 
     async def _generate(
-        self,
-        http: web.Request,
-        state: ExecutionState,
-        request: GenerateRequest,
-        on_delta: Callable[[TokenDelta], Awaitable[None]] | None = None,
+        self, call: _Call, on_delta: Callable[[TokenDelta], Awaitable[None]] | None = None
     ) -> tuple[str, GenerateResult, bool]:
-        """Run ``request`` through the router, handing each delta to ``on_delta``;
+        """Run ``call`` through the router, handing each delta to ``on_delta``;
         (engine, result, whether the client went away). A client that hangs up (or a
         failed write to it) aborts the engine request at once; the result then holds
         what was generated so far, with finish reason ``abort``."""
@@ -300,7 +295,7 @@ class ProxyServer:
 
         async def consume() -> None:
             nonlocal engine, finish
-            deltas = self.router.stream(state.id, request)
+            deltas = self.router.stream(call.state.id, self._request(call))
             try:
                 async for name, delta in deltas:
                     engine = name
@@ -315,7 +310,7 @@ class ProxyServer:
                 await deltas.aclose()
 
         work = asyncio.ensure_future(consume())
-        gone = self._hang_ups.watch(http)
+        gone = self._hang_ups.watch(call.http)
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -335,10 +330,7 @@ class ProxyServer:
 
     async def _commit(
         self,
-        state: ExecutionState,
-        recorder: ExecutionRecorder,
-        chat: ChatRequest,
-        call: PreparedCall,
+        call: _Call,
         engine: str,
         result: GenerateResult,
         started_s: float,
@@ -346,12 +338,13 @@ class ProxyServer:
     ) -> Recorded:
         """Record the call durably, undelivered until :meth:`_delivered`; it enters the
         tree only once committed, and commits of one execution are in node order."""
+        state, recorder = call.state, call.recorder
         async with state.lock:
             recorded = recorder.build(
-                call,
+                call.prepared,
                 result,
-                api=chat.api,
-                model=chat.model or self.model,
+                api=call.chat.api,
+                model=call.chat.model or self.model,
                 engine=engine,
                 started_s=started_s,
                 finished_s=time.time(),
@@ -365,75 +358,57 @@ class ProxyServer:
                 raise ApiError(
                     "api_error", "the call could not be recorded; nothing was recorded for it"
                 ) from None
-            recorder.add(recorded.node, recorded.turn, call.prompt_ids)
+            recorder.add(recorded.node, recorded.turn, call.prepared.prompt_ids)
         return recorded
 
-    async def _delivered(
-        self, state: ExecutionState, recorder: ExecutionRecorder, node: int
-    ) -> None:
-        await asyncio.to_thread(self.store.set_delivered, state.id, node, True)
-        recorder.mark_delivered(node, True)
+    async def _delivered(self, call: _Call, node: int) -> None:
+        await asyncio.to_thread(self.store.set_delivered, call.state.id, node, True)
+        call.recorder.mark_delivered(node, True)
 
-    async def _reply(
-        self,
-        http: web.Request,
-        dialect: Dialect,
-        state: ExecutionState,
-        recorder: ExecutionRecorder,
-        chat: ChatRequest,
-        call: PreparedCall,
-    ) -> web.StreamResponse:
+    async def _reply(self, call: _Call) -> web.StreamResponse:
         """A non-streaming answer: generate, commit, write, mark delivered."""
         started = time.time()
         try:
-            request = self._request(state, chat, call)
-            engine, result, gone = await self._generate(http, state, request)
-            recorded = await self._commit(state, recorder, chat, call, engine, result, started)
+            engine, result, gone = await self._generate(call)
+            recorded = await self._commit(call, engine, result, started)
         except ApiError as error:
-            return _error_response(dialect, error)
+            return _error_response(call.dialect, error)
         response = web.StreamResponse(headers={"content-type": "application/json"})
         if gone:
             return response  # nobody to answer; the node stays undelivered
-        data = json.dumps(dialect.answer(recorded.completion, chat)).encode()
+        data = json.dumps(call.dialect.answer(recorded.completion, call.chat)).encode()
         response.content_length = len(data)
         try:
-            await response.prepare(http)
+            await response.prepare(call.http)
             await response.write(data)
             await response.write_eof()
         except ConnectionError:
             return response
-        await self._delivered(state, recorder, recorded.node.id)
+        await self._delivered(call, recorded.node.id)
         return response
 
-    async def _stream(
-        self,
-        http: web.Request,
-        dialect: Dialect,
-        state: ExecutionState,
-        recorder: ExecutionRecorder,
-        chat: ChatRequest,
-        call: PreparedCall,
-    ) -> web.StreamResponse:
+    async def _stream(self, call: _Call) -> web.StreamResponse:
         """A streamed answer: the opening event with the first token (or the first
         ping: one is sent whenever nothing else was for ``ping_s``, e.g. during a long
         prefill), text as the engine produces it, then the commit and the closing
         events. An error before anything was sent is a plain API error (a client
         retries a 529 it sees before the stream), after that an error event."""
         started = time.time()
+        dialect, chat = call.dialect, call.chat
         completion_id = new_id(dialect.id_prefix)
         events = dialect.events(
             completion_id,
             chat.model or self.model,
             chat,
             created=int(started),
-            input_tokens=len(call.prompt_ids),
+            input_tokens=len(call.prepared.prompt_ids),
         )
         response = web.StreamResponse(
             headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
         )
-        writer = SseWriter(http, response, events.start())
+        writer = SseWriter(call.http, response, events.start())
         decoder = IncrementalDecoder(self.renderer.tokenizer)
-        reply = ReplyStream(call.stop)
+        reply = ReplyStream(call.prepared.stop)
         eos = self.renderer.tokenizer.eos_token_id
 
         async def on_delta(delta: TokenDelta) -> None:
@@ -449,14 +424,10 @@ class ProxyServer:
         try:
             pings = asyncio.ensure_future(writer.ping_every(self.ping_s, events.ping))
             try:
-                engine, result, gone = await self._generate(
-                    http, state, self._request(state, chat, call), on_delta
-                )
+                engine, result, gone = await self._generate(call, on_delta)
             finally:
                 pings.cancel()
-            recorded = await self._commit(
-                state, recorder, chat, call, engine, result, started, completion_id
-            )
+            recorded = await self._commit(call, engine, result, started, completion_id)
         except ApiError as error:
             if not writer.started:
                 return _error_response(dialect, error)
@@ -474,7 +445,7 @@ class ProxyServer:
             await response.write_eof()
         except ConnectionError:
             return response
-        await self._delivered(state, recorder, recorded.node.id)
+        await self._delivered(call, recorded.node.id)
         return response
 
     async def _count_tokens(self, http: web.Request, dialect: Dialect) -> web.Response:
@@ -537,6 +508,18 @@ def _error_response(dialect: Dialect, error: ApiError) -> web.Response:
     )
     answer = dialect.error(error)
     return web.json_response(answer.body, status=answer.status, headers=answer.headers)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A model call once parsed and prepared, on its way to the engine and back."""
+
+    http: web.Request
+    dialect: Dialect
+    state: ExecutionState
+    recorder: ExecutionRecorder
+    chat: ChatRequest
+    prepared: PreparedCall  # the prompt, built from the execution's recorded calls
 
 
 @dataclass(frozen=True)
