@@ -238,7 +238,7 @@ async def _serve(store_dir: Path, given_kwargs: dict[str, Any], idle_s: float) -
         if request.query.get("settle"):
             _settle()
             heap = _heap_bytes()
-        executions = getattr(server, "executions", None)
+        executions = server.residency.executions
         return web.json_response(
             {
                 "cpu_s": cpu,
@@ -246,7 +246,7 @@ async def _serve(store_dir: Path, given_kwargs: dict[str, Any], idle_s: float) -
                 "hwm_kb": _status_kb("VmHWM"),
                 "heap_kb": None if heap is None else heap / 1024,
                 "blocks": sys.getallocatedblocks(),
-                "executions": len(executions) if isinstance(executions, dict) else None,
+                "executions": len(executions),
             }
         )
 
@@ -284,7 +284,7 @@ async def _serve(store_dir: Path, given_kwargs: dict[str, Any], idle_s: float) -
         "cpu_s": _cpu_s(),
         "rss_kb": _status_kb("VmRSS"),
         "kwargs": dict(kwargs),
-        "executions": len(getattr(server, "executions", {}) or {}),
+        "executions": len(server.residency.executions),
     }
     print(READY + json.dumps(ready), flush=True)
     stop = asyncio.Event()
@@ -793,7 +793,7 @@ async def section_executions(
     if peak.get("executions") is not None:
         rows.append(
             [
-                "entries in server.executions: peak -> after",
+                "entries in server.residency.executions: peak -> after",
                 f"{peak['executions']} -> {after['executions']}",
                 "report",
                 "-",
@@ -1199,7 +1199,14 @@ async def _startup(
         ]
     )
     rows.append(
-        ["entries in server.executions", e["executions"], f["executions"], "", "report", "-"]
+        [
+            "entries in server.residency.executions",
+            e["executions"],
+            f["executions"],
+            "",
+            "report",
+            "-",
+        ]
     )
     if longest is not None:
         conv, old_url = longest

@@ -17,7 +17,7 @@ import pytest
 from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
-from qwengyre.proxy.server import ProxyServer
+from qwengyre.proxy import server as proxy_server
 from qwengyre.trajectories.classes import COMPACTION_PREFIX, SUBAGENT_HEADER
 
 pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
@@ -158,15 +158,15 @@ def requests_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, str | Non
     """Every ``/v1/messages`` body the proxy parsed (rejected ones too), as JSON, with
     its sub-agent header."""
     seen: list[tuple[dict, str | None]] = []
-    read = ProxyServer._body
+    read = proxy_server.read_body
 
-    async def spy(self: ProxyServer, http):  # type: ignore[no-untyped-def]
-        body = await read(self, http)
+    async def spy(http, max_bytes):  # type: ignore[no-untyped-def]
+        body = await read(http, max_bytes)
         if http.path.endswith("/v1/messages"):
             seen.append((json.loads(body), http.headers.get(SUBAGENT_HEADER)))
         return body
 
-    monkeypatch.setattr(ProxyServer, "_body", spy)
+    monkeypatch.setattr(proxy_server, "read_body", spy)
     return seen
 
 
@@ -201,7 +201,7 @@ def compacted(done: subprocess.CompletedProcess[str], trigger: str) -> bool:
 
 def last_user_message(proxy: Running, execution_id: str, node_id: int) -> str:
     """The last user message of what the proxy recorded for a node (request + reply)."""
-    conversation = proxy.server.executions[execution_id].recorder.conversation(node_id)
+    conversation = proxy.server.residency.executions[execution_id].recorder.conversation(node_id)
     return next(m.content for m in reversed(conversation) if m.role == "user")
 
 

@@ -207,7 +207,7 @@ def test_idle_and_revoked_executions_leave_memory_and_reload_exactly(
     try:
         executions = [proxy.new_execution() for _ in range(4)]
         conversations = [loop_turns(proxy, ex, 2) for ex in executions]
-        states = [proxy.server.executions[ex["id"]] for ex in executions]
+        states = [proxy.server.residency.executions[ex["id"]] for ex in executions]
         assert sum(s.recorder is not None for s in states) == 2
         trees = [proxy.tree(ex["id"]) for ex in executions]
         # An evicted execution continues where it was: its next call extends its tree.
@@ -215,7 +215,7 @@ def test_idle_and_revoked_executions_leave_memory_and_reload_exactly(
         assert proxy.tree(executions[0]["id"])[-1]["parent"] == len(trees[0]) - 1
         proxy.admin("DELETE", f"/admin/executions/{executions[0]['id']}")
         assert states[0].recorder is None
-        proxy.server.idle_s = 0.0
+        proxy.server.residency.idle_s = 0.0
         ask(proxy, executions[1], conversations[1])
         assert sum(s.recorder is not None for s in states) == 1  # only the one just used
     finally:
@@ -229,7 +229,7 @@ def test_idle_executions_leave_memory_without_another_call(tmp_path: Path, tiny_
         executions = [proxy.new_execution() for _ in range(3)]
         for ex in executions:
             loop_turns(proxy, ex, 2)
-        states = [proxy.server.executions[ex["id"]] for ex in executions]
+        states = [proxy.server.residency.executions[ex["id"]] for ex in executions]
         deadline = time.monotonic() + 10
         while any(s.recorder is not None for s in states) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -177,7 +177,7 @@ async def _rollout(
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     server.base_url = url
-    admin = {"authorization": f"Bearer {server.admin_token}"}
+    admin = {"authorization": f"Bearer {server.admin.token}"}
     done = results.done()
     if options.resume:  # harnesses a killed runner left behind must not keep running
         kill_orphaned_harnesses(run_dir)

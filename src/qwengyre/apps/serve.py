@@ -229,7 +229,7 @@ def serve(options: ServeOptions) -> None:
     with model_engine(options, tokenizer) as engine:
         server = build_proxy(options, engine, tokenizer)
         if options.admin_token is None:
-            print(f"admin token: {server.admin_token}", flush=True)
+            print(f"admin token: {server.admin.token}", flush=True)
         app = server.app()
         app.on_cleanup.append(lambda _app: close_engine(engine))
         web.run_app(app, host=options.host, port=options.port, print=None)

@@ -219,7 +219,7 @@ def _harness_hosts(config: Config, run_dir: Path, proxy: ProxyServer) -> HostPoo
         harness_dir=config.run.harness_dir or run_dir.resolve(),
         hub=proxy,
         proxy_url=proxy.base_url,
-        admin_token=proxy.admin_token,
+        admin_token=proxy.admin.token,
     )
     return HostPool(hosts)
 

@@ -5,6 +5,8 @@ into an API-neutral :class:`~qwengyre.proxy.types.ChatRequest`; :func:`message_b
 :func:`stream_events` turn a :class:`~qwengyre.proxy.types.Completion` back into the JSON
 body or the SSE byte stream the API sends. Errors are :class:`~qwengyre.proxy.types.ApiError`
 and render with :func:`error_body` / :func:`error_headers` / :func:`stream_error_event`.
+The server uses them through :class:`AnthropicMessages`, this API's
+:class:`~qwengyre.proxy.dialect.Dialect`.
 
 What real clients send (see ``shared/HARNESSES.md``) is accepted: unknown top-level fields
 (``thinking``, ``context_management``, ``output_config``, ``metadata``, ...) and
@@ -25,15 +27,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import secrets
 import string
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from qwengyre.proxy import jsonsafe
+from qwengyre.proxy.dialect import Dialect, ErrorAnswer, select_headers
+from qwengyre.proxy.jsonsafe import StrictModel
+from qwengyre.proxy.sse import pieces, split_events
 from qwengyre.proxy.types import (
     ApiError,
     ChatRequest,
@@ -41,16 +45,19 @@ from qwengyre.proxy.types import (
     KnownMessages,
     Message,
     SamplingParams,
+    TokenLogprob,
     ToolCall,
     ToolSpec,
 )
 
 __all__ = [
+    "AnthropicMessages",
     "MessageStream",
     "count_tokens_body",
     "error_body",
     "error_headers",
     "message_body",
+    "models_body",
     "new_message_id",
     "new_tool_use_id",
     "parse_count_tokens_request",
@@ -84,20 +91,15 @@ def new_tool_use_id() -> str:
 # --------------------------------------------------------------------------------------
 # request validation models (pydantic v2; strict types, unknown fields ignored)
 
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+_M = TypeVar("_M", bound=StrictModel)
 
 
-_M = TypeVar("_M", bound=_Model)
-
-
-class _MessageParam(_Model):
+class _MessageParam(StrictModel):
     role: Literal["user", "assistant", "system"]
     content: Any  # str | list of blocks: checked by hand for precise error paths
 
 
-class _Body(_Model):
+class _Body(StrictModel):
     model: str
     messages: list[_MessageParam] = Field(min_length=1)
     system: Any = None  # str | list of text blocks: checked by hand
@@ -117,26 +119,26 @@ class _CountTokensBody(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
 
 
-class _TextBlock(_Model):
+class _TextBlock(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class _ToolUseBlock(_Model):
+class _ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class _ToolResultBlock(_Model):
+class _ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Any = None  # None | str | list of text blocks: checked by hand
     is_error: bool | None = None
 
 
-class _ToolParam(_Model):
+class _ToolParam(StrictModel):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any]
@@ -151,8 +153,6 @@ _ROLE_BLOCKS: dict[str, frozenset[str]] = {
     "system": frozenset({"text"}),
 }
 _MEDIA_BLOCKS = {"image": "images", "document": "documents"}
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Header names we copy into ChatRequest.headers (request-class rules look at them).
 _HEADER_PREFIXES = ("x-claude-code-", "anthropic-")
@@ -192,19 +192,18 @@ def _load_body(body: bytes) -> dict[str, Any]:
     """The body as a JSON object (see the module docstring for the bounds and for lone
     surrogates)."""
     try:
-        data = jsonsafe.loads(body, surrogates="replace")
+        return jsonsafe.load_object(body)
     except jsonsafe.TooDeep as exc:
         raise ApiError("invalid_request_error", f"The request body is too deep: {exc}") from None
+    except jsonsafe.NotAnObject as exc:
+        raise ApiError(
+            "invalid_request_error",
+            f"The request body should be a JSON object, not {type(exc.value).__name__}",
+        ) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise ApiError(
             "invalid_request_error", f"The request body is not valid JSON: {exc}"
         ) from None
-    if not isinstance(data, dict):
-        raise ApiError(
-            "invalid_request_error",
-            f"The request body should be a JSON object, not {type(data).__name__}",
-        )
-    return data
 
 
 def _text_content(content: Any, loc: tuple[str | int, ...], what: str) -> str:
@@ -311,19 +310,12 @@ def _convert_tools(tools: list[dict[str, Any]] | None) -> tuple[ToolSpec, ...]:
 
 
 def _select_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The headers request-class rules may read; one of them that is not UTF-8 (the HTTP
-    server hands such bytes over as lone surrogates) is refused."""
-    out: dict[str, str] = {}
-    for name, value in headers.items():
-        low = name.lower()
-        if not low.startswith(_HEADER_PREFIXES):
-            continue
-        if any(word in low for word in _SECRET_HEADER_WORDS):
-            continue
-        if _SURROGATE.search(low + value):
-            raise _invalid("", f"header {low!r} is not valid UTF-8")
-        out[low] = value
-    return out
+    return select_headers(
+        headers,
+        prefixes=_HEADER_PREFIXES,
+        secret_words=_SECRET_HEADER_WORDS,
+        not_utf8="header {name} is not valid UTF-8",
+    )
 
 
 def _to_chat_request(
@@ -402,6 +394,17 @@ def count_tokens_body(input_tokens: int) -> dict[str, Any]:
     return {"input_tokens": input_tokens}
 
 
+def models_body(model: str) -> dict[str, Any]:
+    """``GET /v1/models``: ``model``, the only one."""
+    entry = {
+        "type": "model",
+        "id": model,
+        "display_name": model,
+        "created_at": "2026-01-01T00:00:00Z",
+    }
+    return {"data": [entry], "has_more": False, "first_id": model, "last_id": model}
+
+
 # --------------------------------------------------------------------------------------
 # responses
 
@@ -456,25 +459,15 @@ def _sse(event: str, data: Mapping[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + jsonsafe.dumps(data) + b"\n\n"
 
 
-def _chunks(s: str, n: int) -> Iterator[str]:
-    for k in range(0, len(s), n):
-        yield s[k : k + n]
-
-
 def stream_events(c: Completion, chunk_chars: int = 64) -> Iterator[bytes]:
     """The SSE stream for ``c``, event by event, as the API sends it: a
     :class:`MessageStream` given ``c.text`` in ``text_delta`` chunks of ``chunk_chars``
     characters (tool input goes in ``input_json_delta`` chunks of as many)."""
     events = MessageStream(_message_id(c), c.model, c.input_tokens, chunk_chars=chunk_chars)
-    yield from _split_events(events.start())
-    for piece in _chunks(c.text, chunk_chars):
-        yield from _split_events(events.text(piece))
-    yield from _split_events(events.finish(c))
-
-
-def _split_events(data: bytes) -> list[bytes]:
-    """SSE events one by one (a data line never holds a blank line: JSON escapes it)."""
-    return [event + b"\n\n" for event in data.split(b"\n\n")[:-1]]
+    yield from split_events(events.start())
+    for piece in pieces(c.text, chunk_chars):
+        yield from split_events(events.text(piece))
+    yield from split_events(events.finish(c))
 
 
 class MessageStream:
@@ -521,8 +514,9 @@ class MessageStream:
     def ping(self) -> bytes:
         return _sse("ping", {"type": "ping"})
 
-    def text(self, delta: str) -> bytes:
-        """The text block's next ``text_delta`` (nothing for empty text)."""
+    def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+        """The text block's next ``text_delta`` (nothing for empty text); the API
+        carries no log-probs: ``logprobs`` is not sent."""
         if not delta:
             return b""
         opening = b""
@@ -543,7 +537,7 @@ class MessageStream:
             block = _tool_use_block(call)
             out.append(self._open({**block, "input": {}}))
             js = json.dumps(block["input"], ensure_ascii=False, separators=(",", ":"))
-            for piece in _chunks(js, self.chunk_chars):
+            for piece in pieces(js, self.chunk_chars):
                 out.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
             out.append(self._close())
         out.append(
@@ -613,3 +607,56 @@ def prompt_too_long(tokens: int, limit: int) -> ApiError:
         f"prompt is too long: {tokens} tokens > {limit} maximum",
         code="context_length_exceeded",
     )
+
+
+# --------------------------------------------------------------------------------------
+# the dialect
+
+
+class AnthropicMessages(Dialect):
+    """The Messages API (``POST /v1/messages``, ``?beta=true`` too, and its token count),
+    as the server serves it: this module's functions under the :class:`Dialect` names.
+    The admin API and unknown routes answer in its error shape too."""
+
+    name = "anthropic"
+    call_path = "/v1/messages"
+    count_tokens_path = "/v1/messages/count_tokens"
+    id_prefix = "msg_"
+    path_marker = "/v1/messages"
+
+    def owns_headers(self, headers: Mapping[str, str]) -> bool:
+        return "anthropic-version" in headers
+
+    def parse(self, body: bytes, headers: Mapping[str, str]) -> ChatRequest:
+        return parse_messages_request(body, headers)
+
+    def parse_doc(
+        self, doc: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None
+    ) -> ChatRequest:
+        return parse_messages_doc(doc, headers, before)
+
+    def answer(self, c: Completion, chat: ChatRequest) -> dict[str, Any]:
+        return message_body(c)
+
+    def events(
+        self, completion_id: str, model: str, chat: ChatRequest, *, created: int, input_tokens: int
+    ) -> MessageStream:
+        return MessageStream(completion_id, model, input_tokens)
+
+    def error(self, e: ApiError) -> ErrorAnswer:
+        return ErrorAnswer(e.status, error_body(e), error_headers(e))
+
+    def stream_error(self, e: ApiError) -> bytes:
+        return stream_error_event(e)
+
+    def context_too_long(self, tokens: int, limit: int) -> ApiError:
+        return prompt_too_long(tokens, limit)
+
+    def models_body(self, model: str) -> dict[str, Any]:
+        return models_body(model)
+
+    def parse_count_tokens(self, body: bytes, headers: Mapping[str, str]) -> ChatRequest:
+        return parse_count_tokens_request(body, headers)
+
+    def count_tokens_body(self, input_tokens: int) -> dict[str, Any]:
+        return count_tokens_body(input_tokens)

@@ -12,7 +12,8 @@ Reading (:func:`loads`) accepts RFC 8259 JSON only, within bounds:
 - lone surrogates (``"\\ud800"``: clients that cut a string mid-emoji) are kept, or
   replaced with U+FFFD (``surrogates="replace"``).
 
-Every failure is a :class:`ValueError` whose message says what is wrong.
+Every failure is a :class:`ValueError` whose message says what is wrong. A request body
+(:func:`load_object`) must be an object, whose fields a :class:`StrictModel` validates.
 
 Writing (:func:`dumps`) is compact and lossless: raw UTF-8 (what the APIs stream) unless
 the value holds a lone surrogate, which UTF-8 cannot carry; then the whole document is
@@ -28,14 +29,20 @@ import re
 from itertools import accumulate
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict
+
 __all__ = [
     "DECODER",
     "MAX_DEPTH",
     "MAX_REPLY_DEPTH",
+    "NotAnObject",
+    "StrictModel",
     "TooDeep",
     "check_depth",
     "clean_surrogates",
     "dumps",
+    "has_surrogate",
+    "load_object",
     "loads",
 ]
 
@@ -64,6 +71,27 @@ class TooDeep(ValueError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"JSON nesting exceeds the limit of {limit} levels")
         self.limit = limit
+
+
+class NotAnObject(ValueError):
+    """A request body that is JSON but not an object (``value``: what it is)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(f"the document is not a JSON object but {type(value).__name__}")
+        self.value = value
+
+
+class StrictModel(BaseModel):
+    """A request body's model: strict types (``"5"`` is not an integer, ``1`` is not a
+    boolean), unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def has_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate (bytes that were not UTF-8, as the HTTP
+    server hands them over, or a ``\\ud800`` escape once parsed)."""
+    return _SURROGATE.search(text) is not None
 
 
 def _depth(text: str, start: int = 0) -> int:
@@ -97,7 +125,7 @@ def _finite_float(literal: str) -> float:
 def clean_surrogates(value: Any, text: str) -> Any:
     """``value``, parsed from ``text``, with lone surrogates replaced by U+FFFD (itself
     when ``text`` holds none)."""
-    if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
+    if _SURROGATE_ESCAPE.search(text) or has_surrogate(text):
         return _replace_surrogates(value)
     return value
 
@@ -136,6 +164,16 @@ def loads(
     check_depth(text, max_depth=max_depth)
     value = DECODER.decode(text)
     return clean_surrogates(value, text) if surrogates == "replace" else value
+
+
+def load_object(body: bytes) -> dict[str, Any]:
+    """A client's request body: a JSON object, read by :func:`loads` with lone
+    surrogates replaced. Raises :class:`TooDeep`, :class:`NotAnObject`, or another
+    :class:`ValueError` for what is not JSON."""
+    value = loads(body, surrogates="replace")
+    if not isinstance(value, dict):
+        raise NotAnObject(value)
+    return value
 
 
 def dumps(value: Any) -> bytes:

@@ -4,6 +4,8 @@ Pure functions, no I/O: the server hands :func:`parse_chat_request` the raw body
 request headers, runs the engine, and answers with :func:`completion_body` or
 :func:`stream_chunks`; an :class:`~qwengyre.proxy.types.ApiError` raised anywhere is
 answered with :func:`error_status`, :func:`error_headers` and :func:`error_body`.
+The server uses them through :class:`OpenAIChat`, this API's
+:class:`~qwengyre.proxy.dialect.Dialect`.
 
 The parser accepts what real clients (the ``openai`` SDK, LiteLLM, agent harnesses) send:
 unknown or unsupported-but-harmless top-level fields are ignored (see
@@ -25,13 +27,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from qwengyre.proxy import jsonsafe
+from qwengyre.proxy.dialect import Dialect, ErrorAnswer, select_headers
+from qwengyre.proxy.jsonsafe import StrictModel
+from qwengyre.proxy.sse import pieces, split_events
 from qwengyre.proxy.types import (
     ApiError,
     ChatRequest,
@@ -48,6 +53,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "MAX_TOP_LOGPROBS",
     "ChunkStream",
+    "OpenAIChat",
     "completion_body",
     "context_length_exceeded",
     "error_body",
@@ -60,6 +66,7 @@ __all__ = [
     "parse_chat_request",
     "parse_chat_request_with_ignored",
     "stream_chunks",
+    "stream_error_event",
 ]
 
 DEFAULT_MAX_TOKENS = 1024
@@ -106,8 +113,6 @@ _CREDENTIAL_HEADER_PARTS = (
     "cookie",
 )
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
 _UNSUPPORTED_PARTS = {
     "image_url": "image",
     "image": "image",
@@ -124,26 +129,22 @@ _UNSUPPORTED_PARTS = {
 # ---------------------------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class _StreamOptions(_Strict):
+class _StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class _FunctionDef(_Strict):
+class _FunctionDef(StrictModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class _Tool(_Strict):
+class _Tool(StrictModel):
     type: Literal["function"]
     function: _FunctionDef
 
 
-class _Body(_Strict):
+class _Body(StrictModel):
     model: str = Field(min_length=1)
     messages: list[Any] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -166,37 +167,37 @@ class _Body(_Strict):
     audio: Any = None
 
 
-class _FunctionCall(_Strict):
+class _FunctionCall(StrictModel):
     name: str = Field(min_length=1)
     arguments: Any = None
 
 
-class _ToolCallIn(_Strict):
+class _ToolCallIn(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: _FunctionCall
 
 
-class _SystemMsg(_Strict):
+class _SystemMsg(StrictModel):
     content: Any
 
 
-class _UserMsg(_Strict):
+class _UserMsg(StrictModel):
     content: Any
 
 
-class _AssistantMsg(_Strict):
+class _AssistantMsg(StrictModel):
     content: Any = None
     tool_calls: list[_ToolCallIn] | None = None
     function_call: Any = None
 
 
-class _ToolMsg(_Strict):
+class _ToolMsg(StrictModel):
     tool_call_id: str
     content: Any
 
 
-_MESSAGE_MODELS: dict[str, type[_Strict]] = {
+_MESSAGE_MODELS: dict[str, type[StrictModel]] = {
     "system": _SystemMsg,
     "developer": _SystemMsg,
     "user": _UserMsg,
@@ -307,7 +308,7 @@ def _from_validation_error(err: ValidationError, prefix: tuple[str | int, ...] =
     return _invalid(param, f"Invalid value for '{param}': {first['msg']}.")
 
 
-def _validate(model: type[_Strict], data: object, prefix: tuple[str | int, ...] = ()) -> Any:
+def _validate(model: type[StrictModel], data: object, prefix: tuple[str | int, ...] = ()) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as err:
@@ -323,34 +324,30 @@ def _load_body(body: bytes) -> dict[str, Any]:
     """The body as a JSON object (see the module docstring for the bounds and for lone
     surrogates)."""
     try:
-        data = jsonsafe.loads(body, surrogates="replace")
+        return jsonsafe.load_object(body)
     except jsonsafe.TooDeep as err:
         raise _invalid(None, f"The JSON body of the request is too deep: {err}.") from None
+    except jsonsafe.NotAnObject as err:
+        raise _invalid(
+            None,
+            f"The request body must be a JSON object, but got {_json_type(err.value)} instead.",
+        ) from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise _invalid(
             None,
             f"Could not parse the JSON body of the request ({err}). "
             "The body must be a JSON object encoded as UTF-8.",
         ) from None
-    if not isinstance(data, dict):
-        raise _invalid(
-            None, f"The request body must be a JSON object, but got {_json_type(data)} instead."
-        )
-    return data
 
 
 def _forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The ``x-*`` headers request-class rules may read (credentials left out); one that
-    is not UTF-8 (the HTTP server hands such bytes over as lone surrogates) is refused."""
-    out: dict[str, str] = {}
-    for name, value in headers.items():
-        key = name.lower()
-        if not key.startswith("x-") or any(p in key for p in _CREDENTIAL_HEADER_PARTS):
-            continue
-        if _SURROGATE.search(key + value):
-            raise _invalid(None, f"The header {key!r} is not valid UTF-8.")
-        out[key] = value
-    return out
+    """The ``x-*`` headers request-class rules may read (credentials left out)."""
+    return select_headers(
+        headers,
+        prefixes=("x-",),
+        secret_words=_CREDENTIAL_HEADER_PARTS,
+        not_utf8="The header {name} is not valid UTF-8.",
+    )
 
 
 def _content_text(value: object, param: str, *, role: str, allow_null: bool = False) -> str:
@@ -735,18 +732,13 @@ def _sse(obj: Mapping[str, Any]) -> bytes:
     return b"data: " + jsonsafe.dumps(obj) + b"\n\n"
 
 
-def _slices(text: str, size: int) -> Iterator[str]:
-    for start in range(0, len(text), size):
-        yield text[start : start + size]
-
-
 def _aligned_pieces(
     text: str, tokens: Sequence[TokenLogprob], chunk_chars: int
 ) -> tuple[list[tuple[str, list[TokenLogprob]]], str]:
     """Split ``text`` into content deltas along token boundaries while the tokens spell
     it out. Returns the (text, tokens) pieces and the text left over once the tokens
     stop matching (streamed without logprobs)."""
-    pieces: list[tuple[str, list[TokenLogprob]]] = []
+    out: list[tuple[str, list[TokenLogprob]]] = []
     buf_text = ""
     buf_toks: list[TokenLogprob] = []
     pos = 0
@@ -758,11 +750,11 @@ def _aligned_pieces(
         pos += len(tok.token)
         k += 1
         if len(buf_text) >= chunk_chars:
-            pieces.append((buf_text, buf_toks))
+            out.append((buf_text, buf_toks))
             buf_text, buf_toks = "", []
     if buf_toks:
-        pieces.append((buf_text, buf_toks))
-    return pieces, text[pos:]
+        out.append((buf_text, buf_toks))
+    return out, text[pos:]
 
 
 def stream_chunks(
@@ -785,17 +777,12 @@ def stream_chunks(
         include_usage=include_usage,
         chunk_chars=chunk_chars,
     )
-    pieces, rest = _aligned_pieces(c.text, c.logprobs if logprobs else (), chunk_chars)
-    pieces += [(text, []) for text in _slices(rest, chunk_chars)]
-    yield from _split_events(events.start())
-    for text, tokens in pieces:
-        yield from _split_events(events.text(text, tokens))
-    yield from _split_events(events.finish(c))
-
-
-def _split_events(data: bytes) -> list[bytes]:
-    """SSE events one by one (a data line never holds a blank line: JSON escapes it)."""
-    return [event + b"\n\n" for event in data.split(b"\n\n")[:-1]]
+    deltas, rest = _aligned_pieces(c.text, c.logprobs if logprobs else (), chunk_chars)
+    deltas += [(text, []) for text in pieces(rest, chunk_chars)]
+    yield from split_events(events.start())
+    for text, tokens in deltas:
+        yield from split_events(events.text(text, tokens))
+    yield from split_events(events.finish(c))
 
 
 class ChunkStream:
@@ -870,7 +857,7 @@ class ChunkStream:
                     {"tool_calls": [{**head, "function": {"name": tc.name, "arguments": ""}}]}
                 )
             )
-            for piece in _slices(_arguments_json(tc), self.chunk_chars):
+            for piece in pieces(_arguments_json(tc), self.chunk_chars):
                 out.append(
                     self._chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                 )
@@ -973,6 +960,12 @@ def error_body(e: ApiError) -> dict[str, Any]:
     }
 
 
+def stream_error_event(e: ApiError) -> bytes:
+    """An error after the stream started: a data line holding :func:`error_body`, which
+    OpenAI's clients read as an error."""
+    return b"data: " + json.dumps(error_body(e)).encode() + b"\n\n"
+
+
 def context_length_exceeded(tokens: int, limit: int) -> ApiError:
     """The error OpenAI answers when prompt + completion budget exceed the context."""
     return ApiError(
@@ -993,3 +986,53 @@ def models_body(model_ids: list[str], created: int) -> dict[str, Any]:
             for mid in model_ids
         ],
     }
+
+
+# ---------------------------------------------------------------------------------------
+# The dialect
+# ---------------------------------------------------------------------------------------
+
+
+class OpenAIChat(Dialect):
+    """Chat Completions (``POST /v1/chat/completions``) as the server serves it: this
+    module's functions under the :class:`Dialect` names. Errors on any ``/chat/`` path
+    answer in its shape."""
+
+    name = "openai"
+    call_path = "/v1/chat/completions"
+    id_prefix = "chatcmpl-"
+    path_marker = "/chat/"
+
+    def parse(self, body: bytes, headers: Mapping[str, str]) -> ChatRequest:
+        return parse_chat_request(body, headers)
+
+    def parse_doc(
+        self, doc: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None
+    ) -> ChatRequest:
+        return parse_chat_doc(doc, headers, before)
+
+    def answer(self, c: Completion, chat: ChatRequest) -> dict[str, Any]:
+        return completion_body(c, int(time.time()), logprobs=chat.logprobs)
+
+    def events(
+        self, completion_id: str, model: str, chat: ChatRequest, *, created: int, input_tokens: int
+    ) -> ChunkStream:
+        return ChunkStream(
+            completion_id,
+            created,
+            model,
+            logprobs=chat.logprobs,
+            include_usage=chat.include_usage,
+        )
+
+    def error(self, e: ApiError) -> ErrorAnswer:
+        return ErrorAnswer(error_status(e), error_body(e), error_headers(e))
+
+    def stream_error(self, e: ApiError) -> bytes:
+        return stream_error_event(e)
+
+    def context_too_long(self, tokens: int, limit: int) -> ApiError:
+        return context_length_exceeded(tokens, limit)
+
+    def models_body(self, model: str) -> dict[str, Any]:
+        return models_body([model], int(time.time()))

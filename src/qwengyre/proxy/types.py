@@ -78,7 +78,7 @@ class ChatRequest:
     ``last_user_texts`` the text blocks of the last user message as the client split
     them (None: not given, take the last user message's content whole)."""
 
-    api: Literal["anthropic", "openai"]
+    api: str  # the name of the dialect that parsed it (Dialect.name)
     model: str
     messages: tuple[Message, ...]
     sampling: SamplingParams
