@@ -36,13 +36,13 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from qwengyre.cluster.client import CellClient, EngineClient
 from qwengyre.cluster.local import ActorDied
-from qwengyre.cluster.placement import CellHandle
 from qwengyre.cluster.standalone import STANDALONE_NAME
 from qwengyre.config import Config
 from qwengyre.proxy.server import ProxyServer
@@ -89,6 +89,7 @@ from qwengyre.scheduler.events import (
     WakeAt,
 )
 from qwengyre.sim.trace import TraceWriter
+from qwengyre.training.backend import MicroStepResult, StepResult
 from qwengyre.training.buffers import (
     ExecutionSample,
     GroupSample,
@@ -96,12 +97,13 @@ from qwengyre.training.buffers import (
     PackingBuffer,
     TrajectoryBuffer,
 )
-from qwengyre.training.trainer import MicroStepResult, StepResult
 from qwengyre.trajectories.selection import admit_execution
 
 __all__ = ["Controller", "RunOutputs", "engine_name"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CELL_WATCH_S = 1.0
 """How often every cell's liveness is checked."""
@@ -158,7 +160,7 @@ class Controller:
         config: Config,
         scheduler: Scheduler,
         proxy: ProxyServer,
-        cells: Sequence[CellHandle],
+        cells: Sequence[CellClient],
         tasks: Sequence[Task],
         harness: HarnessSpec,
         outputs: RunOutputs,
@@ -166,7 +168,7 @@ class Controller:
         hosts: HostPool,
         trajectories: TrajectoryBuffer | None = None,
         trained: Sequence[int] = (),
-        standalone: CellHandle | None = None,
+        standalone: EngineClient | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -236,7 +238,7 @@ class Controller:
         for cell, role in enumerate(self.scheduler.roles):  # async: cells that start training
             if role is Role.TRAINING:
                 await self.proxy.router.drain(engine_name(cell))
-                await self.cells[cell].call("release_engine")
+                await self.cells[cell].release_engine()
         self._spawn(self._watch_cells())
         while not self.finished:
             event = await self.events.get()
@@ -376,9 +378,9 @@ class Controller:
         try:
             if role is Role.TRAINING:
                 await self.proxy.router.drain(name)  # calls in flight retry elsewhere
-                self._freed[cell] = await self.cells[cell].call("release_engine")
+                self._freed[cell] = await self.cells[cell].release_engine()
             else:
-                await self.cells[cell].call("resume_engine")
+                await self.cells[cell].resume_engine()
                 self.proxy.router.resume(name)
         except ActorDied as died:  # died switching: lost (the core stops the run)
             await self._lose(cell, died)
@@ -415,11 +417,11 @@ class Controller:
         standalone pool (PAPER: publication after the burst's final update)."""
         roles = self.scheduler.roles
         rollout = [c for c, r in enumerate(roles) if r is Role.ROLLOUT and c not in self._lost]
-        engines = {c: self.cells[c] for c in rollout}
+        engines: dict[int, EngineClient] = {c: self.cells[c] for c in rollout}
         if self.standalone is not None:
             engines[STANDALONE] = self.standalone
         start = self.now()
-        loads = [engine.call("update_engine_weights") for engine in engines.values()]
+        loads = [engine.update_engine_weights() for engine in engines.values()]
         outcomes = await asyncio.gather(*loads, return_exceptions=True)
         for cell, outcome in zip(engines, outcomes, strict=True):
             if isinstance(outcome, ActorDied) and cell != STANDALONE:
@@ -452,10 +454,10 @@ class Controller:
     async def _work(self, cell: int, step: _Step) -> None:
         """A cell in training claims micro-steps until the batch is drained."""
         if cell not in self._synced:
-            await self.cells[cell].call("join_training")  # the core's current weights
+            await self.cells[cell].join_training()  # the core's current weights
         while (ms := await self.queue.claim(cell)) is not None:
             self._maybe_pull()  # packing the next group overlaps this micro-step
-            result, seconds = await self._timed(cell, "train_micro_step", ms)
+            result, seconds = await self._timed(cell, self.cells[cell].train_micro_step(ms))
             step.results.append(result)
             step.micro_step_s += seconds
 
@@ -474,7 +476,7 @@ class Controller:
         if sorted(step.workers) != list(range(k)):
             raise RuntimeError(f"step {step.step}: cells {sorted(step.workers)} are not a prefix")
         finished = await asyncio.gather(
-            *(self._timed(c, "finish_batch", summary, k) for c in range(k))
+            *(self._timed(c, self.cells[c].finish_batch(summary, k)) for c in range(k))
         )
         results: list[StepResult] = [result for result, _ in finished]
         self._synced = set(range(k))
@@ -536,7 +538,7 @@ class Controller:
             "next_execution": max(self.scheduler.executions, default=-1) + 1,
         }
         root, keep = str(self.outputs.checkpoints), self.config.run.keep_checkpoints
-        await self.cells[0].call("save_checkpoint", root, version, state, keep)
+        await self.cells[0].save_checkpoint(root, version, state, keep)
 
     # ------------------------------------------------------------------ observation
 
@@ -548,11 +550,11 @@ class Controller:
                 self._busy_s[cell] += now - self._accounted_at
         self._accounted_at = now
 
-    async def _timed(self, cell: int, method: str, *args: Any) -> tuple[Any, float]:
+    async def _timed(self, cell: int, call: Awaitable[T]) -> tuple[T, float]:
         """A training call on ``cell`` and its duration, counted as busy."""
         start = time.monotonic()
         try:
-            return await self.cells[cell].call(method, *args), time.monotonic() - start
+            return await call, time.monotonic() - start
         finally:
             self._busy_s[cell] += time.monotonic() - start
 
@@ -586,7 +588,7 @@ class Controller:
             self._revive_failed_engines()
             await asyncio.sleep(CELL_WATCH_S)
 
-    def _watched(self) -> list[tuple[int, CellHandle]]:
+    def _watched(self) -> list[tuple[int, CellClient]]:
         """The cells not lost, by index."""
         return [(cell, actor) for cell, actor in enumerate(self.cells) if cell not in self._lost]
 
@@ -609,7 +611,7 @@ class Controller:
         actor = self.standalone if engine == STANDALONE else self.cells[engine]
         assert actor is not None
         try:
-            if await actor.call("revive_engine"):
+            if await actor.revive_engine():
                 log.warning("%s: its engine crashed and was started again", engine_name(engine))
         except ActorDied as died:
             if engine == STANDALONE:
