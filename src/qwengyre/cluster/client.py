@@ -16,7 +16,7 @@ A call runs on every rank of a cell and answers with shard 0's result; it raises
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from torch import Tensor
 
@@ -62,13 +62,11 @@ class EngineClient:
 
     async def update_engine_weights(self) -> int:
         """Load the boards' weights into the engine if newer; their version."""
-        version: int = await self.handle.call("update_engine_weights")
-        return version
+        return cast(int, await self.handle.call("update_engine_weights"))
 
     async def revive_engine(self) -> bool:
         """Start the engine's server again if it crashed; True if it did."""
-        revived: bool = await self.handle.call("revive_engine")
-        return revived
+        return cast(bool, await self.handle.call("revive_engine"))
 
     async def check_alive(self) -> None:
         """Raise ``ActorDied`` if the actor is gone (also while a call runs)."""
@@ -84,48 +82,39 @@ class CellClient(EngineClient):
     async def connect(self) -> int:
         """Join the cells' groups and build the trainer; shard 0's process id. Call it
         on every cell at once (creating the groups is collective)."""
-        pid: int = await self.handle.call("connect")
-        return pid
+        return cast(int, await self.handle.call("connect"))
 
     async def release_engine(self) -> str:
         """Free the engine's memory for training (after the proxy drained it); how the
         engine freed it."""
-        how: str = await self.handle.call("release_engine")
-        return how
+        return cast(str, await self.handle.call("release_engine"))
 
     async def resume_engine(self) -> int:
         """Serve rollout again with the newest weights; their version."""
-        version: int = await self.handle.call("resume_engine")
-        return version
+        return cast(int, await self.handle.call("resume_engine"))
 
     async def join_training(self) -> int:
         """Take the core's current weights (a satellite); their version."""
-        version: int = await self.handle.call("join_training")
-        return version
+        return cast(int, await self.handle.call("join_training"))
 
     async def train_micro_step(self, micro_step: MicroStep) -> MicroStepResult:
         """Add ``micro_step``'s gradient to the cell's."""
-        result: MicroStepResult = await self.handle.call("train_micro_step", micro_step)
-        return result
+        return cast(MicroStepResult, await self.handle.call("train_micro_step", micro_step))
 
     async def finish_batch(self, summary: BatchSummary, cells: int) -> StepResult:
         """Reduce over the prefix of ``cells`` cells and update (all of them call it)."""
-        result: StepResult = await self.handle.call("finish_batch", summary, cells)
-        return result
+        return cast(StepResult, await self.handle.call("finish_batch", summary, cells))
 
     async def save_checkpoint(
         self, root: str, step: int, state: Mapping[str, Any], keep: int
     ) -> str:
         """The core writes a checkpoint under ``root``; its path."""
-        path: str = await self.handle.call("save_checkpoint", root, step, state, keep)
-        return path
+        return cast(str, await self.handle.call("save_checkpoint", root, step, state, keep))
 
     async def parameters(self) -> dict[str, Tensor]:
         """A copy of the whole current parameters (tests)."""
-        parameters: dict[str, Tensor] = await self.handle.call("parameters")
-        return parameters
+        return cast(dict[str, Tensor], await self.handle.call("parameters"))
 
     async def shard_numels(self) -> list[dict[str, int]]:
         """Elements each rank holds (parameters, gradients, optimizer), in shard order."""
-        numels: list[dict[str, int]] = await self.handle.call("shard_numels")
-        return numels
+        return cast(list[dict[str, int]], await self.handle.call("shard_numels"))

@@ -28,13 +28,20 @@ from qwengyre.cluster.client import CellClient, CellHandle, EngineClient
 from qwengyre.cluster.devices import rank_device
 from qwengyre.cluster.local import ProcessActor
 from qwengyre.cluster.standalone import STANDALONE_NAME, StandalonePool, StandaloneSpec
+from qwengyre.scheduler.events import STANDALONE
 
 __all__ = [
     "CellGroup",
+    "engine_name",
     "start_cells",
     "start_standalone",
     "stop_cells",
 ]
+
+
+def engine_name(engine: int) -> str:
+    """The proxy's name for the scheduler's engine id: a cell's, or the standalone pool's."""
+    return STANDALONE_NAME if engine == STANDALONE else f"cell-{engine}"
 
 
 class CellGroup:
@@ -115,7 +122,7 @@ def start_cells(
     clients: list[CellClient] = []
     for cell, group in groupby(zip(specs, ranks, strict=True), key=lambda pair: pair[0].rank):
         members = [handle for _, handle in group]
-        handle = members[0] if len(members) == 1 else CellGroup(members, f"cell-{cell}")
+        handle = members[0] if len(members) == 1 else CellGroup(members, engine_name(cell))
         clients.append(CellClient(handle))
     return clients
 

@@ -38,7 +38,7 @@ from qwengyre.cluster.cell import CellSpec
 from qwengyre.cluster.client import CellClient, EngineClient
 from qwengyre.cluster.local import ActorDied
 from qwengyre.cluster.net import advertised, free_port
-from qwengyre.cluster.placement import start_cells, start_standalone, stop_cells
+from qwengyre.cluster.placement import engine_name, start_cells, start_standalone, stop_cells
 from qwengyre.cluster.standalone import StandaloneSpec
 from qwengyre.config import Config, config_to_yaml, load_config
 from qwengyre.proxy.render import ChatRenderer
@@ -52,7 +52,7 @@ from qwengyre.rollout.hosts import HostPool, LocalHarnessHost
 from qwengyre.rollout.runner import harness_spec
 from qwengyre.rollout.sandbox import sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
-from qwengyre.runtime.controller import Controller, RunOutputs, engine_name
+from qwengyre.runtime.controller import Controller, RunOutputs
 from qwengyre.runtime.display import show
 from qwengyre.runtime.ledger import Ledger
 from qwengyre.runtime.lock import lock_run_dir
