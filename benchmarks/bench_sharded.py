@@ -28,6 +28,7 @@ compared at the end (same updates up to float rounding).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import socket
 import statistics
 import tempfile
@@ -41,8 +42,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from bench_trainer import trajectories
 from qwengyre.cluster.cell import CellSpec
+from qwengyre.cluster.client import CellClient
 from qwengyre.cluster.placement import start_cells, stop_cells
-from qwengyre.config import TrainerConfig
+from qwengyre.config import CellsConfig, Config, RunConfig, TrainerConfig
 from qwengyre.models import cached_tiny_model
 from qwengyre.models.tiny import quiet_progress_bars
 from qwengyre.training.buffers import (
@@ -108,40 +110,42 @@ def memory_run(
 ) -> list[dict[str, Any]]:
     """One cell of ``shards`` ranks trains ``batches`` batches; one dict per rank."""
     port, board = free_port(), f"qg-bench-{uuid.uuid4().hex[:12]}"
+    run_config = Config(
+        cells=CellsConfig(count=1, devices_per_cell=shards),
+        trainer=config,
+        run=RunConfig(torch_threads=threads),
+    )
     specs = [
-        CellSpec(
-            0,
-            1,
-            f"tcp://127.0.0.1:{port}",
-            str(model_dir),
-            config,
-            board,
-            torch_threads=threads,
-            shard=s,
-            shards=shards,
-        )
+        CellSpec(0, s, f"tcp://127.0.0.1:{port}", str(model_dir), board, run_config)
         for s in range(shards)
     ]
+
+    async def train(
+        cell: CellClient, pids: list[int]
+    ) -> tuple[list[int], list[dict[str, int]], float]:
+        """Train the batches; returns the ranks' idle memory, their shard sizes and the
+        seconds of the last batch."""
+        await cell.connect()
+        idle = [proc_status(pid)["VmRSS"] for pid in pids]
+        for pid in pids:
+            reset_peak(pid)
+        micro, summary = data
+        for b in range(batches):
+            start = time.perf_counter()
+            for ms in micro:
+                await cell.train_micro_step(ms)
+            if b == batches - 1:  # gradients are held and Adam's state exists
+                sizes = await cell.shard_numels()
+            await cell.finish_batch(summary, 1)
+            seconds = time.perf_counter() - start
+        return idle, sizes, seconds
+
     with tempfile.TemporaryDirectory() as run_dir:
         (cell,) = start_cells("local", specs, run_dir=Path(run_dir))
         try:
-            ranks = getattr(cell, "ranks", [cell])
-            cell.call_sync("connect")
-            pids = [r.pid for r in ranks]
-            idle = [proc_status(pid)["VmRSS"] for pid in pids]
-            for pid in pids:
-                reset_peak(pid)
-            micro, summary = data
-            for b in range(batches):
-                start = time.perf_counter()
-                for ms in micro:
-                    cell.call_sync("train_micro_step", ms)
-                if b == batches - 1:  # gradients are held and Adam's state exists
-                    sizes = [r.call_sync("shard_numels") for r in ranks]
-                cell.call_sync("finish_batch", summary, 1)
-                seconds = time.perf_counter() - start
+            pids = [r.pid for r in getattr(cell.handle, "ranks", [cell.handle])]
+            idle, sizes, seconds = asyncio.run(train(cell, pids))
             peaks = [proc_status(pid)["VmHWM"] for pid in pids]
-            cell.call_sync("close")  # the core's weights board (shared memory)
         finally:
             stop_cells([cell])
     return [

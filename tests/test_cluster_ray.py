@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from tests.test_training_cells import CONFIG, batches, train_alone
+from tests.test_training_cells import batches, cells_config, train_alone
 
 from qwengyre.cluster.cell import CellSpec
+from qwengyre.cluster.client import CellClient
 from qwengyre.cluster.local import ActorDied, ActorError, ProcessActor
 from qwengyre.cluster.net import free_port
 from qwengyre.cluster.placement import start_cells, stop_cells
@@ -40,12 +41,12 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 
 def test_local_backend_returns_process_actors(tiny_model_dir: Path, tmp_path: Path) -> None:
-    spec = CellSpec(0, 1, "", str(tiny_model_dir), CONFIG, _board())
+    spec = CellSpec(0, 0, "", str(tiny_model_dir), _board(), cells_config(1))
     handles = start_cells("local", [spec], run_dir=tmp_path)
     try:
-        assert len(handles) == 1 and isinstance(handles[0], ProcessActor)
+        assert len(handles) == 1 and isinstance(handles[0].handle, ProcessActor)
         assert handles[0].name == "cell-0"
-        assert handles[0].call_sync("connect") == handles[0].pid
+        assert asyncio.run(handles[0].connect()) == handles[0].handle.pid
     finally:
         stop_cells(handles)
 
@@ -78,7 +79,7 @@ async def death_seen(actor: Any, timeout_s: float = 30.0) -> str:
 
 def two_cells_train_a_step(
     tiny_model_dir: Path, tmp_path: Path, shards: int = 1, **placement: Any
-) -> tuple[list[Any], list[int]]:
+) -> tuple[list[CellClient], list[int]]:
     """Two Ray cells (core and satellite) of ``shards`` ranks each train one step,
     exactly as one trainer does.
 
@@ -94,30 +95,30 @@ def two_cells_train_a_step(
     alone = train_alone(tiny_model_dir, data)
     address, board = f"tcp://127.0.0.1:{free_port()}", _board()
     specs = [
-        CellSpec(r, 2, address, str(tiny_model_dir), CONFIG, board, shard=s, shards=shards)
+        CellSpec(r, s, address, str(tiny_model_dir), board, cells_config(2, shards))
         for r in (1, 0)
         for s in range(shards)
     ]
     handles = start_cells("ray", specs, run_dir=tmp_path, **placement)
-    ranks = [rank for h in handles for rank in getattr(h, "ranks", [h])]
+    ranks = [rank for h in handles for rank in getattr(h.handle, "ranks", [h.handle])]
 
     async def train() -> tuple[list[int], list[dict[str, torch.Tensor]]]:
         # An error inside a Ray cell comes back as ActorError, and the cell keeps serving.
         with pytest.raises(ActorError, match=r"connect\(\) first"):
-            await ranks[-1].call("join_training")
-        pids = await asyncio.gather(*(h.call("connect") for h in handles))
-        assert await handles[1].call("join_training") == 0
+            await CellClient(ranks[-1]).join_training()
+        pids = await asyncio.gather(*(h.connect() for h in handles))
+        assert await handles[1].join_training() == 0
         for i, ms in enumerate(micro_steps):
-            await handles[i % 2].call("train_micro_step", ms)
-        results = await asyncio.gather(*(h.call("finish_batch", summary, 2) for h in handles))
+            await handles[i % 2].train_micro_step(ms)
+        results = await asyncio.gather(*(h.finish_batch(summary, 2) for h in handles))
         assert {r.version for r in results} == {1}
-        return list(pids), [await h.call("parameters") for h in handles]
+        return list(pids), [await h.parameters() for h in handles]
 
     try:
         assert [h.name for h in handles] == ["cell-0", "cell-1"]  # rank order
         assert all(isinstance(r, RayActor) for r in ranks) and len(ranks) == 2 * shards
         with pytest.raises(ActorError, match=r"connect\(\) first"):
-            ranks[0].call_sync("join_training")
+            asyncio.run(CellClient(ranks[0]).join_training())
         pids, (core, satellite) = asyncio.run(train())
         # The weights boards are Ray's: a named actor per shard holds the newest
         # version's reference.
@@ -145,7 +146,7 @@ def test_two_ray_cells_train_a_step_like_one_trainer(tiny_model_dir: Path, tmp_p
     handles, pids = two_cells_train_a_step(tiny_model_dir, tmp_path)
     try:
         # Multi-node rendezvous helper: the core node's IP and a port free there.
-        placement = handles[0].cells.placement
+        placement = handles[0].handle.cells.placement
         host, port = core_address(placement).removeprefix("tcp://").split(":")
         assert host == ray.util.get_node_ip_address() and 0 < int(port) < 65536
         asyncio.run(ray_liveness(RayActor(threading.Event, name="sleeper", num_cpus=0)))
@@ -169,7 +170,7 @@ def test_ray_cells_on_two_nodes_train_a_step_like_one_trainer(
         tiny_model_dir, tmp_path, shards=2, strategy="SPREAD", cpus_per_cell=0.5
     )
     try:
-        table = placement_group_table(handles[0].cells.placement)
+        table = placement_group_table(handles[0].handle.cells.placement)
         assert len(set(table["bundles_to_node_id"].values())) == 2
     finally:
         stop_cells(handles)

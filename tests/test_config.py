@@ -30,6 +30,7 @@ def test_defaults_are_the_papers():
         ("scheduler.policy=fifo", ["scheduler.policy='fifo'", "'elastic', 'async' or"]),
         ("scheduler.rho_min=1.5", ["scheduler.rho_min=1.5", "less than or equal to 1"]),
         ("trainer.lr=0", ["trainer.lr=0", "greater than 0"]),
+        ("trainer.backend=megatron", ["trainer.backend='megatron'", "'fsdp2'"]),
         ("scheduler.phi=0.3", ["(scheduler.phi + scheduler.mu) * groups.batch = 41.6"]),
         ("scheduler", ["must look like dotted.key=value"]),
     ],

@@ -15,15 +15,21 @@ from tests.training_data import groups
 from transformers import AutoModelForCausalLM
 
 from qwengyre.cluster.cell import Cell, CellSpec
+from qwengyre.cluster.client import CellClient
 from qwengyre.cluster.local import ActorError, ProcessActor
 from qwengyre.cluster.net import free_port
-from qwengyre.cluster.placement import CellHandle, start_cells, stop_cells
-from qwengyre.config import TrainerConfig
+from qwengyre.cluster.placement import start_cells, stop_cells
+from qwengyre.config import CellsConfig, Config, TrainerConfig
 from qwengyre.training.buffers import BatchSummary, MicroStep, PackingBuffer, TrajectoryBuffer
 from qwengyre.training.distributed import CellComm
 from qwengyre.training.trainer import Trainer
 
 CONFIG = TrainerConfig(lr=1e-3, micro_step_tokens=160, grad_clip=1e9)
+
+
+def cells_config(cells: int, shards: int = 1) -> Config:
+    """A run of ``cells`` cells of ``shards`` ranks training with :data:`CONFIG`."""
+    return Config(cells=CellsConfig(count=cells, devices_per_cell=shards), trainer=CONFIG)
 
 
 def batches(model_dir: Path) -> list[tuple[list[MicroStep], BatchSummary]]:
@@ -53,18 +59,17 @@ def train_alone(model_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]
 
 async def start(
     model_dir: Path, run_dir: Path, cells: int, shards: int, *, checkpoint: str | None = None
-) -> list[CellHandle]:
+) -> list[CellClient]:
     port, board = free_port(), f"qg-test-{uuid.uuid4().hex[:12]}"
+    config = cells_config(cells, shards)
     specs = [
         CellSpec(
             r,
-            cells,
+            s,
             f"tcp://127.0.0.1:{port}",
             str(model_dir),
-            CONFIG,
             board,
-            shard=s,
-            shards=shards,
+            config,
             checkpoint=checkpoint,
         )
         for r in range(cells)
@@ -72,7 +77,7 @@ async def start(
     ]
     handles = start_cells("local", specs, run_dir=run_dir)
     try:
-        await asyncio.gather(*(c.call("connect") for c in handles))
+        await asyncio.gather(*(c.connect() for c in handles))
     except BaseException:
         stop_cells(handles)
         raise
@@ -86,21 +91,21 @@ async def train_in_cells(
     try:
         # Step 0: the core and cell 1 train; cell 2 is in rollout.
         (first, summary0), (second, summary1) = data
-        assert await cells[1].call("join_training") == 0
+        assert await cells[1].join_training() == 0
         for i, ms in enumerate(first):
-            result = await cells[i % 2].call("train_micro_step", ms)
+            result = await cells[i % 2].train_micro_step(ms)
             assert result.executions == len(ms.execution_ids)  # all ranks' parts counted
-        results = await asyncio.gather(*(c.call("finish_batch", summary0, 2) for c in cells[:2]))
+        results = await asyncio.gather(*(c.finish_batch(summary0, 2) for c in cells[:2]))
         assert {r.version for r in results} == {1}
         # Step 1: cell 2 joins mid-batch, after the core trained the first micro-step;
         # it must take the core's current weights (version 1), not its stale ones.
-        await cells[0].call("train_micro_step", second[0])
-        assert await cells[2].call("join_training") == 1
+        await cells[0].train_micro_step(second[0])
+        assert await cells[2].join_training() == 1
         for i, ms in enumerate(second[1:]):
-            await cells[(1, 2)[i % 2]].call("train_micro_step", ms)
-        results = await asyncio.gather(*(c.call("finish_batch", summary1, 3) for c in cells))
+            await cells[(1, 2)[i % 2]].train_micro_step(ms)
+        results = await asyncio.gather(*(c.finish_batch(summary1, 3) for c in cells))
         assert {r.version for r in results} == {2}
-        return [await c.call("parameters") for c in cells]
+        return [await c.parameters() for c in cells]
     finally:
         stop_cells(cells)
 
@@ -138,19 +143,17 @@ async def two_steps(
     try:
         path = ""
         for step, (micro, summary) in enumerate(data):
-            assert await cells[1].call("join_training") == step
+            assert await cells[1].join_training() == step
             for i, ms in enumerate(micro):
-                await cells[i % 2].call("train_micro_step", ms)
+                await cells[i % 2].train_micro_step(ms)
             if step == 1:  # gradients are held: measure them with the parameters
-                sizes = await asyncio.gather(
-                    *(r.call("shard_numels") for r in getattr(cells[0], "ranks", cells[:1]))
-                )
-            await asyncio.gather(*(c.call("finish_batch", summary, 2) for c in cells))
+                sizes = await cells[0].shard_numels()
+            await asyncio.gather(*(c.finish_batch(summary, 2) for c in cells))
             if step == 0:
-                path = await cells[0].call(
-                    "save_checkpoint", str(run_dir / "checkpoints"), 1, {"version": 1}, 2
+                path = await cells[0].save_checkpoint(
+                    str(run_dir / "checkpoints"), 1, {"version": 1}, 2
                 )
-        return await cells[0].call("parameters"), sizes, path
+        return await cells[0].parameters(), sizes, path
     finally:
         stop_cells(cells)
 
@@ -167,9 +170,9 @@ async def resumed_step(
     try:
         micro, summary = data[1]
         for ms in micro:
-            await cell.call("train_micro_step", ms)
-        assert (await cell.call("finish_batch", summary, 1)).version == 2
-        return await cell.call("parameters")
+            await cell.train_micro_step(ms)
+        assert (await cell.finish_batch(summary, 1)).version == 2
+        return await cell.parameters()
     finally:
         stop_cells([cell])
 
@@ -198,12 +201,17 @@ def test_two_sharded_cells_match_one_cell_hold_half_each_and_resume_with_any_g(
 
 
 def test_a_cell_error_comes_back_and_the_cell_keeps_serving(tiny_model_dir: Path) -> None:
-    spec = CellSpec(0, 1, "", str(tiny_model_dir), CONFIG, f"qg-test-{uuid.uuid4().hex[:12]}")
-    cell = ProcessActor(Cell, spec, name="cell-0")
-    try:
+    board = f"qg-test-{uuid.uuid4().hex[:12]}"
+    spec = CellSpec(0, 0, "", str(tiny_model_dir), board, cells_config(1))
+    cell = CellClient(ProcessActor(Cell, spec, name="cell-0"))
+
+    async def calls() -> None:
         with pytest.raises(ActorError, match="connect\\(\\) first"):
-            cell.call_sync("join_training")
-        cell.call_sync("connect")
-        assert cell.call_sync("join_training") == 0
+            await cell.join_training()
+        await cell.connect()
+        assert await cell.join_training() == 0
+
+    try:
+        asyncio.run(calls())
     finally:
         cell.close()

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import get_args
 
 import torch
 from tests.training_data import groups
 from transformers import AutoModelForCausalLM
 
-from qwengyre.config import TrainerConfig
+from qwengyre.config import TrainerBackendName, TrainerConfig
 from qwengyre.engines.base import GenerateRequest
 from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.training.backend import TRAINER_BACKENDS, trainer_backend
 from qwengyre.training.buffers import (
     ExecutionSample,
     GroupSample,
@@ -204,3 +206,9 @@ def test_the_learning_rate_warms_up_linearly_and_a_resumed_trainer_continues_it(
     resumed = single(tiny_model_dir, config)
     resumed.version = 2  # as restored from a checkpoint after two updates
     assert abs(largest_first_change(resumed) / constant - 0.75) < 1e-3
+
+
+def test_every_trainer_backend_the_config_allows_is_registered_and_fsdp2_is_the_trainer() -> None:
+    assert set(TRAINER_BACKENDS) == set(get_args(TrainerBackendName))
+    assert TrainerConfig().backend == "fsdp2"
+    assert trainer_backend("fsdp2") is Trainer

@@ -512,7 +512,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     controller = asyncio.run(train(options))
     from qwengyre.report.html import learning_signal_warning, write_report
 
-    records = controller.step_records
+    records = controller.observer.step_records
     if records:
         first, last = records[0], records[-1]
         none = sum(not r.learning_signal for r in records)

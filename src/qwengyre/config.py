@@ -29,6 +29,7 @@ Policy = Literal["elastic", "async", "colocate"]
 Supply = Literal["in_hand", "ready"]
 Dispatch = Literal["boundary", "continuous"]
 EngineBackend = Literal["embedded", "vllm", "sglang"]
+TrainerBackendName = Literal["fsdp2"]  # qwengyre.training.backend.TRAINER_BACKENDS
 
 
 class ConfigError(ValueError):
@@ -152,6 +153,11 @@ class CellsConfig(_Section):
 class TrainerConfig(_Section):
     """Trajectory selection and the execution-level objective (DESIGN.md §2)."""
 
+    backend: TrainerBackendName = Field(
+        "fsdp2",
+        description="what trains inside a cell (qwengyre.training.backend): fsdp2 shards the"
+        " model over the cell's devices_per_cell ranks",
+    )
     j_max: int = Field(5, ge=1, description="trajectories admitted per execution")
     token_weight_cap: float = Field(5.0, gt=0.0, description="cap on exp(l_t - b_t)")
     clip_low: float = Field(0.995, gt=0.0, le=1.0, description="execution ratio clip, low")

@@ -35,10 +35,10 @@ from pathlib import Path
 from aiohttp import web
 
 from qwengyre.cluster.cell import CellSpec
-from qwengyre.cluster.engine_host import Endpoint
+from qwengyre.cluster.client import CellClient, EngineClient
 from qwengyre.cluster.local import ActorDied
 from qwengyre.cluster.net import advertised, free_port
-from qwengyre.cluster.placement import CellHandle, start_cells, start_standalone, stop_cells
+from qwengyre.cluster.placement import engine_name, start_cells, start_standalone, stop_cells
 from qwengyre.cluster.standalone import StandaloneSpec
 from qwengyre.config import Config, config_to_yaml, load_config
 from qwengyre.proxy.render import ChatRenderer
@@ -53,7 +53,7 @@ from qwengyre.rollout.harness import harness_spec
 from qwengyre.rollout.hosts import HostPool, LocalHarnessHost
 from qwengyre.rollout.sandbox import sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
-from qwengyre.runtime.controller import Controller, RunOutputs, engine_name
+from qwengyre.runtime.controller import Controller, RunOutputs
 from qwengyre.runtime.display import show
 from qwengyre.runtime.ledger import Ledger
 from qwengyre.runtime.lock import lock_run_dir
@@ -229,17 +229,22 @@ class Engines:
     """The actors that serve rollout and train: the K cells, and the standalone pool
     when ``cells.standalone_capacity > 0``."""
 
-    cells: list[CellHandle]
-    standalone: CellHandle | None = None
+    cells: list[CellClient]
+    standalone: EngineClient | None = None
 
     def stop(self) -> None:
         stop_cells([*self.cells, *([self.standalone] if self.standalone else [])])
 
 
 async def _register(
-    proxy: ProxyServer, handle: CellHandle, name: str, capacity: int, version: int, preference: int
+    proxy: ProxyServer,
+    engine: EngineClient,
+    name: str,
+    capacity: int,
+    version: int,
+    preference: int,
 ) -> None:
-    endpoint: Endpoint = await handle.call("start_engine")
+    endpoint = await engine.start_engine()
     proxy.router.register(endpoint.client(name, capacity, version), preference=preference)
 
 
@@ -253,29 +258,21 @@ async def _start_engines(
     specs = [
         CellSpec(
             rank=rank,
-            world=config.cells.count,
+            shard=shard,
             init_method=f"tcp://127.0.0.1:{port}",
             model_dir=str(resumed.model_dir),
-            trainer=config.trainer,
             board=board,
+            config=config,
             device=config.run.device,
-            torch_threads=config.run.torch_threads,
-            seed=config.seed,
-            engine_capacity=config.cells.capacity,
-            max_context=config.run.max_context,
             version=resumed.version,
             checkpoint=str(resumed.checkpoint) if resumed.checkpoint is not None else None,
-            shard=shard,
-            shards=config.cells.devices_per_cell,
-            engine_host=config.engine.host,
-            engine_backend=config.engine.backend,
         )
         for rank in range(config.cells.count)
         for shard in range(config.cells.devices_per_cell)
     ]
     engines = Engines(start_cells(config.run.placement, specs, run_dir=run_dir))
     try:
-        await asyncio.gather(*(cell.call("connect") for cell in engines.cells))
+        await asyncio.gather(*(cell.connect() for cell in engines.cells))
         for rank, cell in enumerate(engines.cells):
             await _register(
                 proxy, cell, engine_name(rank), config.cells.capacity, resumed.version, rank

@@ -5,12 +5,14 @@ A cell is ``G`` ranks (``cells.devices_per_cell``), each a :class:`Cell` object 
 own process on its own device: a local process
 (:class:`~qwengyre.cluster.local.ProcessActor`) or a Ray actor, driven together through
 one handle (:class:`~qwengyre.cluster.placement.CellGroup`), which calls every rank and
-answers with shard 0's result. The ranks hold the policy sharded with FSDP2
-(:class:`~qwengyre.training.trainer.Trainer`). Cell 0, the core, owns the optimizer and
-the weights boards, one per shard index (shared memory, or Ray's object store under
-Ray placement: :mod:`qwengyre.cluster.weights`); a satellite's rank ``r`` pulls shard
-``r`` of the core's weights when it joins training. Every method is synchronous: the
-placement backend runs one call at a time.
+answers with shard 0's result. The ranks train through the trainer backend that
+``trainer.backend`` names (:mod:`qwengyre.training.backend`; ``fsdp2``:
+:class:`~qwengyre.training.trainer.Trainer`, the policy sharded with FSDP2). Cell 0, the
+core, owns the optimizer and the weights boards, one per shard index (shared memory,
+or Ray's object store under Ray placement: :mod:`qwengyre.cluster.weights`); a
+satellite's rank ``r`` pulls shard ``r`` of the core's weights when it joins training.
+Every method is synchronous: the placement backend runs one call at a time; the
+runtime calls them through :class:`~qwengyre.cluster.client.CellClient`.
 
 Start-up: build all ``K x G`` ranks, then call :meth:`Cell.connect` on all of them
 concurrently (creating the torch.distributed groups is collective).
@@ -19,15 +21,16 @@ Rollout: shard 0 serves an embedded engine behind SGLang's HTTP API
 (:class:`~qwengyre.cluster.engine_host.EngineHost`), which reads the core's ``G``
 boards shard by shard. A move to training is :meth:`release_engine` (after the proxy
 drained it); the way back is :meth:`resume_engine`, which frees the trainer state's
-device memory (:meth:`~qwengyre.training.trainer.Trainer.offload`, on accelerators) and
-loads the newest weights. Publication is :meth:`update_engine_weights`.
+device memory (:meth:`~qwengyre.training.backend.TrainerBackend.offload`, on
+accelerators) and loads the newest weights. Publication is :meth:`update_engine_weights`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -42,40 +45,44 @@ from qwengyre.cluster.weights import (
     open_board,
     shard_layout,
 )
-from qwengyre.config import EngineBackend, TrainerConfig
+from qwengyre.config import Config
 from qwengyre.models.tiny import quiet_progress_bars
+from qwengyre.training.backend import (
+    MicroStepResult,
+    StepResult,
+    TrainerBackend,
+    WeightsBoard,
+    trainer_backend,
+)
 from qwengyre.training.buffers import BatchSummary, MicroStep
-from qwengyre.training.checkpoint import load_sharded, save_sharded_checkpoint
 from qwengyre.training.distributed import CellComm
-from qwengyre.training.sharding import full_tensor
-from qwengyre.training.trainer import MicroStepResult, StepResult, Trainer
 
 __all__ = ["Cell", "CellSpec"]
 
 
 @dataclass(frozen=True)
 class CellSpec:
-    """Everything one rank of a cell needs to start (picklable)."""
+    """Everything one rank of a cell needs to start (picklable). The run's settings
+    come from ``config`` as they are: ``cells`` (K, G, the engine's capacity),
+    ``trainer``, ``engine`` (backend, bind address), ``run`` (torch threads, max
+    context) and ``seed``."""
 
     rank: int  # the cell's index (0: the core)
-    world: int  # K, the number of cells
+    shard: int  # this rank's index within the cell
     init_method: str  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
     model_dir: str
-    trainer: TrainerConfig
     board: str  # base name of the core's weights boards (one per shard index)
+    config: Config
     board_kind: BoardKind = "shared_memory"  # see qwengyre.cluster.weights
-    backend: str = "gloo"
-    device: str = "cpu"  # this rank's device
-    torch_threads: int = 1
-    seed: int = 0
-    engine_capacity: int = 8
-    max_context: int | None = None
+    backend: str = "gloo"  # torch.distributed's, for this rank's device
+    device: str = "cpu"  # this rank's device (placement derives it from run.device)
     version: int = 0  # policy version of the weights in model_dir
     checkpoint: str | None = None  # resume: the core loads weights and optimizer from here
-    shard: int = 0  # this rank's index within the cell
-    shards: int = 1  # G, ranks per cell
-    engine_host: str = "127.0.0.1"  # the engine's bind address (engine.host)
-    engine_backend: EngineBackend = "embedded"  # engine.backend
+
+    @property
+    def shards(self) -> int:
+        """G, ranks per cell."""
+        return self.config.cells.devices_per_cell
 
     @property
     def name(self) -> str:
@@ -86,8 +93,8 @@ class Cell:
     """One rank of a cell; see the module docstring."""
 
     def __init__(self, spec: CellSpec) -> None:
-        torch.set_num_threads(spec.torch_threads)
-        torch.manual_seed(spec.seed + spec.rank)
+        torch.set_num_threads(spec.config.run.torch_threads)
+        torch.manual_seed(spec.config.seed + spec.rank)
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(spec.device))
         self.spec = spec
@@ -96,8 +103,10 @@ class Cell:
                 spec.model_dir, dtype=torch.float32
             )
         self.model = model.to(torch.device(spec.device))  # type: ignore[arg-type]
-        self.trainer: Trainer | None = None
+        self.trainer: TrainerBackend | None = None
         self.engine: RolloutHost | None = None
+        self._comm: CellComm | None = None
+        self._board: WeightsBoard | None = None  # the core's board of this rank's shard
         self._boards: BoardShards | None = None
         self._gpus: tuple[str, ...] = ()  # the cell's GPUs, for its engine's tensor parallel
 
@@ -111,8 +120,8 @@ class Cell:
         return self.spec.shard == 0
 
     def connect(self) -> int:
-        """Join the cells' communication groups, shard the model; the core opens the
-        weights boards (and loads the checkpoint it resumes from).
+        """Join the cells' communication groups, build the trainer backend; the core
+        opens the weights boards (and loads the checkpoint it resumes from).
 
         Returns this process's id (for logs and kill tests).
         """
@@ -121,9 +130,9 @@ class Cell:
         name = board_name(spec.board, spec.shard)
         layout = shard_layout(self.model.named_parameters(), spec.shards, spec.shard)
         board = open_board(spec.board_kind, name, layout, create=True) if core else None
-        comm = CellComm(
+        self._comm = comm = CellComm(
             spec.rank,
-            spec.world,
+            spec.config.cells.count,
             spec.init_method,
             shard=spec.shard,
             shards=spec.shards,
@@ -133,24 +142,27 @@ class Cell:
         # Creating the groups is collective: once it returned everywhere the boards exist.
         if board is None:
             board = open_board(spec.board_kind, name, layout)
-        self.trainer = Trainer(self.model, spec.trainer, comm, version=spec.version, board=board)
+        self._board = board
+        build = trainer_backend(spec.config.trainer.backend)
+        self.trainer = build(
+            self.model, spec.config.trainer, comm, version=spec.version, board=board
+        )
         gpus = comm.cell_gather(physical_gpu(spec.device))
         self._gpus = tuple(str(g) for g in gpus if g is not None)
         if core:
             if spec.checkpoint is not None:
-                load_sharded(spec.checkpoint, self.trainer)
+                self.trainer.load_checkpoint(spec.checkpoint)
             self.trainer.publish_weights()
         return os.getpid()
 
-    def _trainer(self) -> Trainer:
+    def _trainer(self) -> TrainerBackend:
         if self.trainer is None:
             raise RuntimeError(f"{self.spec.name}: connect() first")
         return self.trainer
 
     def join_training(self) -> int:
         """Enter training: a satellite takes the core's current weights. Returns the version."""
-        trainer = self._trainer()
-        return trainer.version if trainer.is_core else trainer.pull_weights()
+        return self._trainer().join_training()
 
     def train_micro_step(self, micro_step: MicroStep) -> MicroStepResult:
         return self._trainer().train_micro_step(micro_step)
@@ -169,7 +181,7 @@ class Cell:
         if self._boards is None:
             spec, trainer = self.spec, self._trainer()
             named = model_parameters(spec.model_dir)
-            opened = {spec.shard: trainer.board} if trainer.is_core and trainer.board else {}
+            opened = {spec.shard: self._board} if trainer.is_core and self._board else {}
             self._boards = BoardShards(
                 spec.board_kind, spec.board, named, spec.shards, opened=opened
             )
@@ -186,15 +198,16 @@ class Cell:
             return None
         if self.engine is not None:
             raise RuntimeError(f"{self.spec.name}: the engine is already running")
+        config = self.spec.config
         self.engine = rollout_host(
-            self.spec.engine_backend,
+            config.engine.backend,
             self.spec.model_dir,
             name=self.spec.name,
-            capacity=self.spec.engine_capacity,
+            capacity=config.cells.capacity,
             device=self.spec.device,
-            max_context=self.spec.max_context,
-            seed=self.spec.seed + 1000 * self.rank,
-            host=self.spec.engine_host,
+            max_context=config.run.max_context,
+            seed=config.seed + 1000 * self.rank,
+            host=config.engine.host,
             gpus=self._gpus,
         )
         endpoint = self.engine.start()
@@ -239,30 +252,28 @@ class Cell:
 
     # ------------------------------------------------------------------ state
 
-    def save_checkpoint(self, root: str, step: int, state: dict[str, Any], keep: int) -> str:
+    def save_checkpoint(self, root: str, step: int, state: Mapping[str, Any], keep: int) -> str:
         """The core's ranks write weights and optimizer (sharded), shard 0 the caller's
         state, atomically; the ``keep`` newest checkpoints under ``root`` remain."""
-        trainer = self._trainer()
-        if not trainer.is_core:
-            raise RuntimeError("only the core holds the optimizer")
-        return save_sharded_checkpoint(
-            root, step=step, trainer=trainer, state=state, keep=keep, model_dir=self.spec.model_dir
-        )
+        return self._trainer().save_checkpoint(root, step, state, keep, self.spec.model_dir)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """A copy of the whole current parameters (tests; collective over the cell)."""
-        return {k: full_tensor(v.detach()).clone() for k, v in self.model.named_parameters()}
+        return self._trainer().parameters()
 
-    def shard_numels(self) -> dict[str, int]:
-        """Elements this rank holds: parameters, gradients, optimizer state (tests)."""
-        return self._trainer().shard_numels()
+    def shard_numels(self) -> list[dict[str, int]]:
+        """Elements each rank of the cell holds, in shard order: parameters, gradients,
+        optimizer state (tests; collective over the cell)."""
+        numels = self._trainer().shard_numels()
+        assert self._comm is not None  # connected: it has a trainer
+        return cast(list[dict[str, int]], self._comm.cell_gather(numels))
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
         if self._boards is not None:
             self._boards.close()
-        if self.trainer is not None:
-            self.trainer.comm.close()
-            if self.trainer.board is not None:
-                self.trainer.board.close()
+        if self._comm is not None:
+            self._comm.close()
+        if self._board is not None:
+            self._board.close()

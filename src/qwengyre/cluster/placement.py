@@ -6,8 +6,9 @@ process on this machine (:class:`~qwengyre.cluster.local.ProcessActor`);
 ``start_cells("ray", ...)`` builds them as Ray actors in one placement group, one bundle
 (one GPU on accelerators) per rank (:mod:`qwengyre.cluster.ray`, which documents
 ``RAY_ADDRESS`` and multi-node rendezvous). Either way one handle per cell comes back,
-in cell order: a cell of several ranks is a :class:`CellGroup`. Call ``connect`` on all
-of them concurrently, and end with :func:`stop_cells`. The standalone rollout pool, when
+in cell order, as a :class:`~qwengyre.cluster.client.CellClient` (a cell of several
+ranks behind a :class:`CellGroup`). Call ``connect`` on all of them concurrently, and
+end with :func:`stop_cells`. The standalone rollout pool, when
 configured, is one more actor (:func:`start_standalone`), started once the cells are
 connected.
 """
@@ -20,41 +21,33 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from qwengyre.cluster.cell import Cell, CellSpec
+from qwengyre.cluster.client import CellClient, CellHandle, EngineClient
 from qwengyre.cluster.devices import rank_device
 from qwengyre.cluster.local import ProcessActor
 from qwengyre.cluster.standalone import STANDALONE_NAME, StandalonePool, StandaloneSpec
+from qwengyre.scheduler.events import STANDALONE
 
 __all__ = [
     "CellGroup",
-    "CellHandle",
+    "engine_name",
     "start_cells",
     "start_standalone",
     "stop_cells",
 ]
 
 
-class CellHandle(Protocol):
-    """A cell in another process: one call at a time, in order."""
-
-    name: str
-
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
-
-    def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
-
-    async def check_alive(self) -> None:
-        """Raise ``ActorDied`` if the cell is gone; answers even while a call runs."""
-        ...
-
-    def close(self) -> None: ...
+def engine_name(engine: int) -> str:
+    """The proxy's name for the scheduler's engine id: a cell's, or the standalone pool's."""
+    return STANDALONE_NAME if engine == STANDALONE else f"cell-{engine}"
 
 
 class CellGroup:
-    """The ranks of one cell behind one :class:`CellHandle`: a call runs on every rank
-    at once (FSDP2's collectives need them together) and answers with shard 0's result.
+    """The ranks of one cell behind one :class:`~qwengyre.cluster.client.CellHandle`: a
+    call runs on every rank at once (FSDP2's collectives need them together) and answers
+    with shard 0's result.
     A rank that fails makes the call fail (its peers may then wait in a collective
     until the process group's timeout: a failed cell stops the run)."""
 
@@ -100,7 +93,7 @@ def start_cells(
     cpus_per_cell: float = 1.0,
     gpus_per_cell: float = 0.0,
     strategy: Literal["PACK", "SPREAD"] = "PACK",
-) -> list[CellHandle]:
+) -> list[CellClient]:
     """Build one process per spec (a rank of a cell) on its device
     (:func:`~qwengyre.cluster.devices.rank_device` locally; one GPU per rank under Ray);
     one handle per cell, in cell order. ``cpus_per_cell``, ``gpus_per_cell`` (per rank)
@@ -126,30 +119,32 @@ def start_cells(
         ranks = list(cells.handles)
     else:
         raise ValueError(f"unknown placement backend {backend!r}")
-    handles: list[CellHandle] = []
+    clients: list[CellClient] = []
     for cell, group in groupby(zip(specs, ranks, strict=True), key=lambda pair: pair[0].rank):
         members = [handle for _, handle in group]
-        handles.append(members[0] if len(members) == 1 else CellGroup(members, f"cell-{cell}"))
-    return handles
+        handle = members[0] if len(members) == 1 else CellGroup(members, engine_name(cell))
+        clients.append(CellClient(handle))
+    return clients
 
 
 def start_standalone(
     backend: Literal["local", "ray"], spec: StandaloneSpec, *, gpus: float = 0.0
-) -> CellHandle:
+) -> EngineClient:
     """The standalone pool's actor (a process, or a Ray actor outside the cells'
     placement group, on any node with room); start it after the cells connected."""
     if backend == "local":
-        return ProcessActor(StandalonePool, spec, name=STANDALONE_NAME)
+        return EngineClient(ProcessActor(StandalonePool, spec, name=STANDALONE_NAME))
     if backend == "ray":
         from qwengyre.cluster.ray import RayActor
 
         spec = replace(spec, board_kind="ray")
-        return RayActor(StandalonePool, spec, name=STANDALONE_NAME, num_gpus=gpus)
+        return EngineClient(RayActor(StandalonePool, spec, name=STANDALONE_NAME, num_gpus=gpus))
     raise ValueError(f"unknown placement backend {backend!r}")
 
 
-def stop_cells(handles: Sequence[CellHandle]) -> None:
+def stop_cells(clients: Sequence[EngineClient]) -> None:
     """Close every cell; for Ray also release what :func:`start_cells` started."""
+    handles = [client.handle for client in clients]
     groups: dict[int, Any] = {
         id(g): g for h in handles if (g := getattr(h, "cells", None)) is not None
     }

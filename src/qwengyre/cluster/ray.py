@@ -3,7 +3,7 @@
 
 :class:`RayActor` runs the same :class:`~qwengyre.cluster.cell.Cell` code as
 :class:`~qwengyre.cluster.local.ProcessActor` and offers the same interface
-(:class:`~qwengyre.cluster.placement.CellHandle`): ``await call(method, ...)``,
+(:class:`~qwengyre.cluster.client.CellHandle`): ``await call(method, ...)``,
 ``call_sync``, ``check_alive``, ``close``. A Ray actor runs one call at a time, in
 order. An exception inside the actor comes back as
 :class:`~qwengyre.cluster.local.ActorError` with the remote traceback, a dead actor as
@@ -168,7 +168,7 @@ class _Board:
 
 
 class RayWeights:
-    """The weights board of Ray-placed cells (:class:`~qwengyre.cluster.weights.WeightsBoard`).
+    """The weights board of Ray-placed cells (:class:`~qwengyre.training.backend.WeightsBoard`).
 
     :meth:`write` puts the tensors into Ray's object store, one object each, and leaves
     their references with a named actor (``name``); :meth:`read` fetches the newest, or

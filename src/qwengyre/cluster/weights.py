@@ -27,19 +27,19 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from qwengyre.engines.base import StaleWeights, WeightsByName, WeightsInShards
+from qwengyre.training.backend import WeightsBoard
 from qwengyre.training.sharding import shard_rows
 
 __all__ = [
     "BoardShards",
     "SharedWeights",
     "TensorSlot",
-    "WeightsBoard",
     "WeightsLayout",
     "board_name",
     "layout_of",
@@ -123,29 +123,9 @@ def board_name(base: str, shard: int) -> str:
     return f"{base}-{shard}"
 
 
-class WeightsBoard(Protocol):
-    """Where the core leaves its newest weights for the other cells: one writer (the
-    core), many readers. :class:`SharedWeights` on one machine; under Ray placement,
-    :class:`qwengyre.cluster.ray.RayWeights` (Ray's object store, across nodes)."""
-
-    @property
-    def version(self) -> int:
-        """The version last written completely (-1 before the first write)."""
-        ...
-
-    def write(self, named: Iterable[tuple[str, Tensor]], version: int) -> None: ...
-
-    def read(
-        self, names: Collection[str] | None = None, *, timeout_s: float = 10.0
-    ) -> tuple[int, dict[str, Tensor]]:
-        """A consistent copy of the weights (only ``names``, if given) and their version."""
-        ...
-
-    def close(self) -> None: ...
-
-
 class SharedWeights:
-    """A named shared-memory segment holding one copy of the weights and its version.
+    """A named shared-memory segment holding one copy of the weights and its version:
+    the :class:`~qwengyre.training.backend.WeightsBoard` of cells on one machine.
 
     ``create=True`` makes (and on :meth:`close`, unlinks) the segment: the core.
     Others attach by name with the same layout.

@@ -25,6 +25,9 @@ A cell that dies while it serves rollout or switches (not the core) is lost, and
 run goes on without it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends
 its calls elsewhere, its harnesses keep running, and training keeps to the cells before
 it. Any other death stops the run (``run.restarts`` may resume it from its checkpoint).
+Watching the cells is the :class:`~qwengyre.runtime.supervisor.Supervisor`'s part; what
+the run records (roles, switches, load, usage, steps) is the
+:class:`~qwengyre.runtime.observer.Observer`'s.
 """
 
 from __future__ import annotations
@@ -32,31 +35,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import random
-import statistics
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qwengyre.cluster.client import CellClient, EngineClient
 from qwengyre.cluster.local import ActorDied
-from qwengyre.cluster.placement import CellHandle
-from qwengyre.cluster.standalone import STANDALONE_NAME
+from qwengyre.cluster.placement import engine_name
 from qwengyre.config import Config
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import AssessmentLog
-from qwengyre.records.metrics import (
-    GroupRecord,
-    LoadRecord,
-    MetricsWriter,
-    PublicationRecord,
-    RoleRecord,
-    StepRecord,
-    SwitchRecord,
-    UsageRecord,
-)
+from qwengyre.records.metrics import MetricsWriter
 from qwengyre.records.trace import TraceWriter
 from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, trace_record
@@ -65,6 +57,8 @@ from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool
 from qwengyre.rollout.tasks import Task
 from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.observer import Observer
+from qwengyre.runtime.supervisor import Supervisor
 from qwengyre.scheduler.core import GroupState, Scheduler
 from qwengyre.scheduler.events import (
     STANDALONE,
@@ -88,6 +82,7 @@ from qwengyre.scheduler.events import (
     Tick,
     WakeAt,
 )
+from qwengyre.training.backend import MicroStepResult
 from qwengyre.training.buffers import (
     ExecutionSample,
     GroupSample,
@@ -95,20 +90,11 @@ from qwengyre.training.buffers import (
     PackingBuffer,
     TrajectoryBuffer,
 )
-from qwengyre.training.trainer import MicroStepResult, StepResult
 from qwengyre.trajectories.selection import admit_execution
 
-__all__ = ["Controller", "RunOutputs", "engine_name"]
+__all__ = ["Controller", "RunOutputs"]
 
 log = logging.getLogger(__name__)
-
-CELL_WATCH_S = 1.0
-"""How often every cell's liveness is checked."""
-
-
-def engine_name(engine: int) -> str:
-    """The proxy's name for the scheduler's engine id."""
-    return STANDALONE_NAME if engine == STANDALONE else f"cell-{engine}"
 
 
 @dataclass
@@ -157,7 +143,7 @@ class Controller:
         config: Config,
         scheduler: Scheduler,
         proxy: ProxyServer,
-        cells: Sequence[CellHandle],
+        cells: Sequence[CellClient],
         tasks: Sequence[Task],
         harness: HarnessSpec,
         outputs: RunOutputs,
@@ -165,7 +151,7 @@ class Controller:
         hosts: HostPool,
         trajectories: TrajectoryBuffer | None = None,
         trained: Sequence[int] = (),
-        standalone: CellHandle | None = None,
+        standalone: EngineClient | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -192,18 +178,14 @@ class Controller:
         self._step: _Step | None = None
         self._pull_queued = False
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._roles = list(scheduler.roles)
         self._t0 = time.monotonic()
         self._wall0 = time.time()
-        self._last_load = (-1, -1, -1, -1)
-        self._busy_s = [0.0] * len(self._roles)  # per cell, see UsageRecord
-        self._serving = [False] * len(self._roles)  # rollout with executions routed to it
         self._freed: dict[int, str] = {}  # cell: how its engine freed memory (SwitchRecord)
-        self._accounted_at = 0.0
         self.failure: BaseException | None = None
-        self._lost: dict[int, ActorDied] = {}  # cells given up for dead: why
-        self._reviving: set[int] = set()  # cells starting a crashed engine again
-        self.step_records: list[StepRecord] = []
+        self.observer = Observer(outputs.metrics, scheduler, self.now)
+        self.supervisor = Supervisor(
+            self.cells, standalone, scheduler, proxy.router, spawn=self._spawn, emit=self._emit
+        )
 
     # ------------------------------------------------------------------ clock
 
@@ -229,20 +211,19 @@ class Controller:
 
     async def run(self, start: Event) -> None:
         """Handle events until ``run.steps`` updates are published (or a task failed)."""
-        for cell, role in enumerate(self._roles):
-            self.outputs.metrics.write(RoleRecord(0.0, cell, role.value))
+        self.observer.start()
         await self.handle(start)
         for cell, role in enumerate(self.scheduler.roles):  # async: cells that start training
             if role is Role.TRAINING:
                 await self.proxy.router.drain(engine_name(cell))
-                await self.cells[cell].call("release_engine")
-        self._spawn(self._watch_cells())
+                await self.cells[cell].release_engine()
+        self._spawn(self.supervisor.watch())
         while not self.finished:
             event = await self.events.get()
             if self.failure is not None:
-                raise await self._root_cause(self.failure)
+                raise await self.supervisor.root_cause(self.failure)
             if isinstance(event, CellLost) and self.scheduler.why_not_lose(event.cell):
-                raise self._lost[event.cell]  # it moved on since it died: it cannot be lost
+                raise self.supervisor.lost[event.cell]  # it moved on since it died: not lost
             if isinstance(event, PullGroups):
                 self._pull_queued = False
                 if event.step != self.scheduler.version:
@@ -255,18 +236,16 @@ class Controller:
         return s.version >= self.config.run.steps and not s.publishing
 
     async def handle(self, event: Event) -> None:
-        self._account()
+        self.observer.account()
         actions = self.scheduler.handle(event)
         if isinstance(event, ExecutionFinished):  # buffered before these actions pack it
             await self._buffer_if_ready(self._executions[event.execution_id].group)
         for action in actions:
             await self.execute(action)
-        self._serving = [
-            role is Role.ROLLOUT and bool(self.scheduler.running_on(cell))
-            for cell, role in enumerate(self.scheduler.roles)
-        ]
-        self._observe_roles()
-        self._record_load()
+        self.observer.observe()
+        if self._step is not None and self._step.window_open:  # cells that joined training
+            for cell in self._training_prefix():
+                self._start_worker(cell)
         self._maybe_pull()
 
     async def execute(self, action: Action) -> None:
@@ -375,28 +354,17 @@ class Controller:
         try:
             if role is Role.TRAINING:
                 await self.proxy.router.drain(name)  # calls in flight retry elsewhere
-                self._freed[cell] = await self.cells[cell].call("release_engine")
+                self._freed[cell] = await self.cells[cell].release_engine()
             else:
-                await self.cells[cell].call("resume_engine")
+                await self.cells[cell].resume_engine()
                 self.proxy.router.resume(name)
         except ActorDied as died:  # died switching: lost (the core stops the run)
-            await self._lose(cell, died)
+            await self.supervisor.lose(cell, died)
             return
         to = "training" if role is Role.TRAINING else "rollout"
-        seconds = self.now() - start
         how = self._freed.get(cell, "")  # the way back undoes what the way out did
-        self.outputs.metrics.write(SwitchRecord(self.now(), cell, to, seconds, how))
+        self.observer.switch(cell, to, self.now() - start, how)
         self._emit(lambda t: CellMoved(t, cell))
-
-    def _observe_roles(self) -> None:
-        now = self.now()
-        for cell, role in enumerate(self.scheduler.roles):
-            if role is not self._roles[cell]:
-                self._roles[cell] = role
-                self.outputs.metrics.write(RoleRecord(now, cell, role.value))
-        if self._step is not None and self._step.window_open:
-            for cell in self._training_prefix():
-                self._start_worker(cell)
 
     def _training_prefix(self) -> list[int]:
         """The training cells that may work on a step: cells 0..k-1, core first. A
@@ -413,19 +381,20 @@ class Controller:
         """The core's weights reach every rollout engine: the rollout cells and the
         standalone pool (PAPER: publication after the burst's final update)."""
         roles = self.scheduler.roles
-        rollout = [c for c, r in enumerate(roles) if r is Role.ROLLOUT and c not in self._lost]
-        engines = {c: self.cells[c] for c in rollout}
+        lost = self.supervisor.lost
+        rollout = [c for c, r in enumerate(roles) if r is Role.ROLLOUT and c not in lost]
+        engines: dict[int, EngineClient] = {c: self.cells[c] for c in rollout}
         if self.standalone is not None:
             engines[STANDALONE] = self.standalone
         start = self.now()
-        loads = [engine.call("update_engine_weights") for engine in engines.values()]
+        loads = [engine.update_engine_weights() for engine in engines.values()]
         outcomes = await asyncio.gather(*loads, return_exceptions=True)
         for cell, outcome in zip(engines, outcomes, strict=True):
             if isinstance(outcome, ActorDied) and cell != STANDALONE:
-                await self._lose(cell, outcome)  # it died serving: the others took over
+                await self.supervisor.lose(cell, outcome)  # it died serving: others took over
             elif isinstance(outcome, BaseException):
                 raise outcome
-        self.outputs.metrics.write(PublicationRecord(self.now(), version, self.now() - start))
+        self.observer.publication(version, self.now() - start)
         self._emit(lambda t: PublicationDone(t, version))
 
     # ------------------------------------------------------------------ training
@@ -451,10 +420,10 @@ class Controller:
     async def _work(self, cell: int, step: _Step) -> None:
         """A cell in training claims micro-steps until the batch is drained."""
         if cell not in self._synced:
-            await self.cells[cell].call("join_training")  # the core's current weights
+            await self.cells[cell].join_training()  # the core's current weights
         while (ms := await self.queue.claim(cell)) is not None:
             self._maybe_pull()  # packing the next group overlaps this micro-step
-            result, seconds = await self._timed(cell, "train_micro_step", ms)
+            result, seconds = await self.observer.timed(cell, self.cells[cell].train_micro_step(ms))
             step.results.append(result)
             step.micro_step_s += seconds
 
@@ -472,52 +441,25 @@ class Controller:
         k = len(step.workers)
         if sorted(step.workers) != list(range(k)):
             raise RuntimeError(f"step {step.step}: cells {sorted(step.workers)} are not a prefix")
-        finished = await asyncio.gather(
-            *(self._timed(c, "finish_batch", summary, k) for c in range(k))
+        updates = await asyncio.gather(
+            *(self.observer.timed(c, self.cells[c].finish_batch(summary, k)) for c in range(k))
         )
-        results: list[StepResult] = [result for result, _ in finished]
         self._synced = set(range(k))
         self.trained += list(summary.group_ids)
-        groups = self.scheduler.groups
-        rewards = [r for g in summary.group_ids for r in groups[g].valid.values()]
-        core = results[0]
-        record = StepRecord(
-            time_s=self.now(),
-            step=step.step,
-            version=core.version,
-            reward_mean=statistics.fmean(rewards) if rewards else 0.0,
-            reward_std=statistics.pstdev(rewards) if rewards else 0.0,
-            rewards=len(rewards),
-            loss=sum(r.loss for r in step.results) / max(summary.num_executions, 1),
-            clipped_fraction=sum(r.clipped for r in step.results)
-            / max(sum(r.executions for r in step.results), 1),
-            grad_norm=core.grad_norm,
-            tokens=summary.num_tokens,
-            micro_steps=summary.num_micro_steps,
-            cells=k,
-            train_s=self.now() - step.started_s,
-            staleness_mean=statistics.fmean(
-                step.step - self.scheduler.groups[g].v_d for g in summary.group_ids
-            ),
-            micro_step_s=step.micro_step_s,
-            update_s=max(seconds for _, seconds in finished),
+        launched = {
+            g: [self._executions[e].version for e in self.scheduler.groups[g].valid]
+            for g in summary.group_ids
+        }
+        core, _ = updates[0]
+        self.observer.step(
+            step.step,
+            step.started_s,
+            summary,
+            step.results,
+            step.micro_step_s,
+            updates,
+            launched,
         )
-        for gid in summary.group_ids:  # trained in this step
-            group = self.scheduler.groups[gid]
-            launched = [self._executions[e].version for e in group.valid]
-            self.outputs.metrics.write(
-                GroupRecord(
-                    self.now(),
-                    gid,
-                    group.v_d,
-                    step.step,
-                    step.step - group.v_d,
-                    statistics.fmean(step.step - v for v in launched) if launched else math.nan,
-                )
-            )
-        self.outputs.metrics.write(record)
-        self.write_usage()
-        self.step_records.append(record)
         if core.version % self.config.run.checkpoint_every == 0 or self.last_step(core.version):
             await self._checkpoint(core.version)
         self._step = None
@@ -535,119 +477,7 @@ class Controller:
             "next_execution": max(self.scheduler.executions, default=-1) + 1,
         }
         root, keep = str(self.outputs.checkpoints), self.config.run.keep_checkpoints
-        await self.cells[0].call("save_checkpoint", root, version, state, keep)
-
-    # ------------------------------------------------------------------ observation
-
-    def _account(self) -> None:
-        """Rollout busy time up to now (training time is added per call)."""
-        now = self.now()
-        for cell, serving in enumerate(self._serving):
-            if serving:
-                self._busy_s[cell] += now - self._accounted_at
-        self._accounted_at = now
-
-    async def _timed(self, cell: int, method: str, *args: Any) -> tuple[Any, float]:
-        """A training call on ``cell`` and its duration, counted as busy."""
-        start = time.monotonic()
-        try:
-            return await self.cells[cell].call(method, *args), time.monotonic() - start
-        finally:
-            self._busy_s[cell] += time.monotonic() - start
-
-    def write_usage(self) -> None:
-        self._account()
-        now = self.now()
-        for cell, busy in enumerate(self._busy_s):
-            self.outputs.metrics.write(UsageRecord(now, cell, busy, max(0.0, now - busy)))
-
-    def _record_load(self) -> None:
-        """A load record whenever the counters changed: the waterlevel's every step."""
-        c, s = self.scheduler.counters, self.scheduler
-        sample = (c.running, c.queued, s.capacity, c.reserved)
-        if sample != self._last_load:
-            self._last_load = sample
-            self.outputs.metrics.write(LoadRecord(self.now(), *sample))
-
-    async def _watch_cells(self) -> None:
-        """A cell that dies is seen at once, not at the next call it gets (a rollout
-        cell gets none from the controller until its next move or publication): a cell
-        other than the core that serves rollout or switches is lost, any other death
-        stops the run."""
-        while True:
-            for cell, actor in self._watched():
-                try:
-                    await actor.check_alive()
-                except ActorDied as died:
-                    await self._lose(cell, died)
-            if self.standalone is not None:
-                await self.standalone.check_alive()
-            self._revive_failed_engines()
-            await asyncio.sleep(CELL_WATCH_S)
-
-    def _watched(self) -> list[tuple[int, CellHandle]]:
-        """The cells not lost, by index."""
-        return [(cell, actor) for cell, actor in enumerate(self.cells) if cell not in self._lost]
-
-    def _revive_failed_engines(self) -> None:
-        """A rollout cell (or the standalone pool) whose engine the proxy drained for
-        failing asks its host to start the server again if it crashed; the proxy takes
-        it back once healthy."""
-        engines = {engine_name(c): c for c in range(len(self.cells))}
-        if self.standalone is not None:
-            engines[engine_name(STANDALONE)] = STANDALONE
-        for name in self.proxy.router.failed():
-            engine = engines.get(name)
-            if engine is None or engine in self._lost or engine in self._reviving:
-                continue
-            if engine == STANDALONE or self.scheduler.roles[engine] is Role.ROLLOUT:
-                self._reviving.add(engine)
-                self._spawn(self._revive(engine))
-
-    async def _revive(self, engine: int) -> None:
-        actor = self.standalone if engine == STANDALONE else self.cells[engine]
-        assert actor is not None
-        try:
-            if await actor.call("revive_engine"):
-                log.warning("%s: its engine crashed and was started again", engine_name(engine))
-        except ActorDied as died:
-            if engine == STANDALONE:
-                raise
-            await self._lose(engine, died)
-        finally:
-            self._reviving.discard(engine)
-
-    async def _lose(self, cell: int, died: ActorDied) -> None:
-        """Go on without ``cell``, which ``died``; re-raise it if the run cannot."""
-        if cell in self._lost:
-            return
-        if self.scheduler.why_not_lose(cell) is not None:
-            raise died
-        self._lost[cell] = died
-        log.warning("%s; the run goes on without it", died)
-        await self.proxy.router.drain(engine_name(cell), wait=False)
-        await asyncio.to_thread(self.cells[cell].close)  # its other ranks, if any
-        self._emit(lambda t: CellLost(t, cell))
-
-    async def _check_cells(self) -> None:
-        """Raise ``ActorDied`` for the first cell (or the standalone pool) that is gone,
-        of those not already lost."""
-        for _, actor in self._watched():
-            await actor.check_alive()
-        if self.standalone is not None:
-            await self.standalone.check_alive()
-
-    async def _root_cause(self, failure: BaseException) -> BaseException:
-        """A dead cell, if any: it explains the failure of the calls to it and of its
-        peers' collectives, whichever was seen first. A check that itself fails leaves
-        ``failure`` as it is."""
-        try:
-            await self._check_cells()
-        except ActorDied as died:
-            return died
-        except Exception:
-            pass
-        return failure
+        await self.cells[0].save_checkpoint(root, version, state, keep)
 
     async def shutdown(self) -> None:
         """Stop every execution (their harnesses are killed) and every background task."""

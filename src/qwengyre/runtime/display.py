@@ -58,7 +58,7 @@ def step_line(record: StepRecord) -> str:
 def render(controller: Controller) -> Table:
     s = controller.scheduler
     c = s.counters
-    last = controller.step_records[-1] if controller.step_records else None
+    last = controller.observer.step_records[-1] if controller.observer.step_records else None
     table = Table(title=f"qwengyre train · {s.params.policy}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -67,7 +67,7 @@ def render(controller: Controller) -> Table:
     if last is not None:
         table.add_row("reward (last step)", f"{last.reward_mean:.3f} ± {last.reward_std:.3f}")
         table.add_row("staleness (last step)", f"{last.staleness_mean:.2f}")
-        table.add_row("learning signal", signal_text(controller.step_records))
+        table.add_row("learning signal", signal_text(controller.observer.step_records))
     cells = " ".join(
         f"[{ROLE_STYLE[r]}]{i}:{r.value}[/{ROLE_STYLE[r]}]" for i, r in enumerate(s.roles)
     )
@@ -92,6 +92,6 @@ async def show(controller: Controller, console: Console | None = None) -> None:
     printed = 0
     while True:
         await asyncio.sleep(1.0)
-        for record in controller.step_records[printed:]:
+        for record in controller.observer.step_records[printed:]:
             console.print(step_line(record), markup=False)
-        printed = len(controller.step_records)
+        printed = len(controller.observer.step_records)

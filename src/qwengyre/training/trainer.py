@@ -18,7 +18,7 @@ participating cell calls :meth:`Trainer.finish_batch` with the same prefix size 
    the global norm and make the single optimizer update (version + 1) on their shards,
    at the learning rate :meth:`~qwengyre.config.TrainerConfig.lr_at` gives for it;
 3. the core's ranks broadcast the new shards to their satellite peers and write them
-   to their weights boards (:class:`~qwengyre.cluster.weights.WeightsBoard`, one per
+   to their weights boards (:class:`~qwengyre.training.backend.WeightsBoard`, one per
    shard index), where a satellite rank joining a later batch
    (:meth:`Trainer.pull_weights`) and the rollout engines read them.
 
@@ -35,52 +35,29 @@ rows are packed documents, each attending only to itself
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from qwengyre.cluster.weights import WeightsBoard
 from qwengyre.config import TrainerConfig
+from qwengyre.training.backend import MicroStepResult, StepResult, WeightsBoard
 from qwengyre.training.buffers import BatchSummary, MicroStep, split_micro_step
+from qwengyre.training.checkpoint import load_sharded, save_sharded_checkpoint
 from qwengyre.training.distributed import CellComm
 from qwengyre.training.objective import execution_gspo_loss
 from qwengyre.training.offload import Offloaded
 from qwengyre.training.sharding import full_tensor, local, local_shards, shard_policy
 
-__all__ = ["MicroStepResult", "StepResult", "Trainer"]
-
-
-@dataclass(frozen=True)
-class MicroStepResult:
-    """What one micro-step contributed (``loss`` is its summed, unnormalised objective)."""
-
-    step: int
-    index: int
-    cell: int
-    tokens: int
-    targets: int
-    loss: float
-    clipped: int  # executions clipped in it
-    executions: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """The update of one batch, as the core saw it."""
-
-    step: int
-    version: int  # policy version after the update
-    cells: int
-    grad_norm: float  # before clipping, of the normalised gradient
-    seconds: float
+__all__ = ["Trainer"]
 
 
 class Trainer:
     """Shard ``comm.shard`` of cell ``comm.cell``'s trainer; the core's ranks own the
-    optimizer. ``model`` (fp32, on this rank's device) is sharded in place."""
+    optimizer. ``model`` (fp32, on this rank's device) is sharded in place. The
+    ``fsdp2`` :class:`~qwengyre.training.backend.TrainerBackend`."""
 
     def __init__(
         self,
@@ -262,6 +239,11 @@ class Trainer:
             raise RuntimeError("this trainer has no shared weights board")
         self.board.write(self.local_shards(), self.version)
 
+    def join_training(self) -> int:
+        """Enter training: a satellite takes the core's current weights
+        (:meth:`pull_weights`); the core has them. Returns the version."""
+        return self.version if self.is_core else self.pull_weights()
+
     def pull_weights(self) -> int:
         """A satellite rank joining training takes its shard of the core's current
         weights; returns the version."""
@@ -301,3 +283,25 @@ class Trainer:
             raise RuntimeError("the trainer state is not offloaded")
         self._offloaded.restore()
         self._offloaded = None
+
+    # ------------------------------------------------------------------ state
+
+    def save_checkpoint(
+        self, root: str, step: int, state: Mapping[str, Any], keep: int, model_dir: str
+    ) -> str:
+        """The core's ranks write weights and optimizer (DCP, sharded), shard 0 the
+        caller's state and the architecture from ``model_dir``, atomically
+        (:func:`~qwengyre.training.checkpoint.save_sharded_checkpoint`)."""
+        if not self.is_core:
+            raise RuntimeError("only the core holds the optimizer")
+        return save_sharded_checkpoint(
+            root, step=step, trainer=self, state=state, keep=keep, model_dir=model_dir
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        """The core's ranks resume from ``path`` (any ``G`` reads any other)."""
+        load_sharded(path, self)
+
+    def parameters(self) -> dict[str, Tensor]:
+        """A copy of the whole current parameters (collective over the cell)."""
+        return {k: full_tensor(v.detach()).clone() for k, v in self.model.named_parameters()}
