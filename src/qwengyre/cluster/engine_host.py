@@ -28,7 +28,7 @@ from qwengyre.cluster.net import advertised
 from qwengyre.cluster.weights import BoardShards
 from qwengyre.config import EngineBackend
 from qwengyre.engines.base import InferenceEngine
-from qwengyre.engines.factory import ServerAPI, embedded_engine, server_backend, server_engine
+from qwengyre.engines.factory import embedded_engine, server_backend, server_engine
 from qwengyre.engines.server import engine_app
 
 __all__ = ["Endpoint", "EngineHost", "RolloutHost", "rollout_host"]
@@ -42,7 +42,7 @@ class Endpoint:
 
     url: str
     api_key: str
-    api: ServerAPI
+    api: str  # a server backend's name (engines.factory.SERVER_BACKENDS)
 
     def client(self, name: str, capacity: int, version: int) -> InferenceEngine:
         """The proxy's engine for this server."""

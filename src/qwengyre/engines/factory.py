@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -23,10 +23,7 @@ from qwengyre.engines.launch import ServerBackend
 from qwengyre.engines.sglang import SGLangBackend
 from qwengyre.engines.vllm import VLLMBackend
 
-__all__ = ["SERVER_BACKENDS", "ServerAPI", "embedded_engine", "server_backend", "server_engine"]
-
-ServerAPI = Literal["sglang", "vllm"]
-"""The HTTP API a rollout server speaks (the embedded engine's server speaks SGLang's)."""
+__all__ = ["SERVER_BACKENDS", "embedded_engine", "server_backend", "server_engine"]
 
 SERVER_BACKENDS: dict[str, ServerBackend[Any]] = {
     "vllm": VLLMBackend(),
@@ -68,9 +65,10 @@ def embedded_engine(
 
 
 def server_engine(
-    api: ServerAPI, url: str, *, name: str, capacity: int, api_key: str, version: int
+    api: str, url: str, *, name: str, capacity: int, api_key: str, version: int
 ) -> InferenceEngine:
-    """The client of the server at ``url`` speaking ``api``, ``capacity`` concurrent
+    """The client of the server at ``url`` speaking ``api`` (a server backend's name; the
+    embedded engine's server speaks ``"sglang"``), ``capacity`` concurrent
     requests, its tokens labelled ``version`` until the server says otherwise."""
     return server_backend(api).client(
         url, name=name, capacity=capacity, api_key=api_key, version=version
