@@ -68,7 +68,6 @@ import contextlib
 import io
 import json
 import logging
-import sys
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -96,7 +95,6 @@ from qwengyre.engines.launch import (
     ServerBackend,
     ServerNotInstalled,
     ServerSpec,
-    importable,
 )
 
 if TYPE_CHECKING:
@@ -446,11 +444,6 @@ class SGLangServerSpec(ServerSpec):
         return {Path(self.key_file): yaml.safe_dump({"api-key": self.api_key})}
 
 
-def sglang_available(python: str = sys.executable, env: Mapping[str, str] | None = None) -> bool:
-    """Whether ``python`` (in ``env``) can import ``sglang`` (without importing it)."""
-    return importable(python, "sglang", env)
-
-
 class SGLangBackend(ServerBackend[SGLangEngine]):
     """SGLang as a cell's rollout server (``engine.backend=sglang``).
 
@@ -585,6 +578,5 @@ __all__: Sequence[str] = (
     "TensorRoute",
     "TensorRouteUnavailable",
     "serialize_tensors",
-    "sglang_available",
     "tensor_buckets",
 )
