@@ -54,6 +54,11 @@ CREATE TABLE IF NOT EXISTS rollout_groups (
 """
 
 
+ENGINE_CAPACITY = 32
+"""Requests the model's engine serves at once: more than the executions, whose harnesses
+may call in parallel (sub-agents), so that no call waits for a slot."""
+
+
 @dataclass(frozen=True)
 class RolloutOptions:
     model: Path
@@ -146,7 +151,7 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
             options.model,
             EngineConfig(backend=options.backend, dtype=options.dtype),
             device=options.device,
-            capacity=options.concurrency,
+            capacity=ENGINE_CAPACITY,
             max_context=options.max_context,
         ) as engine:
             server = build_proxy(
