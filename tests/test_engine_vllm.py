@@ -1,5 +1,5 @@
 """VLLMEngine against a real vLLM CPU server (one for the module) with a tiny model with
-tied embeddings (an untied one is served in tests/test_cluster_vllm_host.py, by the server host).
+tied embeddings (an untied one is served in tests/test_cluster_vllm_host.py).
 
 The server runs from the Python named by ``QWENGYRE_VLLM_PYTHON`` (a vLLM venv:
 ``scripts/vllm_venv.sh``); without it the server tests skip. Run this module without
