@@ -9,9 +9,8 @@ noise on every weight (the update). The embedded engine (in this process) and ea
 server engine whose package its python imports (vLLM: ``$QWENGYRE_VLLM_PYTHON``, SGLang:
 ``$QWENGYRE_SGLANG_PYTHON``, else this python) are put through the same steps:
 
-- **start**: seconds from launch (:func:`~qwengyre.engines.vllm.launch_vllm`,
-  :func:`~qwengyre.engines.sglang.launch_sglang`) until
-  :func:`~qwengyre.engines.sglang.wait_until_healthy` returns (the embedded engine: its
+- **start**: seconds from launch (:func:`~qwengyre.engines.launch.launch`) until
+  :func:`~qwengyre.engines.launch.wait_until_healthy` returns (the embedded engine: its
   constructor);
 - **log-probs**: a greedy and a sampled (T=1) output of ``--check-tokens`` tokens; the
   largest ``|served - HF|`` of their log-probs, HF being a forward of the same weights
@@ -70,7 +69,7 @@ from qwengyre.models import cached_tiny_model
 from qwengyre.types import SamplingParams
 
 try:  # the server engines' clients need aiohttp, which a bare GPU image may lack
-    from qwengyre.engines import sglang, vllm
+    from qwengyre.engines import launch, sglang, vllm
 except ImportError as missing:
     CLIENTS_MISSING: str | None = str(missing)
 else:
@@ -321,10 +320,14 @@ def server_spec(name: str, bench: Bench, port: int, key: str) -> Any:
     extra: tuple[str, ...]
     if name == "sglang":
         extra = ("--mem-fraction-static", share, "--dtype", dtype)
-        if key:  # the key in a private config file, off the command line
-            extra += sglang.write_key_config(bench.logs / "sglang-server.yaml", key)
         return sglang.SGLangServerSpec(
-            model, port, context_length=bench.context, extra_args=extra, extra_env=env
+            model,
+            port,
+            api_key=key or None,
+            key_file=str(bench.logs / "sglang-server.yaml") if key else None,
+            max_context=bench.context,
+            extra_args=extra,
+            extra_env=env,
         )
     if bench.device.type == "cuda":
         extra = ("--enable-sleep-mode", "--gpu-memory-utilization", share)
@@ -335,7 +338,7 @@ def server_spec(name: str, bench: Bench, port: int, key: str) -> Any:
         port,
         api_key=key,
         dtype=dtype,
-        max_model_len=bench.context,
+        max_context=bench.context,
         extra_args=extra,
         extra_env=env,
     )
@@ -351,11 +354,7 @@ def unavailable(name: str, bench: Bench) -> str | None:
     if CLIENTS_MISSING is not None:
         return f"not installed ({INSTALL[name]}; qwengyre's client: {CLIENTS_MISSING})"
     spec = server_spec(name, bench, 0, "")
-    found = (
-        sglang.sglang_available(spec.python, spec.env())
-        if name == "sglang"
-        else vllm.vllm_available(spec.python)
-    )
+    found = launch.importable(spec.python, spec.package, spec.env())
     return None if found else f"not installed ({INSTALL[name]})"
 
 
@@ -366,20 +365,16 @@ def run_server(name: str, bench: Bench) -> Row:
         port = s.getsockname()[1]
     key = secrets.token_hex(16)
     spec = server_spec(name, bench, port, key)
-    launch, client = (
-        (sglang.launch_sglang, sglang.SGLangEngine)
-        if name == "sglang"
-        else (vllm.launch_vllm, vllm.VLLMEngine)
-    )
+    client = sglang.SGLangEngine if name == "sglang" else vllm.VLLMEngine
     log = bench.logs / f"{name}-server.log"
     started = time.monotonic()
     with log.open("wb") as out:
-        process = launch(spec, stdout=out, stderr=subprocess.STDOUT)
+        process = launch.launch(spec, stdout=out, stderr=subprocess.STDOUT)
 
     async def serve() -> None:
         capacity = max(bench.args.concurrency)
         async with client(spec.base_url, name, capacity=capacity, api_key=key) as engine:
-            await sglang.wait_until_healthy(engine, bench.args.start_timeout, process=process)
+            await launch.wait_until_healthy(engine, bench.args.start_timeout, process=process)
             row.start_s = time.monotonic() - started
             say(row, f"healthy after {row.start_s:.1f} s")
             await exercise(engine, row, bench)

@@ -11,7 +11,8 @@ import yaml
 
 from qwengyre import cli
 from qwengyre.apps.rollout import RolloutOptions
-from qwengyre.apps.serve import ServeOptions
+from qwengyre.apps.serve import model_dir
+from qwengyre.config import Config
 from qwengyre.rollout.tasks import example_tasks_path
 
 SHARED = """
@@ -52,8 +53,12 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen["bind"] = kwargs
 
     monkeypatch.setattr("qwengyre.apps.rollout.rollout", rollout)
-    monkeypatch.setattr("qwengyre.apps.serve.serve", lambda options: seen.update(proxy=options))
-    monkeypatch.setattr("qwengyre.engines.embedded.EmbeddedEngine", Engine)
+
+    def serve(config: Config, admin_token: str | None) -> None:
+        seen.update(proxy=config, admin_token=admin_token)
+
+    monkeypatch.setattr("qwengyre.apps.serve.serve", serve)
+    monkeypatch.setattr("qwengyre.engines.factory.EmbeddedEngine", Engine)
     monkeypatch.setattr("aiohttp.web.run_app", run_app)
     return seen
 
@@ -71,11 +76,13 @@ def test_one_yaml_configures_rollout_proxy_and_engine(
     assert options.tasks.name == "toy_tasks.jsonl"  # run.tasks unset: train's toy tasks
 
     assert cli.main(["proxy", "serve", str(shared), "--admin-token", "a" * 16]) == 0
-    proxy: ServeOptions = captured["proxy"]
-    assert (proxy.model, proxy.store, proxy.engine) == (model, tmp_path / "st", "embedded")
-    assert (proxy.host, proxy.port, proxy.admin_token) == ("127.0.0.1", 8181, "a" * 16)
-    assert (proxy.temperature, proxy.max_context, proxy.harness_sampling) == (0.7, 1024, True)
-    assert (proxy.capacity, proxy.dtype, proxy.max_resident) == (5, "bfloat16", 7)
+    served: Config = captured["proxy"]
+    proxy = served.proxy
+    assert (model_dir(served), proxy.store, proxy.engine) == (model, tmp_path / "st", "embedded")
+    assert (proxy.host, proxy.port, captured["admin_token"]) == ("127.0.0.1", 8181, "a" * 16)
+    assert (served.trainer.temperature, served.run.max_context) == (0.7, 1024)
+    assert (served.cells.capacity, served.engine.dtype) == (5, "bfloat16")
+    assert (proxy.harness_sampling, proxy.max_resident) == (True, 7)
 
     assert cli.main(["engine", "serve", str(shared), "--api-key", "k"]) == 0
     engine = captured["engine"]
@@ -95,17 +102,17 @@ def test_servers_bind_localhost_by_default_and_generate_credentials(
     assert "api key: " in capsys.readouterr().out
     args = ["proxy", "serve", "--model", str(model), "--store", str(tmp_path / "s")]
     assert cli.main(args) == 0
-    assert (captured["proxy"].host, captured["proxy"].port) == ("127.0.0.1", 8080)
-    assert captured["proxy"].admin_token is None  # serve() generates and prints one
+    assert (captured["proxy"].proxy.host, captured["proxy"].proxy.port) == ("127.0.0.1", 8080)
+    assert captured["admin_token"] is None  # serve() generates and prints one
 
 
 def test_shortcuts_win_over_the_file_and_clash_with_overrides(
     shared: Path, tmp_path: Path, captured: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ):
     assert cli.main(["proxy", "serve", str(shared), "--port", "9001"]) == 0
-    assert captured["proxy"].port == 9001
+    assert captured["proxy"].proxy.port == 9001
     assert cli.main(["proxy", "serve", str(shared), "proxy.port=9002"]) == 0
-    assert captured["proxy"].port == 9002
+    assert captured["proxy"].proxy.port == 9002
     assert cli.main(["proxy", "serve", str(shared), "--port", "9003", "proxy.port=9004"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--port and the override proxy.port=... set the same" in err

@@ -21,19 +21,20 @@ import yaml
 from tests.core_boards import core_boards, perturbed
 from tests.fake_sglang.sglang.launch_server import parser, with_config
 
-from qwengyre.apps.serve import ServeOptions, close_engine, load_tokenizer, model_engine
+from qwengyre.apps.serve import close_engine, model_engine
 from qwengyre.cluster.engine_host import Endpoint, rollout_host
-from qwengyre.cluster.sglang_host import SGLangHost
-from qwengyre.cluster.vllm_host import VLLMHost
+from qwengyre.cluster.server_host import ServerHost
 from qwengyre.cluster.weights import BoardShards, SharedWeights
+from qwengyre.config import EngineConfig
 from qwengyre.engines.base import (
     GenerateRequest,
     GenerateResult,
     WeightsInMemory,
 )
 from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.engines.factory import server_backend
 from qwengyre.engines.http_client import HTTPEngineClient
-from qwengyre.engines.sglang import SGLangEngine
+from qwengyre.engines.sglang import SGLangBackend, SGLangEngine
 from qwengyre.types import SamplingParams
 
 FAKE = Path(__file__).parent / "fake_sglang"
@@ -44,7 +45,7 @@ GREEDY = GenerateRequest("r", (5, 6, 7, 8), SamplingParams(6, 0.0, ignore_eos=Tr
 class Cell:
     """A host serving the fake, the boards it loads from, and what the fake recorded."""
 
-    host: SGLangHost
+    host: ServerHost[SGLangEngine]
     endpoint: Endpoint
     board: SharedWeights
     boards: BoardShards
@@ -79,7 +80,7 @@ def cell(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             seed=0,
             host="127.0.0.1",
         )
-        assert isinstance(host, SGLangHost)
+        assert isinstance(host, ServerHost) and isinstance(host.backend, SGLangBackend)
         try:
             yield Cell(host, host.start(), board, boards, record)
         finally:
@@ -98,7 +99,7 @@ def generate(endpoint: Endpoint) -> GenerateResult:
     return asyncio.run(main())
 
 
-def launched_argv(host: SGLangHost) -> list[str]:
+def launched_argv(host: ServerHost[SGLangEngine]) -> list[str]:
     """The server's command line as any local user sees it (``ps``)."""
     assert host._process is not None
     return Path(f"/proc/{host._process.pid}/cmdline").read_text().split("\0")[:-1]
@@ -171,7 +172,8 @@ def test_load_newest_publishes_the_boards_weights(cell: Cell, tiny_model_dir: Pa
 def test_a_host_serves_its_model_as_the_version_given_and_closes_for_good(
     tiny_model_dir: Path, fake_sglang: Path
 ) -> None:
-    host = SGLangHost(
+    host = ServerHost(
+        SGLangBackend(),
         str(tiny_model_dir),
         name="rollout",
         device="cpu",
@@ -197,14 +199,14 @@ def test_a_host_serves_its_model_as_the_version_given_and_closes_for_good(
 
 
 def test_proxy_serve_and_rollout_launch_the_backend_for_their_block(
-    tiny_model_dir: Path, fake_sglang: Path, tmp_path: Path
+    tiny_model_dir: Path, fake_sglang: Path
 ) -> None:
     """``engine.backend=sglang`` in ``proxy serve`` / ``rollout``: the proxy's engine is a
     server launched for the run, serving the model as version 0, stopped at its end."""
-    options = ServeOptions(
-        model=tiny_model_dir, store=tmp_path, engine="embedded", backend="sglang"
-    )
-    with model_engine(options, load_tokenizer(tiny_model_dir)) as engine:
+    settings = EngineConfig(backend="sglang")
+    with model_engine(
+        tiny_model_dir, settings, device="cpu", capacity=4, max_context=None
+    ) as engine:
         assert isinstance(engine, SGLangEngine) and engine.name == "sglang"
 
         async def call() -> GenerateResult:
@@ -248,20 +250,25 @@ def test_the_fake_refuses_what_an_sglang_with_config_refuses(
     assert refused.value.code == 2
 
 
-@pytest.mark.parametrize("kind", [SGLangHost, VLLMHost])
-def test_a_server_runs_tensor_parallel_over_the_cells_gpus(
-    kind: type[SGLangHost] | type[VLLMHost],
-) -> None:
-    tp_flag = {SGLangHost: "--tp-size", VLLMHost: "--tensor-parallel-size"}[kind]
-    free_flag = {SGLangHost: "--enable-memory-saver", VLLMHost: "--enable-sleep-mode"}[kind]
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+def test_a_server_runs_tensor_parallel_over_the_cells_gpus(backend: str) -> None:
+    tp_flag = {"sglang": "--tp-size", "vllm": "--tensor-parallel-size"}[backend]
+    free_flag = {"sglang": "--enable-memory-saver", "vllm": "--enable-sleep-mode"}[backend]
     hosts = [
-        kind(
-            "/m", name="c", device=device, gpus=gpus, max_context=None, host="127.0.0.1", version=-1
+        ServerHost(
+            server_backend(backend),
+            "/m",
+            name="c",
+            device=device,
+            gpus=gpus,
+            max_context=None,
+            host="127.0.0.1",
+            version=-1,
         )
         for device, gpus in [("cuda:0", ("2", "3")), ("cuda:1", ())]
     ]
     try:
-        (pair, own) = (host.server_spec() for host in hosts)
+        (pair, own) = (host.backend.spec(host.placement()) for host in hosts)
         argv = pair.command()
         assert argv[argv.index(tp_flag) + 1] == "2"
         assert free_flag in argv

@@ -14,9 +14,9 @@ import torch
 from tests.core_boards import core_boards
 from transformers import AutoModelForCausalLM
 
-from qwengyre.cluster.vllm_host import VLLMHost
+from qwengyre.cluster.server_host import ServerHost
 from qwengyre.engines.base import GenerateRequest, GenerateResult
-from qwengyre.engines.vllm import VLLMEngine, vllm_available
+from qwengyre.engines.vllm import VLLMBackend, VLLMEngine, vllm_available
 from qwengyre.models import cached_tiny_model
 from qwengyre.types import SamplingParams
 
@@ -28,7 +28,8 @@ def test_a_stopped_and_restarted_server_serves_the_newest_version(tiny_model_dir
     # The demo model: vLLM's CPU attention has no kernel for the test model's head size.
     # Untied: the published head differs from the embedding, and only the head changes.
     model = cached_tiny_model("demo", cache_dir=tiny_model_dir.parent, tie_embeddings=False)
-    host = VLLMHost(
+    host = ServerHost(
+        VLLMBackend(),
         str(model),
         name="cell-1",
         device="cpu",

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import importlib.util
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -31,16 +33,15 @@ from qwengyre.engines.base import (
     collect,
 )
 from qwengyre.engines.http_client import sse_data
+from qwengyre.engines.launch import launch, wait_until_healthy, write_private
 from qwengyre.engines.sglang import (
     SGLangEngine,
     SGLangNotInstalled,
     SGLangServerSpec,
     TensorRoute,
     TensorRouteUnavailable,
-    launch_sglang,
     serialize_tensors,
     tensor_buckets,
-    wait_until_healthy,
 )
 from qwengyre.proxy.routing import Router
 from qwengyre.types import SamplingParams
@@ -565,11 +566,11 @@ def test_api_key_is_sent() -> None:
 def test_server_spec_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("QWENGYRE_SGLANG_PYTHON", raising=False)
     spec = SGLangServerSpec(
-        model_path="/ckpt/qwen",
+        "/ckpt/qwen",
         port=30001,
         host="0.0.0.0",
         tp_size=2,
-        context_length=4096,
+        max_context=4096,
         weight_version="7",
         extra_args=("--mem-fraction-static", "0.8"),
         extra_env={"CUDA_VISIBLE_DEVICES": "2,3"},
@@ -597,10 +598,28 @@ def test_server_spec_command(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SGLangServerSpec("/m", port=1).command()[0] == "/opt/sglang/bin/python"
 
 
+def test_the_key_goes_in_a_private_config_file_not_on_the_command_line(tmp_path: Path) -> None:
+    key_file = tmp_path / "server.yaml"
+    spec = SGLangServerSpec("/m", port=1, api_key="k3y", key_file=str(key_file))
+    argv = spec.command()
+    assert argv[argv.index("--config") + 1] == str(key_file) and "k3y" not in argv
+    assert "k3y" not in repr(spec)
+    ((path, text),) = spec.key_files().items()
+    write_private(path, text)
+    assert yaml.safe_load(key_file.read_text()) == {"api-key": "k3y"}
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    link = tmp_path / "link.yaml"
+    link.symlink_to(key_file)
+    with pytest.raises(OSError):  # a link there is refused
+        write_private(link, text)
+    with pytest.raises(ValueError, match="key_file"):
+        SGLangServerSpec("/m", port=1, api_key="k3y")
+
+
 def test_launch_errors_clearly_without_sglang(tmp_path: Path) -> None:
     python = str(tmp_path / "no-python")
     with pytest.raises(SGLangNotInstalled, match=f"{python} cannot import 'sglang'"):
-        launch_sglang(SGLangServerSpec("/m", port=1, python=python))
+        launch(SGLangServerSpec("/m", port=1, python=python))
 
 
 def test_wait_until_healthy_times_out() -> None:
@@ -640,7 +659,7 @@ def test_real_sglang_server(tiny_model_dir: Path, tmp_path: Path) -> None:  # pr
     )
     log_path = tmp_path / "sglang.log"
     log = log_path.open("wb")
-    proc = launch_sglang(spec, stdout=log, stderr=subprocess.STDOUT)
+    proc = launch(spec, stdout=log, stderr=subprocess.STDOUT)
 
     async def main() -> None:
         engine = SGLangEngine(spec.base_url, "real")

@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from qwengyre.engines.base import GenerateRequest, WeightsOnDisk, collect
-from qwengyre.engines.sglang import wait_until_healthy
-from qwengyre.engines.vllm import VLLMEngine, VLLMServerSpec, launch_vllm, vllm_available
+from qwengyre.engines.launch import launch, wait_until_healthy
+from qwengyre.engines.vllm import VLLMEngine, VLLMServerSpec, vllm_available
 from qwengyre.models import cached_tiny_model
 from qwengyre.proxy.routing import Router
 from qwengyre.types import SamplingParams
@@ -72,14 +72,14 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         port=port,
         api_key=key,
         dtype="float32",
-        max_model_len=2048,
+        max_context=2048,
         python=PYTHON,
         extra_args=("--enforce-eager",),
         extra_env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
     )
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with log.open("wb") as out:
-        proc = launch_vllm(spec, stdout=out, stderr=subprocess.STDOUT)
+        proc = launch(spec, stdout=out, stderr=subprocess.STDOUT)
     try:
 
         async def healthy() -> None:
@@ -367,8 +367,9 @@ def test_server_spec_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
         port=8011,
         host="0.0.0.0",
         api_key="s3cret",
-        max_model_len=4096,
-        extra_args=("--tensor-parallel-size", "2"),
+        max_context=4096,
+        tp_size=2,
+        extra_args=("--enforce-eager",),
         extra_env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     argv = spec.command()
@@ -381,7 +382,7 @@ def test_server_spec_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert flag("--host") == "0.0.0.0" and flag("--max-model-len") == "4096"
     assert flag("--logprobs-mode") == "processed_logprobs"
     assert "--enable-scale-out" in argv and "s3cret" not in argv  # the key goes by env
-    assert argv[-2:] == ["--tensor-parallel-size", "2"]
+    assert flag("--tensor-parallel-size") == "2" and argv[-1] == "--enforce-eager"
     env = spec.env()
     assert env["VLLM_API_KEY"] == "s3cret" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"

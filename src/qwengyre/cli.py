@@ -370,24 +370,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_proxy_serve(args: argparse.Namespace) -> int:
-    from qwengyre.apps.serve import ServeOptions, resolve_admin_token, serve
+    from qwengyre.apps.serve import resolve_admin_token, serve
 
     config = _command_config(args, "proxy")
-    admin_token = resolve_admin_token(args.admin_token, config.proxy.admin_token_file)
-    options = ServeOptions.from_config(config, admin_token)
-    print(f"proxy on http://{options.host}:{options.port} (model {options.model})", flush=True)
-    serve(options)
+    serve(config, resolve_admin_token(args.admin_token, config.proxy.admin_token_file))
     return 0
 
 
 def cmd_engine_serve(args: argparse.Namespace) -> int:
     import secrets
 
-    import torch
     from aiohttp import web
 
     from qwengyre.apps.serve import model_dir, read_secret_file
-    from qwengyre.engines.embedded import EmbeddedEngine
+    from qwengyre.engines.factory import embedded_engine
     from qwengyre.engines.server import engine_app
 
     config = _command_config(args, "engine")
@@ -400,11 +396,11 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
     model = model_dir(config)
     if not (model / "config.json").exists():
         raise ValueError(f"{model} is not a HuggingFace model directory (no config.json)")
-    engine = EmbeddedEngine(
+    engine = embedded_engine(
         model,
         capacity=config.cells.capacity,
         device=config.run.device,
-        dtype=getattr(torch, settings.dtype),
+        dtype=settings.dtype,
         max_context=config.run.max_context,
     )
     if api_key is None:

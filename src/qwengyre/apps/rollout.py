@@ -30,14 +30,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from qwengyre.apps.serve import (
-    ServeOptions,
-    build_proxy,
-    close_engine,
-    load_tokenizer,
-    model_engine,
-)
-from qwengyre.config import EngineBackend
+from qwengyre.apps.serve import close_engine, load_tokenizer, model_engine
+from qwengyre.config import EngineBackend, EngineConfig, ProxyConfig
+from qwengyre.proxy.build import build_proxy
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.records.trace import TraceWriter
@@ -57,6 +52,11 @@ CREATE TABLE IF NOT EXISTS rollout_results (
 CREATE TABLE IF NOT EXISTS rollout_groups (
     task TEXT PRIMARY KEY, status TEXT NOT NULL, advantages TEXT NOT NULL);
 """
+
+
+ENGINE_CAPACITY = 32
+"""Requests the model's engine serves at once: more than the executions, whose harnesses
+may call in parallel (sub-agents), so that no call waits for a slot."""
 
 
 @dataclass(frozen=True)
@@ -146,20 +146,25 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     here raises :class:`~qwengyre.rollout.sandbox.SandboxUnavailable` first."""
     options.sandbox.check()
     with lock_run_dir(options.run_dir, new=not options.resume):
-        serving = ServeOptions(
-            model=options.model,
-            store=options.run_dir,
-            engine="embedded",
-            backend=options.backend,
-            device=options.device,
-            dtype=options.dtype,
-            temperature=options.temperature,
-            max_context=options.max_context,
-        )
         tokenizer = load_tokenizer(options.model)
-        with model_engine(serving, tokenizer) as engine:
+        with model_engine(
+            options.model,
+            EngineConfig(backend=options.backend, dtype=options.dtype),
+            device=options.device,
+            capacity=ENGINE_CAPACITY,
+            max_context=options.max_context,
+        ) as engine:
+            server = build_proxy(
+                ProxyConfig(),
+                options.model,
+                tokenizer,
+                options.run_dir,
+                max_context=options.max_context,
+                temperature=options.temperature,
+                engines=[engine],
+            )
             try:
-                return await _rollout(options, build_proxy(serving, engine, tokenizer))
+                return await _rollout(options, server)
             finally:
                 await close_engine(engine)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -41,10 +40,8 @@ from qwengyre.cluster.net import advertised, free_port
 from qwengyre.cluster.placement import engine_name, start_cells, start_standalone, stop_cells
 from qwengyre.cluster.standalone import StandaloneSpec
 from qwengyre.config import Config, config_to_yaml, load_config
-from qwengyre.proxy.render import ChatRenderer
-from qwengyre.proxy.routing import Router
+from qwengyre.proxy.build import build_proxy
 from qwengyre.proxy.server import ProxyServer
-from qwengyre.proxy.store import Store
 from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.records.metrics import RunRecord
 from qwengyre.records.trace import TraceWriter
@@ -180,19 +177,13 @@ async def _start_proxy(
 ) -> tuple[ProxyServer, web.AppRunner]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    server = ProxyServer(
-        ChatRenderer(tokenizer),
-        Router(),
-        Store(run_dir / "proxy.sqlite"),
-        model=model_dir.name,
+    server = build_proxy(
+        config.proxy,
+        model_dir,
+        AutoTokenizer.from_pretrained(model_dir),
+        run_dir,
         max_context=config.run.max_context,
-        admin_token=secrets.token_urlsafe(24),
         temperature=config.trainer.temperature,
-        force_sampling=not config.proxy.harness_sampling,
-        max_resident=config.proxy.max_resident,
-        idle_s=config.proxy.idle_s,
-        ping_s=config.proxy.ping_s,
     )
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
@@ -278,18 +269,7 @@ async def _start_engines(
                 proxy, cell, engine_name(rank), config.cells.capacity, resumed.version, rank
             )
         if config.cells.standalone_capacity > 0:  # the core's board exists now
-            spec = StandaloneSpec(
-                model_dir=str(resumed.model_dir),
-                capacity=config.cells.standalone_capacity,
-                board=board,
-                device=config.cells.standalone_device or config.run.device,
-                torch_threads=config.run.torch_threads,
-                seed=config.seed,
-                max_context=config.run.max_context,
-                shards=config.cells.devices_per_cell,
-                engine_host=config.engine.host,
-                engine_backend=config.engine.backend,
-            )
+            spec = StandaloneSpec(str(resumed.model_dir), board, config)
             engines.standalone = start_standalone(config.run.placement, spec)
             await _register(
                 proxy,

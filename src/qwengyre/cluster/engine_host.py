@@ -20,26 +20,20 @@ import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, get_args
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
 from qwengyre.cluster.net import advertised
 from qwengyre.cluster.weights import BoardShards
+from qwengyre.config import EngineBackend
 from qwengyre.engines.base import InferenceEngine
-from qwengyre.engines.embedded import EmbeddedEngine
+from qwengyre.engines.factory import embedded_engine, server_backend, server_engine
 from qwengyre.engines.server import engine_app
-from qwengyre.engines.sglang import SGLangEngine
 
-if TYPE_CHECKING:
-    from qwengyre.cluster.server_host import ServerHost
-
-__all__ = ["Backend", "Endpoint", "EngineHost", "RolloutHost", "rollout_host"]
+__all__ = ["Endpoint", "EngineHost", "RolloutHost", "rollout_host"]
 
 T = TypeVar("T")
-
-Backend = Literal["embedded", "vllm", "sglang"]
-"""What serves rollout (``engine.backend``)."""
 
 
 @dataclass(frozen=True)
@@ -48,25 +42,19 @@ class Endpoint:
 
     url: str
     api_key: str
-    api: Literal["sglang", "vllm"]
+    api: str  # a server backend's name (engines.factory.SERVER_BACKENDS)
 
     def client(self, name: str, capacity: int, version: int) -> InferenceEngine:
         """The proxy's engine for this server."""
-        if self.api == "vllm":
-            from qwengyre.engines.vllm import VLLMEngine
-
-            return VLLMEngine(
-                self.url, name, capacity=capacity, api_key=self.api_key, policy_version=version
-            )
-        return SGLangEngine(
-            self.url, name, capacity=capacity, api_key=self.api_key, policy_version=version
+        return server_engine(
+            self.api, self.url, name=name, capacity=capacity, api_key=self.api_key, version=version
         )
 
 
 class RolloutHost(Protocol):
     """A cell's (or the standalone pool's) rollout server, one kind per engine backend:
-    :class:`EngineHost` (embedded), :class:`~qwengyre.cluster.vllm_host.VLLMHost`,
-    :class:`~qwengyre.cluster.sglang_host.SGLangHost`."""
+    :class:`EngineHost` (embedded), :class:`~qwengyre.cluster.server_host.ServerHost`
+    (a server backend's)."""
 
     def start(self) -> Endpoint:
         """Serve; where, with which key and API."""
@@ -98,7 +86,7 @@ class RolloutHost(Protocol):
 
 
 def rollout_host(
-    backend: Backend,
+    backend: EngineBackend,
     model_dir: str,
     *,
     name: str,
@@ -110,7 +98,9 @@ def rollout_host(
     gpus: tuple[str, ...] = (),
     version: int = -1,
 ) -> RolloutHost:
-    """The rollout server of ``backend`` (``engine.backend``) for one cell or pool.
+    """The rollout server of ``backend`` (``engine.backend``) for one cell or pool: the
+    embedded engine's host, or a server host of a registered server backend
+    (:data:`~qwengyre.engines.factory.SERVER_BACKENDS`).
 
     ``gpus``: the physical ids of the cell's GPUs, a server's tensor parallel group
     (the embedded engine has no tensor parallelism: it runs on ``device`` alone).
@@ -130,18 +120,10 @@ def rollout_host(
             version=version,
             host=host,
         )
-    server_host: type[ServerHost[Any]]
-    if backend == "vllm":
-        from qwengyre.cluster.vllm_host import VLLMHost
+    from qwengyre.cluster.server_host import ServerHost  # it imports this module
 
-        server_host = VLLMHost
-    elif backend == "sglang":
-        from qwengyre.cluster.sglang_host import SGLangHost
-
-        server_host = SGLangHost
-    else:
-        raise ValueError(f"engine.backend {backend!r}: use one of {', '.join(get_args(Backend))}")
-    return server_host(
+    return ServerHost(
+        server_backend(backend),
         model_dir,
         name=name,
         device=device,
@@ -172,11 +154,12 @@ class EngineHost:
         version: int,
         host: str = "127.0.0.1",
     ) -> None:
-        self.engine = EmbeddedEngine(
+        self.engine = embedded_engine(
             model_dir,
             name=name,
             capacity=capacity,
             device=device,
+            dtype="float32",  # train's cells (engine.dtype's description)
             max_context=max_context,
             seed=seed,
         )

@@ -20,7 +20,7 @@ import torch
 from qwengyre.cluster.devices import physical_gpu
 from qwengyre.cluster.engine_host import Endpoint, rollout_host
 from qwengyre.cluster.weights import BoardKind, BoardShards, model_parameters
-from qwengyre.config import EngineBackend
+from qwengyre.config import Config
 
 __all__ = ["STANDALONE_NAME", "StandalonePool", "StandaloneSpec"]
 
@@ -30,37 +30,45 @@ STANDALONE_NAME = "standalone"
 
 @dataclass(frozen=True)
 class StandaloneSpec:
-    """Everything the pool's process needs to start (picklable)."""
+    """Everything the pool's process needs to start (picklable): the model directory,
+    the base name of the core's weights boards and their kind, and the run's config,
+    from which the pool reads ``cells.standalone_capacity`` (C_s),
+    ``cells.standalone_device`` (else ``run.device``), ``cells.devices_per_cell`` (G:
+    the core's weights come as this many shards), ``run.torch_threads``,
+    ``run.max_context``, ``engine.host`` (the engine's bind address),
+    ``engine.backend`` and ``seed``."""
 
     model_dir: str
-    capacity: int  # C_s
-    board: str  # base name of the core's weights boards
+    board: str
+    config: Config
     board_kind: BoardKind = "shared_memory"
-    device: str = "cpu"
-    torch_threads: int = 1
-    seed: int = 0
-    max_context: int | None = None
-    shards: int = 1  # G: the core's weights come as this many shards
-    engine_host: str = "127.0.0.1"  # the engine's bind address (engine.host)
-    engine_backend: EngineBackend = "embedded"  # engine.backend
+
+    @property
+    def capacity(self) -> int:
+        return self.config.cells.standalone_capacity
+
+    @property
+    def device(self) -> str:
+        return self.config.cells.standalone_device or self.config.run.device
 
 
 class StandalonePool:
     """The standalone pool's process-side state; see the module docstring."""
 
     def __init__(self, spec: StandaloneSpec) -> None:
-        torch.set_num_threads(spec.torch_threads)
+        config = spec.config
+        torch.set_num_threads(config.run.torch_threads)
         self.spec = spec
         gpu = physical_gpu(spec.device)  # one: the cells hold the other GPUs
         self.host = rollout_host(
-            spec.engine_backend,
+            config.engine.backend,
             spec.model_dir,
             name=STANDALONE_NAME,
             capacity=spec.capacity,
             device=spec.device,
-            max_context=spec.max_context,
-            seed=spec.seed + 999_983,  # sampling streams apart from every cell's
-            host=spec.engine_host,
+            max_context=config.run.max_context,
+            seed=config.seed + 999_983,  # sampling streams apart from every cell's
+            host=config.engine.host,
             gpus=(gpu,) if gpu is not None else (),
         )
         self.board: BoardShards | None = None
@@ -69,7 +77,8 @@ class StandalonePool:
         """Open the core's boards (they must exist), serve and load their weights;
         returns where."""
         named = model_parameters(self.spec.model_dir)
-        self.board = BoardShards(self.spec.board_kind, self.spec.board, named, self.spec.shards)
+        shards = self.spec.config.cells.devices_per_cell
+        self.board = BoardShards(self.spec.board_kind, self.spec.board, named, shards)
         endpoint = self.host.start()
         self.host.load_newest(self.board)
         return endpoint

@@ -68,15 +68,11 @@ import contextlib
 import io
 import json
 import logging
-import os
-import subprocess
-import sys
-import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import yaml
@@ -94,6 +90,12 @@ from qwengyre.engines.base import (
     collect,
 )
 from qwengyre.engines.http_client import HTTPEngineClient, error_message, sse_data
+from qwengyre.engines.launch import (
+    Placement,
+    ServerBackend,
+    ServerNotInstalled,
+    ServerSpec,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -106,7 +108,7 @@ _TENSOR_PATHS = ("/pause_generation", "/update_weights_from_tensor", "/continue_
 _WEIGHT_PATHS = ("/update_weights_from_disk", *_TENSOR_PATHS)
 
 
-class SGLangNotInstalled(RuntimeError):
+class SGLangNotInstalled(ServerNotInstalled):
     """``sglang`` cannot be imported in this environment."""
 
 
@@ -375,138 +377,123 @@ class SGLangEngine(HTTPEngineClient):
 # -- launching a server ----------------------------------------------------------------
 
 
-def write_key_config(path: Path, api_key: str) -> tuple[str, str]:
-    """Write ``api_key`` into the SGLang config file ``path`` (a ``.yaml`` name; mode
-    0600, a link there is refused) and return the arguments that make a server read it,
-    ``("--config", path)``: the key stays off the command line, where every local user
-    could read it (``ps``). Needs an SGLang with ``--config`` (sgl-project/sglang#10534,
-    September 2025, on)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    with os.fdopen(os.open(path, flags, 0o600), "w") as config:
-        yaml.safe_dump({"api-key": api_key}, config)
-    return "--config", str(path)  # two arguments: SGLang matches "--config" alone
-
-
-def _default_python() -> str:
-    return os.environ.get("QWENGYRE_SGLANG_PYTHON") or sys.executable
-
-
 @dataclass(frozen=True)
-class SGLangServerSpec:
+class SGLangServerSpec(ServerSpec):
     """How to start ``python -m sglang.launch_server`` (flags of SGLang's
     ``server_args.py``).
 
     ``python`` is the interpreter of SGLang's environment (``$QWENGYRE_SGLANG_PYTHON``,
-    else this one). No API key: on a command line every local user could read it
-    (``ps``); :class:`~qwengyre.cluster.sglang_host.SGLangHost` hands it over in a
-    private ``--config`` file. ``tp_size`` (``--tp-size``): tensor
-    parallel over the GPUs the server sees (``CUDA_VISIBLE_DEVICES`` in
-    ``extra_env``). ``context_length`` (``--context-length``) caps prompt plus output.
-    ``weight_version`` (``--weight-version``) labels the weights it starts with (SGLang
-    says ``default`` otherwise). ``enable_memory_saver`` adds ``--enable-memory-saver``,
-    without which ``/release_memory_occupation`` frees nothing (GPU only).
-    ``extra_args`` pass through as given (e.g. ``("--mem-fraction-static", "0.8")``),
-    ``extra_env`` adds to the environment.
+    else this one). The API key goes in ``key_file``, a private ``--config`` file
+    written at each launch (:meth:`key_files`), never on the command line: a key
+    needs a key file and a key file a key. ``tp_size`` (``--tp-size``): tensor parallel
+    over the GPUs the server sees (``CUDA_VISIBLE_DEVICES`` in ``extra_env``).
+    ``max_context`` is ``--context-length``. ``weight_version`` (``--weight-version``)
+    labels the weights it starts with (SGLang says ``default`` otherwise).
+    ``enable_memory_saver`` adds ``--enable-memory-saver``, without which
+    ``/release_memory_occupation`` frees nothing (GPU only). ``extra_args`` pass
+    through as given (e.g. ``("--mem-fraction-static", "0.8")``).
     """
 
-    model_path: str
-    port: int
-    host: str = "127.0.0.1"
     tp_size: int = 1
-    context_length: int | None = None
     weight_version: str | None = None
     enable_memory_saver: bool = True
-    python: str = field(default_factory=_default_python)
-    extra_args: tuple[str, ...] = ()
-    extra_env: Mapping[str, str] = field(default_factory=dict)
+    key_file: str | None = None  # a .yaml or .yml name: SGLang takes only those
 
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+    server = "SGLang"
+    package = "sglang"
+    module = "sglang.launch_server"
+    model_flag = "--model-path"
+    python_var = "QWENGYRE_SGLANG_PYTHON"
+    install_hint = (
+        "install 'sglang[all]' into that environment on a GPU machine, point "
+        "$QWENGYRE_SGLANG_PYTHON at the python of one that has it, or use another "
+        "engine backend: embedded, vllm"
+    )
+    not_installed = SGLangNotInstalled
 
-    def command(self) -> list[str]:
-        argv = [
-            self.python,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            self.model_path,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--tp-size",
-            str(self.tp_size),
-        ]
-        if self.context_length is not None:
-            argv += ["--context-length", str(self.context_length)]
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.api_key is None) != (self.key_file is None):
+            raise ValueError("an SGLang server takes its api_key in a key_file: give both or none")
+
+    def flags(self) -> list[str]:
+        argv = ["--tp-size", str(self.tp_size)]
+        if self.max_context is not None:
+            argv += ["--context-length", str(self.max_context)]
         if self.weight_version is not None:
             argv += ["--weight-version", self.weight_version]
         if self.enable_memory_saver and "--enable-memory-saver" not in self.extra_args:
             argv.append("--enable-memory-saver")
-        return argv + list(self.extra_args)
+        if self.key_file is not None:
+            argv += ["--config", self.key_file]  # two arguments: SGLang matches "--config"
+        return argv
 
-    def env(self) -> dict[str, str]:
-        """The server's environment: this one, plus :attr:`extra_env`."""
-        return {**os.environ, **self.extra_env}
-
-
-def sglang_available(python: str = sys.executable, env: Mapping[str, str] | None = None) -> bool:
-    """Whether ``python`` (in ``env``) can import ``sglang`` (without importing it)."""
-    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
-    try:
-        done = subprocess.run([python, "-c", code], env=env, capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
+    def key_files(self) -> dict[Path, str]:
+        """The ``--config`` file holding the key: off the command line, where every local
+        user could read it (``ps``). Needs an SGLang with ``--config``
+        (sgl-project/sglang#10534, September 2025, on)."""
+        if self.api_key is None or self.key_file is None:
+            return {}
+        return {Path(self.key_file): yaml.safe_dump({"api-key": self.api_key})}
 
 
-def launch_sglang(spec: SGLangServerSpec, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
-    """Start an SGLang server; wait for it with :func:`wait_until_healthy`."""
-    env = spec.env()
-    if not sglang_available(spec.python, env):
-        raise SGLangNotInstalled(
-            f"cannot launch an SGLang server: {spec.python} cannot import 'sglang' (install "
-            "'sglang[all]' into that environment on a GPU machine, or point "
-            "$QWENGYRE_SGLANG_PYTHON at the python of one that has it), or use another "
-            "engine backend (embedded, vllm)"
-        )
-    return subprocess.Popen(spec.command(), env=env, **popen_kwargs)
+class SGLangBackend(ServerBackend[SGLangEngine]):
+    """SGLang as a cell's rollout server (``engine.backend=sglang``).
 
+    ``--tp-size`` over the cell's GPUs, ``--context-length`` (the cell's max context),
+    ``--weight-version`` when it starts from a published version, on a GPU
+    ``--enable-memory-saver``, and its key in a private ``--config`` file in the host's
+    working directory (mode 0700), written for each launch (mode 0600). This needs an
+    SGLang that reads ``--config``: sgl-project/sglang#10534 (September 2025) or later.
 
-class HealthChecked(Protocol):
-    """A server's client that can ask it whether it is healthy."""
-
-    name: str
-    base_url: str
-
-    async def health(self) -> bool: ...
-
-
-async def wait_until_healthy(
-    engine: HealthChecked,
-    timeout_s: float,
-    process: subprocess.Popen[bytes] | None = None,
-    poll_s: float = 1.0,
-) -> None:
-    """Poll ``/health`` until it answers 200; TimeoutError after ``timeout_s``.
-
-    With ``process``, a server that exits while starting raises RuntimeError at once.
+    Weights: on a GPU they travel as tensors, in buckets of bounded size, each read from
+    its source only when it is sent (:class:`TensorRoute`), through CUDA IPC: the host
+    runs on the node and the devices of its server, so no NCCL group between trainer
+    and server (``/update_weights_from_distributed``) is needed. A server that does not
+    take tensors (an older SGLang answers 4xx) gets its weights through disk from then
+    on, as on the CPU (``/update_weights_from_disk``). Its sleep
+    (``/release_memory_occupation``) frees the weights and KV cache.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(
-                f"server {engine.name} exited with code {process.returncode} "
-                "before becoming healthy"
-            )
-        if await engine.health():
-            return
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"server {engine.name} at {engine.base_url} was not healthy within {timeout_s:.0f}s"
-            )
-        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+    api = "sglang"
+
+    def spec(self, place: Placement) -> SGLangServerSpec:
+        return SGLangServerSpec(
+            place.model,
+            host=place.host,
+            port=place.port,
+            api_key=place.api_key,
+            key_file=str(place.work / "server.yaml"),
+            max_context=place.max_context,
+            tp_size=place.tp_size,
+            weight_version=str(place.version) if place.version >= 0 else None,
+            enable_memory_saver=place.device != "cpu",
+            extra_env=place.gpu_env(),
+        )
+
+    def client(
+        self, url: str, *, name: str, capacity: int, api_key: str, version: int
+    ) -> SGLangEngine:
+        return SGLangEngine(url, name, capacity=capacity, api_key=api_key, policy_version=version)
+
+    def host_client(self, url: str, name: str, place: Placement) -> SGLangEngine:
+        client = super().host_client(url, name, place)
+        if place.on_gpu:
+            client.tensor_route = TensorRoute(place.device, place.tp_size)
+        return client
+
+    async def load_from_memory(
+        self, client: SGLangEngine, weights: WeightsByName, version: int
+    ) -> bool:
+        if client.tensor_route is None:
+            return False
+        try:
+            await client.update_weights(weights, version)
+        except TensorRouteUnavailable as exc:
+            log.warning("%s: %s; loading weights from disk from now on", client.name, exc)
+            client.tensor_route = None
+            return False
+        return True
 
 
 # -- weights as tensors ----------------------------------------------------------------
@@ -577,15 +564,12 @@ def _free_ipc_memory() -> None:
 
 
 __all__: Sequence[str] = (
+    "SGLangBackend",
     "SGLangEngine",
     "SGLangNotInstalled",
     "SGLangServerSpec",
     "TensorRoute",
     "TensorRouteUnavailable",
-    "launch_sglang",
     "serialize_tensors",
-    "sglang_available",
     "tensor_buckets",
-    "wait_until_healthy",
-    "write_key_config",
 )

