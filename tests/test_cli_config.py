@@ -19,9 +19,10 @@ groups: {size: 3, oversample: 1, batch: 2, min_valid: 2}
 cells: {count: 2, capacity: 5}
 trainer: {temperature: 0.7}
 model: {path: MODEL}
-run: {harness: toy, harness_s: 30, overall_s: 40, device: cpu, max_context: 1024}
+run: {device: cpu}
+harness: {name: toy, deadline_s: 30, budget_s: 40}
 proxy: {port: 8181, engine: embedded, store: STORE, harness_sampling: true, max_resident: 7}
-engine: {port: 30301, dtype: bfloat16}
+engine: {port: 30301, dtype: bfloat16, max_context: 1024}
 """
 
 
@@ -68,7 +69,7 @@ def test_one_yaml_configures_rollout_proxy_and_engine(
     assert (options.executions_per_task, options.oversample, options.min_valid) == (3, 1, 2)
     assert (options.concurrency, options.harness_s, options.overall_s) == (5, 30.0, 40.0)
     assert (options.temperature, options.max_context, options.dtype) == (0.7, 1024, "bfloat16")
-    assert options.tasks.name == "toy_tasks.jsonl"  # run.tasks unset: train's toy tasks
+    assert options.tasks.name == "toy_tasks.jsonl"  # harness.tasks unset: train's toy tasks
 
     assert cli.main(["proxy", "serve", str(shared), "--admin-token", "a" * 16]) == 0
     proxy: ServeOptions = captured["proxy"]
@@ -146,7 +147,7 @@ def test_config_show_prints_the_tree_each_command_resolves(
 ):
     plain = _show(capsys)
     assert plain["groups"]["size"] == 16 and plain["proxy"]["host"] == "127.0.0.1"
-    assert set(plain) >= {"run", "metrics", "proxy", "engine"}
+    assert set(plain) >= {"run", "checkpoint", "warm_start", "harness", "metrics", "proxy"}
     for command in ("train", "rollout", "proxy", "engine"):  # the embedded preset
         assert _show(capsys, command)["cells"]["count"] == 3, command
     assert _show(capsys, "simulate")["cells"]["count"] == 8

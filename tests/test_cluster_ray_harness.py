@@ -140,7 +140,7 @@ def test_ray_hosts_need_ray_and_a_proxy_every_node_reaches(tmp_path: Path) -> No
     from qwengyre.cluster.ray_harness import RayNode, start_ray_hosts
 
     assert not ray.is_initialized()
-    config = load_config(None, ["run.harness_hosts=ray", "metrics.tensorboard=false"])
+    config = load_config(None, ["harness.hosts=ray", "metrics.tensorboard=false"])
     options = TrainOptions(tmp_path / "run", config, display=False)
     with pytest.raises(ValueError, match=r"harness_hosts=ray needs Ray: set run\.placement=ray"):
         asyncio.run(train(options))  # at once, before the warm start

@@ -57,7 +57,7 @@ def test_the_warning_names_how_many_steps_had_none_and_what_to_check():
     assert dead is not None and "\n" not in dead
     assert dead.startswith("the reward never moved (0.000 in all 4 steps); 4 of 4 steps")
     assert "every advantage was zero" in dead and "warm_start.json" in dead
-    assert "run.warm_start_accuracy" in dead
+    assert "warm_start.accuracy" in dead
     assert learning_signal_warning(LEARNING) is None
     assert learning_signal_warning([]) is None
     # Some steps without a signal while the reward moves: no warning.

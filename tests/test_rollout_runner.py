@@ -111,8 +111,8 @@ def test_a_runner_killed_with_sigkill_resumes_without_losing_or_double_counting(
         str(run_dir),
         "groups.size=2",
         "cells.capacity=2",
-        "run.harness_s=60",
-        "run.overall_s=90",
+        "harness.deadline_s=60",
+        "harness.budget_s=90",
     ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_path = run_dir / "proxy.sqlite"

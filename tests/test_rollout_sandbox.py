@@ -1,4 +1,4 @@
-"""Sandboxed harnesses (``run.sandbox=bwrap``, :mod:`qwengyre.rollout.sandbox`): a real
+"""Sandboxed harnesses (``harness.sandbox=bwrap``, :mod:`qwengyre.rollout.sandbox`): a real
 harness under bubblewrap writes only to its workspace, home and TMPDIR, cannot see the
 run directory or a hidden directory, lives in its own PID namespace (a tool it started
 in a session of its own dies with it), and still reaches the proxy's variables; a
@@ -182,10 +182,10 @@ def test_rollout_with_an_unavailable_sandbox_stops_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap here
-    args = ["rollout", "--run-dir", str(tmp_path / "run"), "run.sandbox=bwrap"]
+    args = ["rollout", "--run-dir", str(tmp_path / "run"), "harness.sandbox=bwrap"]
     assert main([*args, "model.path=" + str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("qwengyre: error: run.sandbox=bwrap: no 'bwrap' on PATH"), err
+    assert err.startswith("qwengyre: error: harness.sandbox=bwrap: no 'bwrap' on PATH"), err
     assert not (tmp_path / "run").exists()  # refused before anything was made
 
 

@@ -34,8 +34,8 @@ USER_ERRORS = (ConfigError, ValueError, OSError)
 SHORTCUTS: dict[str, dict[str, str]] = {
     "rollout": {
         "--model": "model.path",
-        "--tasks": "run.tasks",
-        "--harness": "run.harness",
+        "--tasks": "harness.tasks",
+        "--harness": "harness.name",
     },
     "proxy": {
         "--model": "model.path",
@@ -53,8 +53,8 @@ MOVED: dict[str, dict[str, str]] = {
         "--oversample": "groups.oversample",
         "--min-valid": "groups.min_valid",
         "--concurrency": "cells.capacity",
-        "--harness-timeout": "run.harness_s",
-        "--overall-timeout": "run.overall_s",
+        "--harness-timeout": "harness.deadline_s",
+        "--overall-timeout": "harness.budget_s",
         "--device": "run.device",
     },
     "proxy": {
@@ -63,7 +63,7 @@ MOVED: dict[str, dict[str, str]] = {
         "--device": "run.device",
         "--dtype": "engine.dtype",
         "--host": "proxy.host",
-        "--max-context": "run.max_context",
+        "--max-context": "engine.max_context",
         "--temperature": "trainer.temperature",
         "--harness-sampling": "proxy.harness_sampling",
     },
@@ -405,7 +405,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
         capacity=config.cells.capacity,
         device=config.run.device,
         dtype=getattr(torch, settings.dtype),
-        max_context=config.run.max_context,
+        max_context=config.engine.max_context,
     )
     if api_key is None:
         api_key = secrets.token_urlsafe(24)
@@ -426,22 +426,22 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     config = _command_config(args, "rollout")
     options = RolloutOptions(
         model=model_dir(config),
-        tasks=config.run.tasks or toy_tasks_path(),
-        harness=config.run.harness,
+        tasks=config.harness.tasks or toy_tasks_path(),
+        harness=config.harness.name,
         run_dir=Path(args.run_dir),
         executions_per_task=config.groups.size,
         oversample=config.groups.oversample,
         min_valid=config.groups.min_valid,
         concurrency=config.cells.capacity,
-        harness_s=config.run.harness_s,
-        overall_s=config.run.overall_s,
+        harness_s=config.harness.deadline_s,
+        overall_s=config.harness.budget_s,
         resume=args.resume,
         device=config.run.device,
         dtype=config.engine.dtype,
         backend=config.engine.backend,
         temperature=config.trainer.temperature,
-        max_context=config.run.max_context,
-        sandbox=sandbox(config.run.sandbox, config.run.sandbox_hide),
+        max_context=config.engine.max_context,
+        sandbox=sandbox(config.harness.sandbox, config.harness.sandbox_hide),
     )
     rows = asyncio.run(rollout(options))  # holds the run directory's lock throughout
     print(summary(rows))
@@ -630,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
         "token. The engine is proxy.engine (scripted: proxy.script; embedded: the model on "
         "run.device, engine.dtype, served by engine.backend: in-process, or a vLLM or SGLang "
         "server launched for it); every call samples at trainer.temperature (see "
-        "proxy.harness_sampling) and is capped at run.max_context tokens.",
+        "proxy.harness_sampling) and is capped at engine.max_context tokens.",
         epilog=_epilog("proxy"),
     )
     _add_config_args(serve)
@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the model's engine (engine.backend), with the settings train uses: groups.size "
         "valid executions per task (+ groups.oversample, groups.min_valid), cells.capacity "
         "at once, "
-        "run.harness within run.harness_s / run.overall_s, on run.device, sampling at "
+        "harness.name within harness.deadline_s / harness.budget_s, on run.device, sampling at "
         "trainer.temperature.",
         epilog=_epilog("rollout"),
     )
@@ -680,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="the embedded engine as its own process, behind SGLang's HTTP API",
         description="The embedded engine behind SGLang's HTTP API, as train's cells run it: "
-        "on run.device with engine.dtype, cells.capacity concurrent requests, run.max_context "
+        "on run.device with engine.dtype, cells.capacity concurrent requests, engine.max_context "
         "tokens each. It binds engine.host (127.0.0.1) and every call needs the API key.",
         epilog=_epilog("engine"),
     )

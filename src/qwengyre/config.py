@@ -241,37 +241,16 @@ class SimConfig(_Section):
 
 
 class RunConfig(_Section):
-    """The live training run (``qwengyre train``): rollout, placement, outputs."""
+    """The live training run (``qwengyre train``): how long, where its cells live, and
+    how it recovers. ``device`` is also the device of ``rollout``'s and the servers'
+    engines."""
 
     steps: int = Field(20, ge=1, description="RL training steps (optimizer updates) to run")
     placement: Literal["local", "ray"] = Field(
         "local", description="cells as local processes, or as Ray actors (the 'ray' extra)"
     )
-    harness: str = Field(
-        "toy",
-        description="toy, claude-code, claude-code-bare, mini-swe-agent, or a command template",
-    )
-    tasks: Path | None = Field(None, description="JSONL tasks; None = the bundled toy tasks")
-    harness_s: float = Field(120.0, gt=0.0, description="harness deadline per execution")
-    overall_s: float = Field(300.0, gt=0.0, description="overall budget per execution")
     device: str = Field("cpu", description="torch device of the cells")
     torch_threads: int = Field(1, ge=1, description="torch threads per cell process")
-    max_context: int = Field(4096, ge=64, description="tokens per model call, prompt + reply")
-    checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints")
-    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept (older pruned)")
-    warm_start_accuracy: float | None = Field(
-        0.25,
-        gt=0.0,
-        le=1.0,
-        description="tiny model only: supervised warm start on the toy task until this "
-        "measured episode reward (parity's chance level is 0.5; None: no warm start)",
-    )
-    warm_start_max_steps: int = Field(
-        250,
-        ge=1,
-        description="most warm-start updates; a warm start that has not measured "
-        "warm_start_accuracy by then stops the run with an error (there is no time limit)",
-    )
     restarts: int = Field(
         0,
         ge=0,
@@ -279,21 +258,63 @@ class RunConfig(_Section):
         " its newest checkpoint (as --resume does) before it gives up; a rollout cell that"
         " dies is left behind and the run goes on without it",
     )
-    harness_hosts: Literal["local", "ray"] = Field(
+
+
+class CheckpointConfig(_Section):
+    """The checkpoints of a live run (``RUN_DIR/checkpoints``)."""
+
+    every: int = Field(1, ge=1, description="steps between checkpoints")
+    keep: int = Field(2, ge=1, description="newest checkpoints kept (older pruned)")
+
+
+class WarmStartConfig(_Section):
+    """The supervised warm start of the tiny model on the toy task, before RL."""
+
+    accuracy: float | None = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="tiny model only: supervised warm start on the toy task until this "
+        "measured episode reward (parity's chance level is 0.5; None: no warm start)",
+    )
+    max_steps: int = Field(
+        250,
+        ge=1,
+        description="most warm-start updates; a warm start that has not measured "
+        "warm_start.accuracy by then stops the run with an error (there is no time limit)",
+    )
+
+
+class HarnessConfig(_Section):
+    """What runs each execution (``train`` and ``rollout``): the agent harness, the tasks
+    it is given, its time budgets, where it runs and what confines it."""
+
+    name: str = Field(
+        "toy",
+        description="toy, claude-code, claude-code-bare, mini-swe-agent, or a command template",
+    )
+    tasks: Path | None = Field(None, description="JSONL tasks; None = the bundled toy tasks")
+    deadline_s: float = Field(120.0, gt=0.0, description="harness deadline per execution")
+    budget_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="overall budget per execution: the harness, then evaluation retries",
+    )
+    hosts: Literal["local", "ray"] = Field(
         "local",
         description="where harnesses run and are evaluated: local = this process's machine;"
         " ray = one harness host per alive Ray node with CPUs, executions spread by free"
         " slots (needs run.placement=ray or Ray initialised; the proxy then binds"
         " proxy.host, which every node must reach)",
     )
-    harness_slots: int | None = Field(
+    slots: int | None = Field(
         None,
         ge=1,
         description="executions one harness host runs at once (more wait for a slot); None ="
         " the rollout capacity (cells.count x cells.capacity + cells.standalone_capacity)"
         " divided over the hosts, so that no execution waits for a host",
     )
-    harness_dir: Path | None = Field(
+    dir: Path | None = Field(
         None,
         description="ray harness hosts: the directory on each node for workspaces and logs;"
         " None = the run directory's path (the same directory on a shared filesystem)",
@@ -310,21 +331,12 @@ class RunConfig(_Section):
         " run directory",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "warm_start_max_s" in data:
-            raise ValueError(
-                "run.warm_start_max_s was removed: the warm start is bounded by steps, not "
-                "time; use run.warm_start_max_steps (default 250) instead"
-            )
-        return data
-
     @model_validator(mode="after")
-    def _budgets(self) -> RunConfig:
-        if self.harness_s > self.overall_s:
+    def _budgets(self) -> HarnessConfig:
+        if self.deadline_s > self.budget_s:
             raise ValueError(
-                f"run.harness_s ({self.harness_s}) must not exceed run.overall_s ({self.overall_s})"
+                f"harness.deadline_s ({self.deadline_s}) must not exceed"
+                f" harness.budget_s ({self.budget_s})"
             )
         return self
 
@@ -353,9 +365,9 @@ class MetricsConfig(_Section):
 class ProxyConfig(_Section):
     """``qwengyre proxy serve``: the OpenAI/Anthropic-API proxy as a server of its own.
 
-    It samples at ``trainer.temperature`` and caps each call at ``run.max_context``, as
+    It samples at ``trainer.temperature`` and caps each call at ``engine.max_context``, as
     the proxy inside ``train`` and ``rollout`` does (that one binds a free port on
-    127.0.0.1, or on ``host`` when ``run.harness_hosts=ray`` puts harnesses on other
+    127.0.0.1, or on ``host`` when ``harness.hosts=ray`` puts harnesses on other
     nodes, and takes its other settings from here too where they apply). Its model
     engine runs on ``run.device`` with ``engine.dtype``, served by ``engine.backend``.
     The admin token itself is never
@@ -401,7 +413,7 @@ class EngineConfig(_Section):
     port): ``0.0.0.0`` lets a proxy on another node reach them, at this node's address.
 
     As in ``train``'s cells, it runs on ``run.device``, serves ``cells.capacity``
-    concurrent requests and caps each at ``run.max_context`` tokens. The API key itself
+    concurrent requests and caps each at ``max_context`` tokens (the proxy too). The API key itself
     is never a config key: ``--api-key``, ``engine.api_key_file``, or generated and
     printed.
     """
@@ -417,13 +429,16 @@ class EngineConfig(_Section):
         "float32", description="weights and KV cache (train's cells: float32)"
     )
     api_key_file: Path | None = Field(None, description="file holding the bearer token")
+    max_context: int = Field(
+        4096, ge=64, description="tokens per model call, prompt + reply (engine and proxy)"
+    )
 
 
 class EvaluationConfig(_Section):
     """Evaluation of executions (``qwengyre.rollout.evaluation.EvaluationOptions``).
 
     The paper retries an invalid evaluation "within the execution's overall time
-    budget" (``run.overall_s``): ``max_attempts=None`` is that rule; a number also caps
+    budget" (``harness.budget_s``): ``max_attempts=None`` is that rule; a number also caps
     the attempts (frees the slot sooner when an evaluator fails deterministically).
     """
 
@@ -452,6 +467,9 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)

@@ -51,7 +51,7 @@ class ServeOptions:
         """``qwengyre proxy serve``'s options from the config tree: the ``proxy`` section,
         ``model.path`` (None: the tiny model, built on first use), ``run.device``,
         ``engine.dtype`` and ``engine.backend`` for the model's engine, ``cells.capacity``
-        concurrent requests, ``trainer.temperature`` and ``run.max_context`` as in
+        concurrent requests, ``trainer.temperature`` and ``engine.max_context`` as in
         ``train``."""
         p = config.proxy
         if p.store is None:
@@ -67,7 +67,7 @@ class ServeOptions:
             host=p.host,
             port=p.port,
             admin_token=admin_token,
-            max_context=config.run.max_context,
+            max_context=config.engine.max_context,
             temperature=config.trainer.temperature,
             harness_sampling=p.harness_sampling,
             capacity=config.cells.capacity,

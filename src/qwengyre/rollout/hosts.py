@@ -7,7 +7,7 @@ executions it is given, with their workspaces on its machine, and evaluates them
 - :class:`LocalHarnessHost`: in this process, workspaces and logs under one directory
   (``train``'s run directory): what ``qwengyre train`` does by default;
 - :class:`~qwengyre.cluster.ray_harness.RayHarnessHost`: an async Ray actor pinned to
-  one node (``run.harness_hosts=ray``), one per node.
+  one node (``harness.hosts=ray``), one per node.
 
 :class:`HostPool` spreads executions over its hosts by free capacity: a new execution
 goes to the host with the most free slots (then the fewest running, then the first);

@@ -176,7 +176,7 @@ class Controller:
         self.harness = harness
         self.outputs = outputs
         self.hosts = hosts  # where executions run (qwengyre.rollout.hosts)
-        self.budgets = Budgets(config.run.harness_s, config.run.overall_s)
+        self.budgets = Budgets(config.harness.deadline_s, config.harness.budget_s)
         self.evaluation = EvaluationOptions.from_config(config.evaluation)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.trajectories = trajectories or TrajectoryBuffer()
@@ -518,7 +518,7 @@ class Controller:
         self.outputs.metrics.write(record)
         self.write_usage()
         self.step_records.append(record)
-        if core.version % self.config.run.checkpoint_every == 0 or self.last_step(core.version):
+        if core.version % self.config.checkpoint.every == 0 or self.last_step(core.version):
             await self._checkpoint(core.version)
         self._step = None
         self._emit(lambda t: StepDone(t, step.step))
@@ -534,7 +534,7 @@ class Controller:
             "next_group": max(self.scheduler.groups, default=-1) + 1,
             "next_execution": max(self.scheduler.executions, default=-1) + 1,
         }
-        root, keep = str(self.outputs.checkpoints), self.config.run.keep_checkpoints
+        root, keep = str(self.outputs.checkpoints), self.config.checkpoint.keep
         await self.cells[0].call("save_checkpoint", root, version, state, keep)
 
     # ------------------------------------------------------------------ observation
