@@ -1,5 +1,5 @@
 """One config tree for every command: rollout, proxy serve and engine serve read the
-same YAML + overrides as train; shortcuts, moved flags, ``config show COMMAND``."""
+same YAML + overrides as train; shortcuts, ``config show COMMAND``."""
 
 from __future__ import annotations
 
@@ -120,15 +120,11 @@ def test_shortcuts_win_over_the_file_and_clash_with_overrides(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["proxy", "serve", "--engine", "embedded"], "give proxy.engine=embedded instead"),
-        (["proxy", "serve", "--harness-sampling"], "give proxy.harness_sampling=true instead"),
-        (["rollout", "--run-dir", "r", "--concurrency", "3"], "config key cells.capacity"),
-        (["engine", "serve", "--capacity", "3"], "config key cells.capacity"),
         (["proxy", "serve", "--model", "m"], "--store DIR or proxy.store=DIR"),
         (["engine", "serve", "--api-key", "k", "engine.api_key_file=f"], "not both"),
     ],
 )
-def test_moved_flags_and_missing_settings_are_one_line_errors(
+def test_missing_and_clashing_settings_are_one_line_errors(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ):
     assert cli.main(args) == 2

@@ -8,8 +8,7 @@ tree a command resolves. Without a config file, ``train``, ``rollout`` and the s
 start from the bundled ``embedded`` preset (this machine's defaults), ``simulate`` and
 ``config show`` from the plain defaults. A few flags remain as shortcuts for keys
 (:data:`SHORTCUTS`, e.g. ``--port`` for ``proxy.port``): a shortcut wins over the config
-file, and a shortcut together with an override of the same key is refused. Flags that
-became keys are refused with a line naming the key (:data:`MOVED`).
+file, and a shortcut together with an override of the same key is refused.
 
 User errors (bad config, bad input files, bad arguments) exit non-zero with one line
 on stderr; ``--verbose`` shows the traceback as well. Heavy imports (torch,
@@ -47,35 +46,6 @@ SHORTCUTS: dict[str, dict[str, str]] = {
 }
 """Each command's shortcut flags and the config key each one sets."""
 
-MOVED: dict[str, dict[str, str]] = {
-    "rollout": {
-        "--executions-per-task": "groups.size",
-        "--oversample": "groups.oversample",
-        "--min-valid": "groups.min_valid",
-        "--concurrency": "cells.capacity",
-        "--harness-timeout": "harness.deadline_s",
-        "--overall-timeout": "harness.budget_s",
-        "--device": "run.device",
-    },
-    "proxy": {
-        "--engine": "proxy.engine",
-        "--script": "proxy.script",
-        "--device": "run.device",
-        "--dtype": "engine.dtype",
-        "--host": "proxy.host",
-        "--max-context": "engine.max_context",
-        "--temperature": "trainer.temperature",
-        "--harness-sampling": "proxy.harness_sampling",
-    },
-    "engine": {
-        "--host": "engine.host",
-        "--device": "run.device",
-        "--dtype": "engine.dtype",
-        "--capacity": "cells.capacity",
-    },
-}
-"""Flags that became config keys: given, they are refused with a line naming the key."""
-
 COMMANDS = ("train", "simulate", "rollout", "proxy", "engine")
 """What ``config show COMMAND`` resolves the tree for."""
 
@@ -102,42 +72,14 @@ def _add_shortcut(
     parser.add_argument(flag, help=f"{help} (shortcut for {key}=...)", **kwargs)
 
 
-class _Moved(argparse.Action):
-    """A flag that became a config key: remembered, then refused by _resolve_config."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(
-            option_strings, "moved_flags", nargs=kwargs.get("nargs"), help=kwargs.get("help")
-        )
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        given = [*(getattr(namespace, "moved_flags", None) or []), (option_string, values)]
-        namespace.moved_flags = given
-
-
-def _add_moved(parser: argparse.ArgumentParser, command: str) -> None:
-    for flag in MOVED[command]:
-        nargs = 0 if flag == "--harness-sampling" else None
-        parser.add_argument(flag, action=_Moved, nargs=nargs, help=argparse.SUPPRESS)
-
-
 def _epilog(command: str) -> str:
     shortcuts = ", ".join(f"{f} = {k}" for f, k in SHORTCUTS.get(command, {}).items())
-    moved = ", ".join(f"{f} -> {k}" for f, k in MOVED.get(command, {}).items())
     return (
         "Settings come from the config tree: [config_file] [dotted.key=value ...]; "
         "'qwengyre config show "
         + command
         + " ...' prints the tree this command resolves. Without a config file it starts "
-        "from the bundled 'embedded' preset. "
-        + (f"Shortcuts: {shortcuts}. " if shortcuts else "")
-        + (f"Flags now keys: {moved}." if moved else "")
+        "from the bundled 'embedded' preset. " + (f"Shortcuts: {shortcuts}." if shortcuts else "")
     )
 
 
@@ -148,14 +90,8 @@ def _resolve_config(
 
     A ``preset`` (a bundled YAML file) stands in for the config file. ``command``:
     whose shortcut flags (:data:`SHORTCUTS`) apply, after the overrides; a shortcut and
-    an override of the same key are refused, as is a flag that became a key.
+    an override of the same key are refused.
     """
-    moved = getattr(args, "moved_flags", None)
-    if moved:
-        flag, value = moved[0]
-        key = MOVED[command or ""][flag]
-        shown = "true" if value == [] else (value if value is not None else "VALUE")
-        raise ConfigError(f"{flag} is now the config key {key}: give {key}={shown} instead")
     config_file, overrides = args.config_file, list(args.overrides)
     if config_file is not None and "=" in config_file:
         overrides.insert(0, config_file)
@@ -646,7 +582,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shortcut(
         token, "proxy", "--admin-token-file", "read the admin API token from PATH", metavar="PATH"
     )
-    _add_moved(serve, "proxy")
     serve.set_defaults(func=cmd_proxy_serve)
 
     roll = sub.add_parser(
@@ -671,7 +606,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     roll.add_argument("--run-dir", required=True, help="output directory")
     roll.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    _add_moved(roll, "rollout")
     roll.set_defaults(func=cmd_rollout)
 
     engine = sub.add_parser("engine", help="inference engines")
@@ -692,7 +626,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="bearer token (never a config key; see engine.api_key_file; default: "
         "generated, printed)",
     )
-    _add_moved(eserve, "engine")
     eserve.set_defaults(func=cmd_engine_serve)
 
     model = sub.add_parser("model", help="build and inspect models")
