@@ -65,11 +65,17 @@ def test_one_yaml_configures_rollout_proxy_and_engine(
     model = tmp_path / "model"
     assert cli.main(["rollout", str(shared), "--run-dir", str(tmp_path / "r")]) == 0
     options: RolloutOptions = captured["rollout"]
-    assert (options.model, options.harness, options.device) == (model, "toy", "cpu")
-    assert (options.executions_per_task, options.oversample, options.min_valid) == (3, 1, 2)
-    assert (options.concurrency, options.harness_s, options.overall_s) == (5, 30.0, 40.0)
-    assert (options.temperature, options.max_context, options.dtype) == (0.7, 1024, "bfloat16")
-    assert options.tasks.name == "toy_tasks.jsonl"  # harness.tasks unset: train's toy tasks
+    assert (options.run_dir, options.resume) == (tmp_path / "r", False)
+    rolled = options.config
+    assert (rolled.model.path, rolled.harness.name, rolled.run.device) == (model, "toy", "cpu")
+    assert (rolled.groups.size, rolled.groups.oversample, rolled.groups.min_valid) == (3, 1, 2)
+    assert (rolled.cells.capacity, rolled.harness.deadline_s, rolled.harness.budget_s) == (
+        5,
+        30.0,
+        40.0,
+    )
+    assert (rolled.trainer.temperature, rolled.engine.max_context) == (0.7, 1024)
+    assert rolled.engine.dtype == "bfloat16" and rolled.harness.tasks is None
 
     assert cli.main(["proxy", "serve", str(shared), "--admin-token", "a" * 16]) == 0
     proxy: ServeOptions = captured["proxy"]
@@ -113,8 +119,8 @@ def test_shortcuts_win_over_the_file_and_clash_with_overrides(
     # Overrides may come after flags; --tasks example is the bundled example set.
     run = ["rollout", "--run-dir", str(tmp_path / "r"), str(shared), "--tasks", "example"]
     assert cli.main([*run, "groups.size=2", "groups.min_valid=null"]) == 0
-    assert captured["rollout"].executions_per_task == 2
-    assert captured["rollout"].tasks == example_tasks_path()
+    assert captured["rollout"].config.groups.size == 2
+    assert captured["rollout"].config.harness.tasks == example_tasks_path()
 
 
 @pytest.mark.parametrize(

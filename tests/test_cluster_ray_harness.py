@@ -98,7 +98,8 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
         where = {host.name: await host.where() for host in hosts}
         stopped = await pool.stop_orphans()
         await pool.check_sandbox(NoSandbox())
-        with pytest.raises(SandboxUnavailable, match=r"harness host .*: run\.sandbox=bwrap: no"):
+        unavailable = r"harness host .*: harness\.sandbox=bwrap: no"
+        with pytest.raises(SandboxUnavailable, match=unavailable):
             await pool.check_sandbox(Bubblewrap(binary="no-such-bwrap"))  # checked on the node
         toys = [await request(proxy, task, critique) for task in tasks[:4]]
         done = await asyncio.gather(*(pool.run(r) for r in toys))

@@ -156,7 +156,7 @@ def test_a_rollout_of_sandboxed_toy_harnesses_reaches_the_proxy_and_is_graded(
 ) -> None:
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
-    options = _options(tmp_path, tiny_model_dir, tasks, sandbox=Bubblewrap())
+    options = _options(tmp_path, tiny_model_dir, tasks, "harness.sandbox=bwrap")
     rows = asyncio.run(rollout(options))
     assert [outcome for _, _, outcome, _ in rows] == ["completed", "completed"]
     assert all(reward is not None for *_, reward in rows)
@@ -170,7 +170,7 @@ def test_the_config_names_the_sandbox_and_bad_settings_are_refused(tmp_path: Pat
     assert sandbox("bwrap", [Path("~")]) == Bubblewrap((Path.home(),))
     with pytest.raises(ValueError, match=f"no such file or directory: {tmp_path / 'x'}"):
         sandbox("bwrap", [tmp_path / "x"])
-    with pytest.raises(ValueError, match=r"run\.sandbox_hide needs a sandbox"):
+    with pytest.raises(ValueError, match=r"harness\.sandbox_hide needs a sandbox"):
         sandbox("none", [tmp_path])
     assert harness_spec("toy", 10, Bubblewrap()).sandbox == Bubblewrap()
     assert harness_spec("toy", 10).sandbox == NoSandbox()

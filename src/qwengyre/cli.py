@@ -355,30 +355,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     import asyncio
 
     from qwengyre.apps.rollout import RolloutOptions, rollout, summary
-    from qwengyre.apps.serve import model_dir
-    from qwengyre.rollout.sandbox import sandbox
-    from qwengyre.rollout.toy_tasks import toy_tasks_path
 
     config = _command_config(args, "rollout")
-    options = RolloutOptions(
-        model=model_dir(config),
-        tasks=config.harness.tasks or toy_tasks_path(),
-        harness=config.harness.name,
-        run_dir=Path(args.run_dir),
-        executions_per_task=config.groups.size,
-        oversample=config.groups.oversample,
-        min_valid=config.groups.min_valid,
-        concurrency=config.cells.capacity,
-        harness_s=config.harness.deadline_s,
-        overall_s=config.harness.budget_s,
-        resume=args.resume,
-        device=config.run.device,
-        dtype=config.engine.dtype,
-        backend=config.engine.backend,
-        temperature=config.trainer.temperature,
-        max_context=config.engine.max_context,
-        sandbox=sandbox(config.harness.sandbox, config.harness.sandbox_hide),
-    )
+    options = RolloutOptions(Path(args.run_dir), config, resume=args.resume)
     rows = asyncio.run(rollout(options))  # holds the run directory's lock throughout
     print(summary(rows))
     print(f"store {options.run_dir / 'proxy.sqlite'}, traces {options.run_dir / 'traces.jsonl'}")

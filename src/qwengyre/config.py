@@ -435,25 +435,37 @@ class EngineConfig(_Section):
 
 
 class EvaluationConfig(_Section):
-    """Evaluation of executions (``qwengyre.rollout.evaluation.EvaluationOptions``).
+    """How evaluation retries, and whether intermediate assessments are scheduled
+    (:func:`qwengyre.rollout.evaluation.assess` takes this section as it is).
 
     The paper retries an invalid evaluation "within the execution's overall time
     budget" (``harness.budget_s``): ``max_attempts=None`` is that rule; a number also caps
     the attempts (frees the slot sooner when an evaluator fails deterministically).
     """
 
-    retry_delay_s: float = Field(1.0, ge=0.0, description="wait before the first retry")
-    retry_backoff: float = Field(2.0, ge=1.0, description="each later wait is this times longer")
-    max_retry_delay_s: float = Field(30.0, ge=0.0, description="longest wait between attempts")
+    retry_delay_s: float = Field(
+        1.0, ge=0.0, allow_inf_nan=False, description="wait before the first retry"
+    )
+    retry_backoff: float = Field(
+        2.0, ge=1.0, allow_inf_nan=False, description="each later wait is this times longer"
+    )
+    max_retry_delay_s: float = Field(
+        30.0, ge=0.0, allow_inf_nan=False, description="longest wait between attempts"
+    )
     max_attempts: int | None = Field(
         None, ge=1, description="cap on attempts; None = retry until the overall budget ends"
     )
     intermediate_every_s: float | None = Field(
         None,
         gt=0.0,
+        allow_inf_nan=False,
         description="assess the workspace this often while the harness runs (intermediate"
         " assessments, kept per artifact version, never the reward); None = off",
     )
+
+    def delay(self, retry: int) -> float:
+        """The wait before retry number ``retry`` (1: the first retry)."""
+        return min(self.max_retry_delay_s, self.retry_delay_s * self.retry_backoff ** (retry - 1))
 
 
 class Config(_Section):

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+from qwengyre.config import EvaluationConfig
 from qwengyre.rollout.assessments import AssessmentHub
-from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
 from qwengyre.rollout.harness import HarnessSpec, kill_orphaned_harnesses
 from qwengyre.rollout.sandbox import Sandbox
@@ -51,7 +51,7 @@ class ExecutionRequest:
     execution_id: str
     base_url: str
     api_key: str
-    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
 
 class HarnessHost(Protocol):

@@ -58,7 +58,6 @@ from qwengyre.records.metrics import (
     UsageRecord,
 )
 from qwengyre.records.trace import TraceWriter
-from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, trace_record
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec
@@ -177,7 +176,7 @@ class Controller:
         self.outputs = outputs
         self.hosts = hosts  # where executions run (qwengyre.rollout.hosts)
         self.budgets = Budgets(config.harness.deadline_s, config.harness.budget_s)
-        self.evaluation = EvaluationOptions.from_config(config.evaluation)
+        self.evaluation = config.evaluation
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.trajectories = trajectories or TrajectoryBuffer()
         self.packing = PackingBuffer(self.trajectories, config.trainer.micro_step_tokens)
