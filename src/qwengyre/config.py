@@ -24,11 +24,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from qwengyre.scheduler.core import SchedulerParams
 from qwengyre.scheduler.staleness import burst_for_staleness
+from qwengyre.types import TinySize
 
 Policy = Literal["elastic", "async", "colocate"]
 Supply = Literal["in_hand", "ready"]
 Dispatch = Literal["boundary", "continuous"]
 EngineBackend = Literal["embedded", "vllm", "sglang"]
+Variant = Literal["default", "token_sum", "per_trajectory_clip"]
+"""The execution-level objective's variants (:mod:`qwengyre.training.objective`)."""
+Placement = Literal["local", "ray"]
+"""Where a run's processes live: local processes, or Ray actors (the 'ray' extra)."""
+SandboxKind = Literal["none", "bwrap"]
+"""What confines a harness (:mod:`qwengyre.rollout.sandbox`)."""
 
 
 class ConfigError(ValueError):
@@ -156,7 +163,7 @@ class TrainerConfig(_Section):
     token_weight_cap: float = Field(5.0, gt=0.0, description="cap on exp(l_t - b_t)")
     clip_low: float = Field(0.995, gt=0.0, le=1.0, description="execution ratio clip, low")
     clip_high: float = Field(1.005, ge=1.0, description="execution ratio clip, high")
-    variant: Literal["default", "token_sum", "per_trajectory_clip"] = Field(
+    variant: Variant = Field(
         "default", description="objective variant (qwengyre.training.objective)"
     )
     optimizer: Literal["adam"] = "adam"
@@ -213,7 +220,7 @@ class ModelConfig(_Section):
     """The policy model: a HuggingFace directory, or the built-in tiny model."""
 
     path: Path | None = Field(None, description="HF model directory; None = the tiny model")
-    tiny_size: Literal["test", "demo"] = "demo"
+    tiny_size: TinySize = "demo"
 
 
 class SimConfig(_Section):
@@ -246,7 +253,7 @@ class RunConfig(_Section):
     engines."""
 
     steps: int = Field(20, ge=1, description="RL training steps (optimizer updates) to run")
-    placement: Literal["local", "ray"] = Field(
+    placement: Placement = Field(
         "local", description="cells as local processes, or as Ray actors (the 'ray' extra)"
     )
     device: str = Field("cpu", description="torch device of the cells")
@@ -300,7 +307,7 @@ class HarnessConfig(_Section):
         gt=0.0,
         description="overall budget per execution: the harness, then evaluation retries",
     )
-    hosts: Literal["local", "ray"] = Field(
+    hosts: Placement = Field(
         "local",
         description="where harnesses run and are evaluated: local = this process's machine;"
         " ray = one harness host per alive Ray node with CPUs, executions spread by free"
@@ -319,7 +326,7 @@ class HarnessConfig(_Section):
         description="ray harness hosts: the directory on each node for workspaces and logs;"
         " None = the run directory's path (the same directory on a shared filesystem)",
     )
-    sandbox: Literal["none", "bwrap"] = Field(
+    sandbox: SandboxKind = Field(
         "none",
         description="what confines each harness: none, or bwrap (bubblewrap: the file system"
         " read-only but for its workspace and home, the run directory hidden, its own PID"

@@ -26,11 +26,11 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Protocol
 
-__all__ = ["Bubblewrap", "NoSandbox", "Sandbox", "SandboxKind", "SandboxUnavailable", "sandbox"]
+from qwengyre.config import SandboxKind
 
-SandboxKind = Literal["none", "bwrap"]
+__all__ = ["Bubblewrap", "NoSandbox", "Sandbox", "SandboxUnavailable", "sandbox"]
 
 
 class SandboxUnavailable(OSError):
