@@ -183,7 +183,7 @@ def test_simulate_compare_writes_json_and_plots(tmp_path: Path):
     "engine",
     [
         ["proxy.engine=scripted", "proxy.script="],
-        ["proxy.engine=embedded", "engine.dtype=bfloat16", "run.max_context=512"],
+        ["proxy.engine=embedded", "engine.dtype=bfloat16", "engine.max_context=512"],
     ],
 )
 def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path, engine):
@@ -295,8 +295,8 @@ def test_rollout_cli_on_the_bundled_example(tmp_path: Path, tiny_model_dir: Path
         "groups.size=1",
         "groups.min_valid=null",
         "cells.capacity=4",
-        "run.harness_s=60",
-        "run.overall_s=90",
+        "harness.deadline_s=60",
+        "harness.budget_s=90",
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "8 executions" in out.stdout

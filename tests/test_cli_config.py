@@ -1,5 +1,5 @@
 """One config tree for every command: rollout, proxy serve and engine serve read the
-same YAML + overrides as train; shortcuts, moved flags, ``config show COMMAND``."""
+same YAML + overrides as train; shortcuts, ``config show COMMAND``."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ groups: {size: 3, oversample: 1, batch: 2, min_valid: 2}
 cells: {count: 2, capacity: 5}
 trainer: {temperature: 0.7}
 model: {path: MODEL}
-run: {harness: toy, harness_s: 30, overall_s: 40, device: cpu, max_context: 1024}
+run: {device: cpu}
+harness: {name: toy, deadline_s: 30, budget_s: 40}
 proxy: {port: 8181, engine: embedded, store: STORE, harness_sampling: true, max_resident: 7}
-engine: {port: 30301, dtype: bfloat16}
+engine: {port: 30301, dtype: bfloat16, max_context: 1024}
 """
 
 
@@ -69,18 +70,24 @@ def test_one_yaml_configures_rollout_proxy_and_engine(
     model = tmp_path / "model"
     assert cli.main(["rollout", str(shared), "--run-dir", str(tmp_path / "r")]) == 0
     options: RolloutOptions = captured["rollout"]
-    assert (options.model, options.harness, options.device) == (model, "toy", "cpu")
-    assert (options.executions_per_task, options.oversample, options.min_valid) == (3, 1, 2)
-    assert (options.concurrency, options.harness_s, options.overall_s) == (5, 30.0, 40.0)
-    assert (options.temperature, options.max_context, options.dtype) == (0.7, 1024, "bfloat16")
-    assert options.tasks.name == "toy_tasks.jsonl"  # run.tasks unset: train's toy tasks
+    assert (options.run_dir, options.resume) == (tmp_path / "r", False)
+    rolled = options.config
+    assert (rolled.model.path, rolled.harness.name, rolled.run.device) == (model, "toy", "cpu")
+    assert (rolled.groups.size, rolled.groups.oversample, rolled.groups.min_valid) == (3, 1, 2)
+    assert (rolled.cells.capacity, rolled.harness.deadline_s, rolled.harness.budget_s) == (
+        5,
+        30.0,
+        40.0,
+    )
+    assert (rolled.trainer.temperature, rolled.engine.max_context) == (0.7, 1024)
+    assert rolled.engine.dtype == "bfloat16" and rolled.harness.tasks is None
 
     assert cli.main(["proxy", "serve", str(shared), "--admin-token", "a" * 16]) == 0
     served: Config = captured["proxy"]
     proxy = served.proxy
     assert (model_dir(served), proxy.store, proxy.engine) == (model, tmp_path / "st", "embedded")
     assert (proxy.host, proxy.port, captured["admin_token"]) == ("127.0.0.1", 8181, "a" * 16)
-    assert (served.trainer.temperature, served.run.max_context) == (0.7, 1024)
+    assert (served.trainer.temperature, served.engine.max_context) == (0.7, 1024)
     assert (served.cells.capacity, served.engine.dtype) == (5, "bfloat16")
     assert (proxy.harness_sampling, proxy.max_resident) == (True, 7)
 
@@ -119,22 +126,18 @@ def test_shortcuts_win_over_the_file_and_clash_with_overrides(
     # Overrides may come after flags; --tasks example is the bundled example set.
     run = ["rollout", "--run-dir", str(tmp_path / "r"), str(shared), "--tasks", "example"]
     assert cli.main([*run, "groups.size=2", "groups.min_valid=null"]) == 0
-    assert captured["rollout"].executions_per_task == 2
-    assert captured["rollout"].tasks == example_tasks_path()
+    assert captured["rollout"].config.groups.size == 2
+    assert captured["rollout"].config.harness.tasks == example_tasks_path()
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["proxy", "serve", "--engine", "embedded"], "give proxy.engine=embedded instead"),
-        (["proxy", "serve", "--harness-sampling"], "give proxy.harness_sampling=true instead"),
-        (["rollout", "--run-dir", "r", "--concurrency", "3"], "config key cells.capacity"),
-        (["engine", "serve", "--capacity", "3"], "config key cells.capacity"),
         (["proxy", "serve", "--model", "m"], "--store DIR or proxy.store=DIR"),
         (["engine", "serve", "--api-key", "k", "engine.api_key_file=f"], "not both"),
     ],
 )
-def test_moved_flags_and_missing_settings_are_one_line_errors(
+def test_missing_and_clashing_settings_are_one_line_errors(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ):
     assert cli.main(args) == 2
@@ -153,7 +156,7 @@ def test_config_show_prints_the_tree_each_command_resolves(
 ):
     plain = _show(capsys)
     assert plain["groups"]["size"] == 16 and plain["proxy"]["host"] == "127.0.0.1"
-    assert set(plain) >= {"run", "metrics", "proxy", "engine"}
+    assert set(plain) >= {"run", "checkpoint", "warm_start", "harness", "metrics", "proxy"}
     for command in ("train", "rollout", "proxy", "engine"):  # the embedded preset
         assert _show(capsys, command)["cells"]["count"] == 3, command
     assert _show(capsys, "simulate")["cells"]["count"] == 8

@@ -98,7 +98,8 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
         where = {host.name: await host.where() for host in hosts}
         stopped = await pool.stop_orphans()
         await pool.check_sandbox(NoSandbox())
-        with pytest.raises(SandboxUnavailable, match=r"harness host .*: run\.sandbox=bwrap: no"):
+        unavailable = r"harness host .*: harness\.sandbox=bwrap: no"
+        with pytest.raises(SandboxUnavailable, match=unavailable):
             await pool.check_sandbox(Bubblewrap(binary="no-such-bwrap"))  # checked on the node
         toys = [await request(proxy, task, critique) for task in tasks[:4]]
         done = await asyncio.gather(*(pool.run(r) for r in toys))
@@ -140,7 +141,7 @@ def test_ray_hosts_need_ray_and_a_proxy_every_node_reaches(tmp_path: Path) -> No
     from qwengyre.cluster.ray_harness import RayNode, start_ray_hosts
 
     assert not ray.is_initialized()
-    config = load_config(None, ["run.harness_hosts=ray", "metrics.tensorboard=false"])
+    config = load_config(None, ["harness.hosts=ray", "metrics.tensorboard=false"])
     options = TrainOptions(tmp_path / "run", config, display=False)
     with pytest.raises(ValueError, match=r"harness_hosts=ray needs Ray: set run\.placement=ray"):
         asyncio.run(train(options))  # at once, before the warm start

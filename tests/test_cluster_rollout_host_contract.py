@@ -3,10 +3,11 @@ asserted of every implementation, each one host for the module that the cases dr
 in turn (a cell's life: publish, load, release, resume, crash, revive):
 
 - ``embedded``: :class:`~qwengyre.cluster.engine_host.EngineHost`;
-- ``sglang-fake``: :class:`~qwengyre.cluster.server_host.ServerHost` with SGLang launching the fake
-  SGLang server of tests/fake_sglang (qwengyre's engine server behind SGLang's flags);
-- ``vllm``: :class:`~qwengyre.cluster.server_host.ServerHost` with vLLM launching a real vLLM CPU server
-  (skipped unless ``QWENGYRE_VLLM_PYTHON`` names a vLLM venv's python).
+- ``sglang-fake``: :class:`~qwengyre.cluster.server_host.ServerHost` with SGLang,
+  launching the fake SGLang server of tests/fake_sglang (qwengyre's engine server behind
+  SGLang's flags);
+- ``vllm``: :class:`~qwengyre.cluster.server_host.ServerHost` with vLLM, launching a real
+  vLLM CPU server (skipped unless ``QWENGYRE_VLLM_PYTHON`` names a vLLM venv's python).
 
 A case an implementation cannot meet is marked in its parametrisation with the reason.
 """

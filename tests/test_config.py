@@ -33,6 +33,13 @@ def test_defaults_are_the_papers():
         ("trainer.backend=megatron", ["trainer.backend='megatron'", "'fsdp2'"]),
         ("scheduler.phi=0.3", ["(scheduler.phi + scheduler.mu) * groups.batch = 41.6"]),
         ("scheduler", ["must look like dotted.key=value"]),
+        (
+            "run.harness_s=60",
+            [
+                "unknown config key 'run.harness_s'",
+                "allowed keys at run: steps, placement, device, torch_threads, restarts",
+            ],
+        ),
     ],
 )
 def test_bad_values_are_refused_with_one_line_naming_key_and_value(override, fragments):
@@ -53,6 +60,10 @@ def test_cross_field_rules():
         load_config(None, ["scheduler.policy=async", "scheduler.async_training_cells=8"])
     with pytest.raises(ConfigError, match=r"sim\.trace=PATH"):
         load_config(None, ["sim.workload=trace"])
+    with pytest.raises(
+        ConfigError, match=r"harness\.deadline_s \(400\.0\) must not exceed harness\.budget_s"
+    ):
+        load_config(None, ["harness.deadline_s=400"])
 
 
 def test_target_staleness_derives_mu_and_phi_per_policy():

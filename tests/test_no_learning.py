@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 from rich.console import Console
+from tests.params import make_params
 
 from qwengyre.records.metrics import RunRecord, StepRecord, read_metrics
 from qwengyre.report.html import learning_signal_warning, summarize, write_report
 from qwengyre.runtime import display
-from qwengyre.scheduler.core import Scheduler, SchedulerParams
+from qwengyre.scheduler.core import Scheduler
 from qwengyre.scheduler.events import Start
 
 
@@ -57,7 +58,7 @@ def test_the_warning_names_how_many_steps_had_none_and_what_to_check():
     assert dead is not None and "\n" not in dead
     assert dead.startswith("the reward never moved (0.000 in all 4 steps); 4 of 4 steps")
     assert "every advantage was zero" in dead and "warm_start.json" in dead
-    assert "run.warm_start_accuracy" in dead
+    assert "warm_start.accuracy" in dead
     assert learning_signal_warning(LEARNING) is None
     assert learning_signal_warning([]) is None
     # Some steps without a signal while the reward moves: no warning.
@@ -72,7 +73,7 @@ def test_the_warning_names_how_many_steps_had_none_and_what_to_check():
 
 def _controller(records: list[StepRecord]) -> Any:
     # A real scheduler with a standalone pool, started: its executions are launched.
-    params = SchedulerParams(cells=2, cell_capacity=4, standalone_capacity=2, batch=1, group_size=2)
+    params = make_params(cells=2, cell_capacity=4, standalone_capacity=2, batch=1, group_size=2)
     scheduler = Scheduler(params)
     scheduler.handle(Start(0.0))
     return SimpleNamespace(

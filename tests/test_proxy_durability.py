@@ -316,7 +316,7 @@ def _serve(store: Path, model: Path, script: Path, port: int) -> subprocess.Pope
         str(port),
         "--admin-token",
         ADMIN,
-        "run.max_context=100000",
+        "engine.max_context=100000",
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60

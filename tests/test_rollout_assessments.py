@@ -248,7 +248,7 @@ wait('done')
 def test_a_scheduled_assessment_runs_while_the_harness_does_and_is_never_the_reward(
     tmp_path: Path,
 ):
-    from qwengyre.rollout.evaluation import EvaluationOptions
+    from qwengyre.config import EvaluationConfig
 
     code = "import time; open('a.txt','w').write('1'); time.sleep(1.2); open('a.txt','w').write('')"
     harness = harness_spec(f"{sys.executable} -c {{instructions}}", 20)
@@ -262,7 +262,7 @@ def test_a_scheduled_assessment_runs_while_the_harness_does_and_is_never_the_rew
             run_dir=tmp_path,
             base_url="http://127.0.0.1:9/x/ex_s",
             api_key="k",
-            evaluation=EvaluationOptions(intermediate_every_s=0.2),
+            evaluation=EvaluationConfig(intermediate_every_s=0.2),
         )
     )
     intermediate = [a for a in result.assessments if a.kind == "intermediate"]

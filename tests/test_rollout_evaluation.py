@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from qwengyre.config import EvaluationConfig
 from qwengyre.records.assessments import Assessment
 from qwengyre.rollout.evaluation import (
-    EvaluationOptions,
     artifact_digest,
     assess,
     evaluate_once,
@@ -256,7 +256,7 @@ def test_retries_until_valid(tmp_path: Path) -> None:
             ws,
             deadline=time.monotonic() + 30,
             metadata={},
-            options=EvaluationOptions(retry_delay_s=0.01),
+            options=EvaluationConfig(retry_delay_s=0.01),
         )
     )
     assert [a.attempt for a in results] == [1, 2, 3]
@@ -275,7 +275,7 @@ def test_never_valid_is_unresolved_not_zero(tmp_path: Path) -> None:
             spec,
             _workspace(tmp_path),
             deadline=time.monotonic() + 30,
-            options=EvaluationOptions(retry_delay_s=0.0, max_attempts=3),
+            options=EvaluationConfig(retry_delay_s=0.0, max_attempts=3),
         )
     )
     assert len(results) == 3
@@ -294,7 +294,7 @@ def test_deadline_stops_retries(tmp_path: Path) -> None:
             spec,
             _workspace(tmp_path),
             deadline=start + 0.6,
-            options=EvaluationOptions(retry_delay_s=0.4, max_attempts=50),
+            options=EvaluationConfig(retry_delay_s=0.4, max_attempts=50),
         )
     )
     assert len(results) in (1, 2)  # 50 allowed, but none may start after the deadline
@@ -321,7 +321,7 @@ def test_deadline_cuts_attempt_timeout(tmp_path: Path) -> None:
             spec,
             _workspace(tmp_path),
             deadline=start + 0.5,
-            options=EvaluationOptions(retry_delay_s=0.0),
+            options=EvaluationConfig(retry_delay_s=0.0),
         )
     )
     assert time.monotonic() - start < 4
@@ -346,7 +346,7 @@ def test_workspace_mutation_between_attempts_stops_retries(tmp_path: Path) -> No
     before = artifact_digest(ws)
     results = run(
         assess(
-            spec, ws, deadline=time.monotonic() + 30, options=EvaluationOptions(retry_delay_s=0.0)
+            spec, ws, deadline=time.monotonic() + 30, options=EvaluationConfig(retry_delay_s=0.0)
         )
     )
     assert len(results) == 1
@@ -498,7 +498,7 @@ def test_retries_are_bounded_by_the_budget_not_by_five_attempts(tmp_path: Path) 
             spec,
             _workspace(tmp_path),
             deadline=time.monotonic() + 30,
-            options=EvaluationOptions(retry_delay_s=0.0),
+            options=EvaluationConfig(retry_delay_s=0.0),
         )
     )
     assert [a.attempt for a in results] == list(range(1, 9))
@@ -513,32 +513,25 @@ def test_the_optional_cap_says_why_retrying_stopped(tmp_path: Path) -> None:
             spec,
             _workspace(tmp_path),
             deadline=time.monotonic() + 30,
-            options=EvaluationOptions(retry_delay_s=0.0, max_attempts=2),
+            options=EvaluationConfig(retry_delay_s=0.0, max_attempts=2),
         )
     )
     assert len(results) == 2 and "max_attempts" in results[-1].detail
 
 
 def test_retry_delays_back_off_up_to_a_ceiling() -> None:
-    from qwengyre.rollout.evaluation import EvaluationOptions
-
-    options = EvaluationOptions(retry_delay_s=1.0, retry_backoff=2.0, max_retry_delay_s=5.0)
+    options = EvaluationConfig(retry_delay_s=1.0, retry_backoff=2.0, max_retry_delay_s=5.0)
     assert [options.delay(r) for r in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
-    assert EvaluationOptions(retry_backoff=1.0).delay(9) == 1.0
-    for bad in ({"retry_backoff": 0.5}, {"max_attempts": 0}, {"intermediate_every_s": 0.0}):
-        with pytest.raises(ValueError):
-            EvaluationOptions(**bad)  # type: ignore[arg-type]
-
-    class Section:
-        max_attempts = 3
-        intermediate_every_s = 60.0
-
-    loaded = EvaluationOptions.from_config(Section())
-    assert (loaded.max_attempts, loaded.intermediate_every_s, loaded.retry_delay_s) == (
-        3,
-        60.0,
-        1.0,
+    assert EvaluationConfig(retry_backoff=1.0).delay(9) == 1.0
+    bad_values = (
+        {"retry_backoff": 0.5},
+        {"max_attempts": 0},
+        {"intermediate_every_s": 0.0},
+        {"retry_delay_s": float("inf")},
     )
+    for bad in bad_values:
+        with pytest.raises(ValueError):
+            EvaluationConfig(**bad)  # type: ignore[arg-type]
 
 
 def test_an_assessment_names_its_evaluator_time_and_critique(tmp_path: Path) -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from qwengyre.rollout.evaluation import EvaluationOptions
+from qwengyre.config import EvaluationConfig
 from qwengyre.rollout.execution import Budgets, run_execution
 from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, Task
@@ -34,7 +33,9 @@ def run(task: Task, harness: HarnessSpec, tmp_path: Path, budgets=DEFAULT_BUDGET
             run_dir=tmp_path,
             base_url="http://127.0.0.1:9/x/ex_1",
             api_key="k",
-            evaluation=replace(kw.pop("evaluation", EvaluationOptions()), retry_delay_s=0.05),
+            evaluation=kw.pop("evaluation", EvaluationConfig()).model_copy(
+                update={"retry_delay_s": 0.05}
+            ),
             **kw,
         )
     )
@@ -134,7 +135,7 @@ def test_evaluation_retries_past_five_attempts_within_the_budget(tmp_path: Path)
         ],
         timeout_s=10,
     )
-    pacing = EvaluationOptions(retry_backoff=1.5, max_retry_delay_s=0.1)
+    pacing = EvaluationConfig(retry_backoff=1.5, max_retry_delay_s=0.1)
     result = run(
         task(evaluator=flaky),
         python_harness("pass"),
@@ -153,7 +154,7 @@ def test_an_evaluator_that_never_succeeds_leaves_no_reward_not_a_zero(tmp_path: 
         task(evaluator=broken),
         python_harness("pass"),
         tmp_path,
-        evaluation=EvaluationOptions(max_attempts=3),
+        evaluation=EvaluationConfig(max_attempts=3),
     )
     assert result.reward is None and result.outcome is Outcome.FAILED
     assert len(result.assessments) == 3 and all(a.score is None for a in result.assessments)
@@ -164,7 +165,7 @@ def test_an_evaluator_that_never_succeeds_is_retried_until_the_overall_budget(tm
     # No backoff, and a budget with room for many attempts even on a busy machine (an
     # attempt here takes ~0.05 s quiet, and well under 0.5 s with every core contended).
     broken = CommandEvaluator(type="command", command="exit 1", timeout_s=5)
-    steady = EvaluationOptions(retry_backoff=1.0)
+    steady = EvaluationConfig(retry_backoff=1.0)
     result = run(
         task(evaluator=broken), python_harness("pass"), tmp_path, Budgets(1, 6), evaluation=steady
     )

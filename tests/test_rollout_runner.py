@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 from pathlib import Path
 
 import pytest
 
 from qwengyre.apps.rollout import RolloutOptions, rollout, summary
+from qwengyre.config import load_config
 from qwengyre.records.assessments import read_assessments
 from qwengyre.records.trace import read_trace
-from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.harness import harness_spec
 from qwengyre.rollout.tasks import dump_tasks, example_tasks_path, load_tasks
 from qwengyre.sim.replay import TraceWorkload
@@ -22,17 +23,8 @@ pytestmark = pytest.mark.slow
 def test_rollout_records_results_traces_and_trees_and_resumes(tmp_path: Path, tiny_model_dir: Path):
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, load_tasks(example_tasks_path())[:2])
-    run_dir = tmp_path / "run"
-    options = RolloutOptions(
-        model=tiny_model_dir,
-        tasks=tasks,
-        harness="toy",
-        run_dir=run_dir,
-        executions_per_task=2,
-        concurrency=2,
-        harness_s=60,
-        overall_s=90,
-    )
+    options = _options(tmp_path, tiny_model_dir, tasks)
+    run_dir = options.run_dir
     rows = asyncio.run(rollout(options))
     assert sorted((t, i) for t, i, _, _ in rows) == [
         ("add-01", 0),
@@ -61,7 +53,7 @@ def test_rollout_records_results_traces_and_trees_and_resumes(tmp_path: Path, ti
     db.execute("DELETE FROM rollout_results WHERE task = 'add-02' AND idx = 1")
     db.commit()
     db.close()
-    resumed = RolloutOptions(**{**options.__dict__, "resume": True})
+    resumed = dataclasses.replace(options, resume=True)
     rows = asyncio.run(rollout(resumed))
     assert len(rows) == 4
     assert len(read_trace(run_dir / "traces.jsonl")) == 5
@@ -111,8 +103,8 @@ def test_a_runner_killed_with_sigkill_resumes_without_losing_or_double_counting(
         str(run_dir),
         "groups.size=2",
         "cells.capacity=2",
-        "run.harness_s=60",
-        "run.overall_s=90",
+        "harness.deadline_s=60",
+        "harness.budget_s=90",
     ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_path = run_dir / "proxy.sqlite"
@@ -146,19 +138,20 @@ def test_a_runner_killed_with_sigkill_resumes_without_losing_or_double_counting(
     assert len(traced) >= len(rows) - 1
 
 
-def _options(tmp_path: Path, tiny_model_dir: Path, tasks: Path, **kw) -> RolloutOptions:  # type: ignore[no-untyped-def]
-    fields = dict(
-        model=tiny_model_dir,
-        tasks=tasks,
-        harness="toy",
-        run_dir=tmp_path / "run",
-        executions_per_task=2,
-        concurrency=2,
-        harness_s=60,
-        overall_s=90,
+def _options(tmp_path: Path, model: Path, tasks: Path, *overrides: str) -> RolloutOptions:
+    """A rollout into ``tmp_path / "run"``: the toy harness, N = 2, two at a time."""
+    config = load_config(
+        None,
+        [
+            "groups.size=2",
+            "cells.capacity=2",
+            "harness.deadline_s=60",
+            "harness.budget_s=90",
+            *overrides,
+        ],
+        values={"model.path": model, "harness.tasks": tasks},
     )
-    fields.update(kw)
-    return RolloutOptions(**fields)  # type: ignore[arg-type]
+    return RolloutOptions(tmp_path / "run", config)
 
 
 def test_oversampled_surplus_is_not_launched_once_n_rewards_are_valid(
@@ -168,7 +161,7 @@ def test_oversampled_surplus_is_not_launched_once_n_rewards_are_valid(
 
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
-    options = _options(tmp_path, tiny_model_dir, tasks, oversample=2)
+    options = _options(tmp_path, tiny_model_dir, tasks, "groups.oversample=2")
     rows = asyncio.run(rollout(options))
     # Two run at a time: the first to finish frees a slot for index 2, which launches
     # unless the second finished valid before it started (a race either way); once two
@@ -188,8 +181,8 @@ def test_a_group_without_valid_rewards_is_dropped_not_zeroed(tmp_path: Path, tin
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, [Task(id="t", instructions="x", evaluator=broken)])
     # Retries go on until the overall budget (62 s) unless capped: cap them to stay fast.
-    quick = EvaluationOptions(retry_delay_s=0.05, max_attempts=3)
-    options = _options(tmp_path, tiny_model_dir, tasks, overall_s=62, evaluation=quick)
+    quick = ["evaluation.retry_delay_s=0.05", "evaluation.max_attempts=3"]
+    options = _options(tmp_path, tiny_model_dir, tasks, "harness.budget_s=62", *quick)
     rows = asyncio.run(rollout(options))
     assert all(reward is None for *_, reward in rows) and len(rows) == 2
     logged = read_assessments(options.run_dir / "assessments.jsonl")
@@ -211,7 +204,15 @@ def test_claude_code_as_the_rollout_harness_with_the_embedded_engine(
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
     demo = cached_tiny_model("demo", cache_dir=tmp_path.parent / "qwengyre-models")
-    options = _options(tmp_path, demo, tasks, harness="claude-code", harness_s=120, overall_s=180)
+    options = _options(
+        tmp_path,
+        demo,
+        tasks,
+        "harness.name=claude-code",
+        "harness.deadline_s=120",
+        "harness.budget_s=180",
+        "engine.max_context=8192",
+    )
     rows = asyncio.run(rollout(options))
     assert [(outcome, reward) for _, _, outcome, reward in rows] == [("completed", 0.0)] * 2
     trace = read_trace(options.run_dir / "traces.jsonl")

@@ -1,4 +1,4 @@
-"""Sandboxed harnesses (``run.sandbox=bwrap``, :mod:`qwengyre.rollout.sandbox`): a real
+"""Sandboxed harnesses (``harness.sandbox=bwrap``, :mod:`qwengyre.rollout.sandbox`): a real
 harness under bubblewrap writes only to its workspace, home and TMPDIR, cannot see the
 run directory or a hidden directory, lives in its own PID namespace (a tool it started
 in a session of its own dies with it), and still reaches the proxy's variables; a
@@ -156,7 +156,7 @@ def test_a_rollout_of_sandboxed_toy_harnesses_reaches_the_proxy_and_is_graded(
 ) -> None:
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
-    options = _options(tmp_path, tiny_model_dir, tasks, sandbox=Bubblewrap())
+    options = _options(tmp_path, tiny_model_dir, tasks, "harness.sandbox=bwrap")
     rows = asyncio.run(rollout(options))
     assert [outcome for _, _, outcome, _ in rows] == ["completed", "completed"]
     assert all(reward is not None for *_, reward in rows)
@@ -170,7 +170,7 @@ def test_the_config_names_the_sandbox_and_bad_settings_are_refused(tmp_path: Pat
     assert sandbox("bwrap", [Path("~")]) == Bubblewrap((Path.home(),))
     with pytest.raises(ValueError, match=f"no such file or directory: {tmp_path / 'x'}"):
         sandbox("bwrap", [tmp_path / "x"])
-    with pytest.raises(ValueError, match=r"run\.sandbox_hide needs a sandbox"):
+    with pytest.raises(ValueError, match=r"harness\.sandbox_hide needs a sandbox"):
         sandbox("none", [tmp_path])
     assert harness_spec("toy", 10, Bubblewrap()).sandbox == Bubblewrap()
     assert harness_spec("toy", 10).sandbox == NoSandbox()
@@ -182,10 +182,10 @@ def test_rollout_with_an_unavailable_sandbox_stops_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap here
-    args = ["rollout", "--run-dir", str(tmp_path / "run"), "run.sandbox=bwrap"]
+    args = ["rollout", "--run-dir", str(tmp_path / "run"), "harness.sandbox=bwrap"]
     assert main([*args, "model.path=" + str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("qwengyre: error: run.sandbox=bwrap: no 'bwrap' on PATH"), err
+    assert err.startswith("qwengyre: error: harness.sandbox=bwrap: no 'bwrap' on PATH"), err
     assert not (tmp_path / "run").exists()  # refused before anything was made
 
 

@@ -137,7 +137,7 @@ def test_a_lock_kept_by_a_dead_holders_child_names_that_child(tmp_path: Path):
 
 def test_train_keeps_the_lock_across_its_restart(tmp_path: Path):
     run_dir = tmp_path / "run"
-    config = load_config(overrides=["run.warm_start_accuracy=null", "run.restarts=1"])
+    config = load_config(overrides=["warm_start.accuracy=null", "run.restarts=1"])
     calls: list[bool] = []
     between: list[bool] = []
 

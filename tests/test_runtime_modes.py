@@ -192,7 +192,7 @@ def test_staleness_matches_eq2_live_with_invalid_rewards(
     run_dir = run(
         tmp_path,
         tiny_model_dir,
-        f"run.tasks={flaky_tasks(tmp_path / 'flaky.jsonl')}",
+        f"harness.tasks={flaky_tasks(tmp_path / 'flaky.jsonl')}",
         "run.steps=12",
         "cells.count=3",
         "cells.capacity=24",

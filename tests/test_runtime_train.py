@@ -50,11 +50,11 @@ def coin_tasks(path: Path) -> Path:
 def overrides(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
     return [
         f"model.path={model_dir}",
-        f"run.tasks={coin_tasks(tmp_path / 'tasks.jsonl')}",
-        "run.warm_start_accuracy=null",
-        "run.harness_s=30",
-        "run.overall_s=60",
-        "run.max_context=1024",
+        f"harness.tasks={coin_tasks(tmp_path / 'tasks.jsonl')}",
+        "warm_start.accuracy=null",
+        "harness.deadline_s=30",
+        "harness.budget_s=60",
+        "engine.max_context=1024",
         "groups.size=4",
         "groups.batch=2",
         "trainer.lr=1e-3",
@@ -78,7 +78,7 @@ def run(tmp_path: Path, model_dir: Path, *extra: str) -> Path:
 def test_elastic_run_trains_every_group_once_and_moves_cells(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    run_dir = run(tmp_path, tiny_model_dir, "run.steps=3", "run.keep_checkpoints=3")
+    run_dir = run(tmp_path, tiny_model_dir, "run.steps=3", "checkpoint.keep=3")
     metrics = read_metrics(run_dir)
     assert [s.version for s in metrics.steps] == [1, 2, 3]
     assert sum(s.micro_steps for s in metrics.steps) > 0  # coin rewards: real gradients

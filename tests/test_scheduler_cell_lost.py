@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from tests.params import make_params
 from tests.test_scheduler_properties import scheduler_params
 from tests.test_scheduler_rules import finish, of
 
@@ -36,7 +37,7 @@ def three_cells(**kw: object) -> Scheduler:
         batch=2, group_size=1, mu=1, phi=1, cells=3, cell_capacity=2, rho_min=0.5, tau_s=0
     )
     params.update(kw)
-    return Scheduler(SchedulerParams(**params))
+    return Scheduler(make_params(**params))
 
 
 def test_a_lost_rollout_cell_hands_its_executions_on_and_no_cell_past_it_trains_again():
@@ -113,7 +114,7 @@ def test_a_training_or_lost_cell_cannot_be_lost_and_the_last_engine_cannot_go():
     assert of(MoveCell, finish(s, 1.0, 0)) == [MoveCell(0, Role.TRAINING)]
     with pytest.raises(SchedulerError, match="cell 1 cannot be lost: no other engine serves"):
         s.handle(CellLost(2.0, 1))  # the core is switching: cell 1 is the only engine
-    async_run = Scheduler(SchedulerParams(policy="async", cells=3, async_training_cells=1))
+    async_run = Scheduler(make_params(policy="async", cells=3, async_training_cells=1))
     async_run.handle(Start(0.0))
     with pytest.raises(SchedulerError, match=r"cell 0 \(training\) cannot be lost"):
         async_run.handle(CellLost(1.0, 0))

@@ -24,6 +24,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.params import make_params
 
 from qwengyre.scheduler.core import GroupState, Scheduler, SchedulerError, SchedulerParams
 from qwengyre.scheduler.events import (
@@ -893,7 +894,7 @@ def test_a_cell_in_transition_is_never_ordered_again(case: str):
       Eq 6 returns the pool, including cell 1 that is still moving to training.
     """
     kwargs, scenario = DOUBLE_MOVES[case]
-    d = Driver(SchedulerParams(tau_s=0, **kwargs), strict_moves=True)
+    d = Driver(make_params(tau_s=0, **kwargs), strict_moves=True)
     d.start()
     try:
         scenario(d)  # the strict driver asserts at the double order
@@ -923,7 +924,7 @@ def test_continuous_dispatch_is_refused_where_it_would_starve_training(policy: s
     when Q (N + o) exceeds that no cell ever joins, nothing is trained and ready groups
     pile up without bound. Such a configuration must be refused, or training must start."""
     try:
-        params = SchedulerParams(tau_s=0, **CONTINUOUS_STARVES[policy])
+        params = make_params(tau_s=0, **CONTINUOUS_STARVES[policy])
     except ValueError:
         return  # refused up front: fine
     d = Driver(params)
@@ -937,7 +938,7 @@ def test_continuous_dispatch_is_refused_where_it_would_starve_training(policy: s
 def test_a_refused_event_does_not_move_the_clock():
     """SchedulerError promises that the state is unchanged, the clock included: after a
     refused event at t=5, a legal event at t=2 (after the last accepted one) is taken."""
-    s = Scheduler(SchedulerParams(batch=1, group_size=1, cells=1, cell_capacity=1))
+    s = Scheduler(make_params(batch=1, group_size=1, cells=1, cell_capacity=1))
     s.handle(Start(0.0))  # execution 0 runs
     with pytest.raises(SchedulerError, match="never launched"):
         s.handle(ExecutionFinished(5.0, 99, Outcome.COMPLETED, 1.0))

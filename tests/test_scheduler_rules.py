@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from tests.params import make_params
 
-from qwengyre.scheduler.core import GroupState, Scheduler, SchedulerError, SchedulerParams
+from qwengyre.scheduler.core import GroupState, Scheduler, SchedulerError
 from qwengyre.scheduler.events import (
     STANDALONE,
     AssignGroups,
@@ -76,7 +77,7 @@ def test_burst_for_staleness_refuses_impossible_targets():
 
 
 def test_initial_dispatch_fills_the_queue_depth_and_launches_up_to_capacity():
-    p = SchedulerParams(
+    p = make_params(
         batch=4, group_size=2, mu=2, phi=0.5, cells=2, cell_capacity=3, standalone_capacity=1
     )
     s = Scheduler(p)
@@ -93,7 +94,7 @@ def test_initial_dispatch_fills_the_queue_depth_and_launches_up_to_capacity():
 
 
 def test_a_termination_frees_one_slot_for_one_launch():
-    s = Scheduler(SchedulerParams(batch=2, group_size=2, cells=1, cell_capacity=2))
+    s = Scheduler(make_params(batch=2, group_size=2, cells=1, cell_capacity=2))
     s.handle(Start(0.0))
     assert s.counters.running == 2 and s.counters.queued == 2
     out = finish(s, 1.0, 0)
@@ -106,7 +107,7 @@ def test_a_termination_frees_one_slot_for_one_launch():
 
 
 def test_oversampling_cancels_the_surplus_and_counts_each_launch_once():
-    s = Scheduler(SchedulerParams(batch=1, group_size=2, oversample=1, cells=1, cell_capacity=8))
+    s = Scheduler(make_params(batch=1, group_size=2, oversample=1, cells=1, cell_capacity=8))
     s.handle(Start(0.0))
     assert s.counters.dispatched == 3 and s.counters.running == 3
     finish(s, 1.0, 0, 0.0)
@@ -124,7 +125,7 @@ def test_oversampling_cancels_the_surplus_and_counts_each_launch_once():
 def test_a_missing_reward_is_never_a_zero_it_is_topped_up():
     """With a replacement reserve the top-up launches at once, ahead of the queue."""
     s = Scheduler(
-        SchedulerParams(batch=2, group_size=2, max_topups=1, cells=1, cell_capacity=2, reserve=1)
+        make_params(batch=2, group_size=2, max_topups=1, cells=1, cell_capacity=2, reserve=1)
     )
     s.handle(Start(0.0))  # group 0 = executions 0,1 (running); group 1 = 2,3 (queued)
     out = finish(s, 1.0, 0, None)
@@ -140,7 +141,7 @@ def test_a_missing_reward_is_never_a_zero_it_is_topped_up():
 
 
 def test_with_min_valid_a_finished_group_trains_on_its_valid_rewards_only():
-    s = Scheduler(SchedulerParams(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3))
+    s = Scheduler(make_params(batch=1, group_size=3, min_valid=2, cells=1, cell_capacity=3))
     s.handle(Start(0.0))
     finish(s, 1.0, 0, 1.0)
     out = finish(s, 2.0, 1, None)  # 1 valid + 1 pending can still reach min_valid: wait
@@ -153,9 +154,7 @@ def test_with_min_valid_a_finished_group_trains_on_its_valid_rewards_only():
 def test_below_min_valid_the_group_owes_a_top_up_to_the_next_boundary():
     """Boundary dispatch keeps d fixed within a burst (the paper): a short group's top-up
     is owed, and the burst trains the other groups meanwhile."""
-    s = Scheduler(
-        SchedulerParams(batch=1, group_size=3, min_valid=2, phi=1, cells=1, cell_capacity=6)
-    )
+    s = Scheduler(make_params(batch=1, group_size=3, min_valid=2, phi=1, cells=1, cell_capacity=6))
     s.handle(Start(0.0))  # group 0 = executions 0-2, group 1 = 3-5, all running
     finish(s, 1.0, 0, None)
     d = s.counters.dispatched
@@ -165,9 +164,7 @@ def test_below_min_valid_the_group_owes_a_top_up_to_the_next_boundary():
 
 
 def test_owed_top_ups_are_dispatched_at_the_next_boundary_with_the_new_version():
-    s = Scheduler(
-        SchedulerParams(batch=1, group_size=2, max_topups=2, phi=1, cells=2, cell_capacity=4)
-    )
+    s = Scheduler(make_params(batch=1, group_size=2, max_topups=2, phi=1, cells=2, cell_capacity=4))
     s.handle(Start(0.0))  # groups 0, 1 (executions 0-3) on cell 1
     w = s.counters.waterlevel
     out = finish(s, 1.0, 0, None)  # group 0 falls short by one
@@ -193,9 +190,7 @@ def test_owed_top_ups_are_dispatched_at_the_next_boundary_with_the_new_version()
 
 def test_a_group_past_its_topup_allowance_is_dropped_at_once_and_refilled_at_the_boundary():
     s = Scheduler(
-        SchedulerParams(
-            batch=1, group_size=2, max_topups=0, cells=2, cell_capacity=4, phi=1, tau_s=0
-        )
+        make_params(batch=1, group_size=2, max_topups=0, cells=2, cell_capacity=4, phi=1, tau_s=0)
     )
     s.handle(Start(0.0))  # groups 0 and 1, executions 0..3, all on cell 1
     out = finish(s, 1.0, 0, None)
@@ -221,7 +216,7 @@ def test_colocate_trains_the_other_groups_while_a_short_group_waits():
     and the burst ends early (it cannot fill its last step); the short group's top-ups
     run after the publication and it is trained in a later batch."""
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             policy="colocate",
             batch=1,
             group_size=2,
@@ -257,7 +252,7 @@ def test_colocate_trains_the_other_groups_while_a_short_group_waits():
 def test_a_burst_that_cannot_fill_its_first_step_dispatches_owed_top_ups_at_once():
     """phi = 0 leaves no extra group: a short group in the burst's first step would wait
     forever for a boundary, so its top-up is dispatched at once (d and w rise)."""
-    s = Scheduler(SchedulerParams(batch=2, group_size=2, max_topups=1, cells=1, cell_capacity=2))
+    s = Scheduler(make_params(batch=2, group_size=2, max_topups=1, cells=1, cell_capacity=2))
     s.handle(Start(0.0))  # group 0 = executions 0,1 (running); group 1 = 2,3 (queued)
     w = s.counters.waterlevel
     out = finish(s, 1.0, 0, None)
@@ -267,9 +262,7 @@ def test_a_burst_that_cannot_fill_its_first_step_dispatches_owed_top_ups_at_once
 
 def test_the_reserve_launches_top_ups_at_once_and_counts_in_the_waterlevel():
     s = Scheduler(
-        SchedulerParams(
-            batch=1, group_size=2, max_topups=2, phi=1, cells=1, cell_capacity=8, reserve=1
-        )
+        make_params(batch=1, group_size=2, max_topups=2, phi=1, cells=1, cell_capacity=8, reserve=1)
     )
     s.handle(Start(0.0))  # 4 executions running
     c = s.counters
@@ -288,7 +281,7 @@ def test_the_reserve_launches_top_ups_at_once_and_counts_in_the_waterlevel():
 
 def test_continuous_dispatch_tops_up_and_replaces_at_once():
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             policy="async",
             dispatch="continuous",
             batch=1,
@@ -305,7 +298,7 @@ def test_continuous_dispatch_tops_up_and_replaces_at_once():
     assert of(DropGroup, out) == [DropGroup(0)]
     assert [(d.group_id, d.topup) for d in of(Dispatch, out)] == [(1, False)]
     with pytest.raises(ValueError, match=r"groups\.reserve"):
-        SchedulerParams(dispatch="continuous", policy="async", phi=0, reserve=1)
+        make_params(dispatch="continuous", policy="async", phi=0, reserve=1)
 
 
 # ---------------------------------------------------------------- Eq 5, supply check, Eq 6
@@ -316,7 +309,7 @@ def two_cell_elastic(**kw) -> Scheduler:
         batch=2, group_size=2, mu=1, phi=1, cells=2, cell_capacity=4, rho_min=0.5, tau_s=10
     )
     params.update(kw)
-    return Scheduler(SchedulerParams(**params))
+    return Scheduler(make_params(**params))
 
 
 def test_a_cell_joins_when_eq5_and_the_supply_check_have_held_for_tau():
@@ -411,7 +404,7 @@ def test_the_buffer_pulls_only_what_the_training_cells_can_use():
 
 def test_satellites_join_in_prefix_order_and_return_at_the_end_of_the_burst():
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             batch=2, group_size=1, mu=1, phi=0, cells=3, cell_capacity=2, rho_min=0.5, tau_s=0
         )
     )
@@ -435,7 +428,7 @@ def test_satellites_join_in_prefix_order_and_return_at_the_end_of_the_burst():
 
 def test_a_satellite_whose_burst_ends_mid_switch_finishes_the_switch_then_returns():
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             batch=2, group_size=1, mu=1, phi=0, cells=3, cell_capacity=2, rho_min=0.5, tau_s=0
         )
     )
@@ -455,7 +448,7 @@ def test_a_satellite_whose_burst_ends_mid_switch_finishes_the_switch_then_return
 
 def test_the_core_stays_in_training_when_eq6_holds():
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             batch=1, group_size=1, mu=1, phi=1, cells=2, cell_capacity=4, rho_min=1, tau_s=0
         )
     )
@@ -478,7 +471,7 @@ def test_the_core_stays_in_training_when_eq6_holds():
 
 def test_colocate_moves_the_whole_pool_only_when_rollout_is_done():
     s = Scheduler(
-        SchedulerParams(policy="colocate", batch=2, group_size=1, cells=3, cell_capacity=1, tau_s=0)
+        make_params(policy="colocate", batch=2, group_size=1, cells=3, cell_capacity=1, tau_s=0)
     )
     s.handle(Start(0.0))
     assert not of(MoveCell, finish(s, 1.0, 0))  # w = 1 > C_s = 0
@@ -498,7 +491,7 @@ def test_colocate_with_a_standalone_pool_switches_while_extra_groups_run_there()
     """The paper's C1: extra dispatch keeps harnesses running on the standalone pool
     while the whole colocated pool trains."""
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             policy="colocate",
             batch=1,
             group_size=1,
@@ -527,7 +520,7 @@ def test_colocate_with_a_standalone_pool_switches_while_extra_groups_run_there()
 
 def test_async_keeps_a_fixed_split():
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             policy="async",
             batch=1,
             group_size=1,
@@ -552,7 +545,7 @@ def test_async_keeps_a_fixed_split():
 
 def test_without_streaming_the_batch_is_assigned_whole():
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             policy="async",
             batch=2,
             group_size=1,
@@ -571,7 +564,7 @@ def test_without_streaming_the_batch_is_assigned_whole():
 
 def test_continuous_dispatch_replaces_a_group_as_soon_as_it_is_ready():
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             policy="async",
             dispatch="continuous",
             batch=1,
@@ -590,7 +583,7 @@ def test_continuous_dispatch_replaces_a_group_as_soon_as_it_is_ready():
 
 
 def test_events_that_contradict_the_state_are_refused_and_change_nothing():
-    s = Scheduler(SchedulerParams(batch=1, group_size=1, cells=1, cell_capacity=1))
+    s = Scheduler(make_params(batch=1, group_size=1, cells=1, cell_capacity=1))
     with pytest.raises(SchedulerError, match="before Start"):
         s.handle(Tick(0.0))
     s.handle(Start(1.0))
@@ -610,24 +603,24 @@ def test_events_that_contradict_the_state_are_refused_and_change_nothing():
 
 def test_params_refuse_inconsistent_policies():
     with pytest.raises(ValueError, match=r"colocate needs a standalone pool \(cells\.standalone"):
-        SchedulerParams(policy="colocate", phi=1)
+        make_params(policy="colocate", phi=1)
     with pytest.raises(ValueError, match="colocate needs dispatch boundary"):
-        SchedulerParams(policy="colocate", dispatch="continuous")
+        make_params(policy="colocate", dispatch="continuous")
     with pytest.raises(ValueError, match=r"scheduler\.supply='some'; allowed: in_hand, ready"):
-        SchedulerParams(supply="some")
+        make_params(supply="some")
     # Continuous dispatch keeps Q (N + o) executions outstanding: 2 * 4 > (2 - 1) * 6.
     with pytest.raises(ValueError, match="no cell could ever train"):
-        SchedulerParams(dispatch="continuous", batch=2, group_size=4, cells=2, cell_capacity=6)
-    SchedulerParams(dispatch="continuous", batch=2, group_size=4, cells=2, cell_capacity=8)
+        make_params(dispatch="continuous", batch=2, group_size=4, cells=2, cell_capacity=6)
+    make_params(dispatch="continuous", batch=2, group_size=4, cells=2, cell_capacity=8)
     with pytest.raises(ValueError, match="async_training_cells=8"):
-        SchedulerParams(policy="async", cells=8, async_training_cells=8)
+        make_params(policy="async", cells=8, async_training_cells=8)
     with pytest.raises(ValueError, match="allowed: boundary, continuous"):
-        SchedulerParams(dispatch="eager")
+        make_params(dispatch="eager")
 
 
 def test_a_resumed_scheduler_trains_the_ready_groups_first_and_never_reuses_ids():
     s = Scheduler(
-        SchedulerParams(
+        make_params(
             policy="async",
             batch=2,
             group_size=1,

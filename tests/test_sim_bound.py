@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
+from tests.params import make_costs, make_params
 from tests.test_scheduler_properties import scheduler_params
 
 from qwengyre.config import load_config
@@ -48,7 +49,7 @@ def sim_params(draw: st.DrawFn) -> SchedulerParams:
 
 @st.composite
 def sim_costs(draw: st.DrawFn) -> SimCosts:
-    return SimCosts(
+    return make_costs(
         rollout_to_training_s=draw(seconds(0, 8.52, 900)),
         training_to_rollout_s=draw(seconds(0, 3.46, 900)),
         publish_s=draw(seconds(0, 30, 3600)),
@@ -91,11 +92,11 @@ def run(params: SchedulerParams, costs: SimCosts, workload: Workload, steps: int
     steps=st.integers(1, 5),
 )
 @example(  # continuous dispatch, a per-step overhead far above an execution
-    params=SchedulerParams(
+    params=make_params(
         policy="async", dispatch="continuous", group_size=2, batch=2, cells=3, cell_capacity=2,
         async_training_cells=1,
     ),
-    costs=SimCosts(train_step_overhead_s=36000.0),
+    costs=make_costs(train_step_overhead_s=36000.0),
     workload=FixedWorkload(3600.0),
     steps=4,
 )  # fmt: skip
@@ -126,10 +127,10 @@ def test_the_runs_that_beat_the_old_bound_respect_theirs(overrides: list[str]):
 def test_one_cell_with_equal_executions_runs_within_two_percent_of_its_bound():
     """One cell rolls a batch out in one wave, switches, trains, publishes, switches
     back: the bound misses only the supply timer and the two switches per step."""
-    params = SchedulerParams(
+    params = make_params(
         policy="elastic", group_size=4, batch=4, cells=1, cell_capacity=16, tau_s=30.0
     )
-    costs = SimCosts(train_tokens_per_cell_s=1_000.0)
+    costs = make_costs(train_tokens_per_cell_s=1_000.0)
     result = run(params, costs, FixedWorkload(3600.0, train_tokens=20_000), steps=4)
     over = result.end_to_end_s / result.bound.seconds
     assert over >= 1.0 and over < 1.02
@@ -140,26 +141,26 @@ def test_one_cell_with_equal_executions_runs_within_two_percent_of_its_bound():
     [
         (  # two cells, a hundred executions per step, eight at a time: rollout is the work
             "resource",
-            SchedulerParams(
+            make_params(
                 policy="elastic", group_size=8, batch=12, cells=2, cell_capacity=4
             ),
-            SimCosts(),
+            make_costs(),
         ),
         (  # continuous dispatch with ample capacity: B L / Q_c per step (the appendix)
             "littles_law",
-            SchedulerParams(
+            make_params(
                 policy="async", dispatch="continuous", phi=2.0, group_size=2, batch=4,
                 cells=2, cell_capacity=1000, async_training_cells=1,
             ),
-            SimCosts(publish_s=0.0, train_step_overhead_s=0.0),
+            make_costs(publish_s=0.0, train_step_overhead_s=0.0),
         ),
         (  # one training cell, slow training: the steps' training runs in series
             "critical_chain",
-            SchedulerParams(
+            make_params(
                 policy="async", phi=1.0, group_size=4, batch=4, cells=4, cell_capacity=16,
                 async_training_cells=1,
             ),
-            SimCosts(train_tokens_per_cell_s=200.0),
+            make_costs(train_tokens_per_cell_s=200.0),
         ),
     ],
 )  # fmt: skip

@@ -14,10 +14,11 @@ import dataclasses
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.params import make_costs, make_params
 
 from qwengyre.scheduler.core import SchedulerParams
 from qwengyre.scheduler.staleness import steady_steps
-from qwengyre.sim.simulator import SimCosts, Simulation
+from qwengyre.sim.simulator import Simulation
 from qwengyre.sim.workload import FixedWorkload, ParametricWorkload, Workload
 
 STEPS = 60
@@ -31,7 +32,7 @@ def boundary_params(draw: st.DrawFn) -> SchedulerParams:
     batch = draw(st.sampled_from([4, 8]))
     standalone = draw(st.sampled_from([0, 4]))
     phis = [0.0] if policy == "colocate" and not standalone else [0.0, 0.5, 1.0, 1.5]
-    return SchedulerParams(
+    return make_params(
         policy=policy,
         group_size=draw(st.sampled_from([1, 2, 4])),
         batch=batch,
@@ -60,7 +61,7 @@ def valid_workloads(draw: st.DrawFn) -> Workload:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=boundary_params(), workload=valid_workloads())
 def test_measured_staleness_is_within_0_02_of_eq2(params: SchedulerParams, workload: Workload):
-    result = Simulation(params, SimCosts(), workload, STEPS).run()
+    result = Simulation(params, make_costs(), workload, STEPS).run()
     assert result.groups_dropped == 0
     assert abs(result.mean_staleness - result.predicted_staleness) <= 0.02, result.summary()
 

@@ -77,13 +77,13 @@ def test_one_step_of_rl_through_claude_code(
         EXAMPLE,
         [
             f"model.path={tiny_model_dir}",  # the "test" tiny model: 4096 positions
-            f"run.tasks={alternating_tasks(tmp_path)}",
+            f"harness.tasks={alternating_tasks(tmp_path)}",
             "run.steps=1",
             # --bare renders to ~1.8k tokens with the test tokenizer; the rest is room
             # for the (untrained, so garbage) reply.
-            "run.max_context=2304",
-            "run.harness_s=60",
-            "run.overall_s=90",
+            "engine.max_context=2304",
+            "harness.deadline_s=60",
+            "harness.budget_s=90",
             "groups.size=4",
             "groups.batch=2",
             "cells.count=2",
@@ -93,7 +93,7 @@ def test_one_step_of_rl_through_claude_code(
             "scheduler.tau_s=0.5",
         ],
     )
-    assert config.run.harness == "claude-code-bare"
+    assert config.harness.name == "claude-code-bare"
     run_dir = tmp_path / "run"
     began = time.monotonic()
     asyncio.run(train(TrainOptions(run_dir, config, display=False)))
@@ -121,7 +121,7 @@ def test_one_step_of_rl_through_claude_code(
     system = turn.new_messages[0]  # a first call's increment is its whole conversation
     assert system.role == "system" and "cc_version=2.1.197" in system.content
     assert {t.name for t in turn.tools} >= {"Bash", "Read", "Edit"}  # --bare's tools
-    assert len(node.input_ids) < config.run.max_context
+    assert len(node.input_ids) < config.engine.max_context
 
     # One optimizer step trained on real gradients, and its checkpoint exists.
     steps = read_metrics(run_dir).steps

@@ -114,7 +114,7 @@ def test_cells_engines_and_harnesses_on_two_hosts_train_together(
         sys.executable, "-m", "qwengyre", "train", "--quiet", "--run-dir", str(run_dir),
         *overrides(tmp_path, tiny_model_dir),
         "run.steps=2", "run.placement=ray", "cells.count=2", "cells.devices_per_cell=2",
-        "engine.host=0.0.0.0", "proxy.host=0.0.0.0", "run.harness_hosts=ray",
+        "engine.host=0.0.0.0", "proxy.host=0.0.0.0", "harness.hosts=ray",
         "scheduler.target_staleness=null", "scheduler.mu=1", "scheduler.phi=0",
     )  # fmt: skip
     try:

@@ -15,23 +15,16 @@ import torch
 import qwengyre.models
 from qwengyre.apps import warm_start as ws
 from qwengyre.apps.train import base_model
-from qwengyre.config import ConfigError, RunConfig, load_config
+from qwengyre.config import ConfigError, WarmStartConfig, load_config
 
 SHORT: dict[str, Any] = {"batch_size": 2, "answer_batch": 4, "eval_size": 2}
 
 
-def test_config_bounds_the_warm_start_by_steps_and_names_the_renamed_key():
-    assert load_config().run.warm_start_max_steps == ws.MAX_STEPS == 250
-    assert not [
-        k for k in RunConfig.model_fields if k.startswith("warm_start") and k.endswith("_s")
-    ]
-    with pytest.raises(ConfigError) as err:
-        load_config(overrides=["run.warm_start_max_s=300"])
-    message = str(err.value)
-    assert "run.warm_start_max_s was removed" in message
-    assert "run.warm_start_max_steps" in message and "\n" not in message
-    with pytest.raises(ConfigError, match=r"run\.warm_start_max_steps=0"):
-        load_config(overrides=["run.warm_start_max_steps=0"])
+def test_config_bounds_the_warm_start_by_steps():
+    assert load_config().warm_start.max_steps == 250  # 3.5x what the default needs
+    assert not [k for k in WarmStartConfig.model_fields if k.endswith("_s")]
+    with pytest.raises(ConfigError, match=r"warm_start\.max_steps=0"):
+        load_config(overrides=["warm_start.max_steps=0"])
 
 
 def test_no_clock_limit_a_slow_machine_only_takes_longer(
@@ -99,8 +92,8 @@ def test_base_model_passes_the_step_bound_and_threads_and_says_what_to_change(
     monkeypatch.setattr(ws, "_episode_score", lambda *args: 0.0)
     config = load_config(
         overrides=[
-            "run.warm_start_max_steps=2",
-            "run.warm_start_accuracy=0.3",
+            "warm_start.max_steps=2",
+            "warm_start.accuracy=0.3",
             "run.torch_threads=1",
         ]
     )
@@ -111,7 +104,7 @@ def test_base_model_passes_the_step_bound_and_threads_and_says_what_to_change(
     assert "max_seconds" not in calls[0]
     message = str(err.value)
     assert re.search(r"measured 0\.00 after 2 steps", message)
-    for hint in ("raise run.warm_start_max_steps (now 2)", "run.warm_start_accuracy (now 0.3)"):
+    for hint in ("raise warm_start.max_steps (now 2)", "warm_start.accuracy (now 0.3)"):
         assert hint in message
     assert "model.path=DIR" in message
     assert "at most 2 steps, 1 torch threads" in logs[0]

@@ -8,8 +8,7 @@ tree a command resolves. Without a config file, ``train``, ``rollout`` and the s
 start from the bundled ``embedded`` preset (this machine's defaults), ``simulate`` and
 ``config show`` from the plain defaults. A few flags remain as shortcuts for keys
 (:data:`SHORTCUTS`, e.g. ``--port`` for ``proxy.port``): a shortcut wins over the config
-file, and a shortcut together with an override of the same key is refused. Flags that
-became keys are refused with a line naming the key (:data:`MOVED`).
+file, and a shortcut together with an override of the same key is refused.
 
 User errors (bad config, bad input files, bad arguments) exit non-zero with one line
 on stderr; ``--verbose`` shows the traceback as well. Heavy imports (torch,
@@ -34,8 +33,8 @@ USER_ERRORS = (ConfigError, ValueError, OSError)
 SHORTCUTS: dict[str, dict[str, str]] = {
     "rollout": {
         "--model": "model.path",
-        "--tasks": "run.tasks",
-        "--harness": "run.harness",
+        "--tasks": "harness.tasks",
+        "--harness": "harness.name",
     },
     "proxy": {
         "--model": "model.path",
@@ -46,35 +45,6 @@ SHORTCUTS: dict[str, dict[str, str]] = {
     "engine": {"--model": "model.path", "--port": "engine.port"},
 }
 """Each command's shortcut flags and the config key each one sets."""
-
-MOVED: dict[str, dict[str, str]] = {
-    "rollout": {
-        "--executions-per-task": "groups.size",
-        "--oversample": "groups.oversample",
-        "--min-valid": "groups.min_valid",
-        "--concurrency": "cells.capacity",
-        "--harness-timeout": "run.harness_s",
-        "--overall-timeout": "run.overall_s",
-        "--device": "run.device",
-    },
-    "proxy": {
-        "--engine": "proxy.engine",
-        "--script": "proxy.script",
-        "--device": "run.device",
-        "--dtype": "engine.dtype",
-        "--host": "proxy.host",
-        "--max-context": "run.max_context",
-        "--temperature": "trainer.temperature",
-        "--harness-sampling": "proxy.harness_sampling",
-    },
-    "engine": {
-        "--host": "engine.host",
-        "--device": "run.device",
-        "--dtype": "engine.dtype",
-        "--capacity": "cells.capacity",
-    },
-}
-"""Flags that became config keys: given, they are refused with a line naming the key."""
 
 COMMANDS = ("train", "simulate", "rollout", "proxy", "engine")
 """What ``config show COMMAND`` resolves the tree for."""
@@ -102,42 +72,14 @@ def _add_shortcut(
     parser.add_argument(flag, help=f"{help} (shortcut for {key}=...)", **kwargs)
 
 
-class _Moved(argparse.Action):
-    """A flag that became a config key: remembered, then refused by _resolve_config."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(
-            option_strings, "moved_flags", nargs=kwargs.get("nargs"), help=kwargs.get("help")
-        )
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        given = [*(getattr(namespace, "moved_flags", None) or []), (option_string, values)]
-        namespace.moved_flags = given
-
-
-def _add_moved(parser: argparse.ArgumentParser, command: str) -> None:
-    for flag in MOVED[command]:
-        nargs = 0 if flag == "--harness-sampling" else None
-        parser.add_argument(flag, action=_Moved, nargs=nargs, help=argparse.SUPPRESS)
-
-
 def _epilog(command: str) -> str:
     shortcuts = ", ".join(f"{f} = {k}" for f, k in SHORTCUTS.get(command, {}).items())
-    moved = ", ".join(f"{f} -> {k}" for f, k in MOVED.get(command, {}).items())
     return (
         "Settings come from the config tree: [config_file] [dotted.key=value ...]; "
         "'qwengyre config show "
         + command
         + " ...' prints the tree this command resolves. Without a config file it starts "
-        "from the bundled 'embedded' preset. "
-        + (f"Shortcuts: {shortcuts}. " if shortcuts else "")
-        + (f"Flags now keys: {moved}." if moved else "")
+        "from the bundled 'embedded' preset. " + (f"Shortcuts: {shortcuts}." if shortcuts else "")
     )
 
 
@@ -148,14 +90,8 @@ def _resolve_config(
 
     A ``preset`` (a bundled YAML file) stands in for the config file. ``command``:
     whose shortcut flags (:data:`SHORTCUTS`) apply, after the overrides; a shortcut and
-    an override of the same key are refused, as is a flag that became a key.
+    an override of the same key are refused.
     """
-    moved = getattr(args, "moved_flags", None)
-    if moved:
-        flag, value = moved[0]
-        key = MOVED[command or ""][flag]
-        shown = "true" if value == [] else (value if value is not None else "VALUE")
-        raise ConfigError(f"{flag} is now the config key {key}: give {key}={shown} instead")
     config_file, overrides = args.config_file, list(args.overrides)
     if config_file is not None and "=" in config_file:
         overrides.insert(0, config_file)
@@ -401,7 +337,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
         capacity=config.cells.capacity,
         device=config.run.device,
         dtype=settings.dtype,
-        max_context=config.run.max_context,
+        max_context=config.engine.max_context,
     )
     if api_key is None:
         api_key = secrets.token_urlsafe(24)
@@ -415,30 +351,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     import asyncio
 
     from qwengyre.apps.rollout import RolloutOptions, rollout, summary
-    from qwengyre.apps.serve import model_dir
-    from qwengyre.rollout.sandbox import sandbox
-    from qwengyre.rollout.toy_tasks import toy_tasks_path
 
     config = _command_config(args, "rollout")
-    options = RolloutOptions(
-        model=model_dir(config),
-        tasks=config.run.tasks or toy_tasks_path(),
-        harness=config.run.harness,
-        run_dir=Path(args.run_dir),
-        executions_per_task=config.groups.size,
-        oversample=config.groups.oversample,
-        min_valid=config.groups.min_valid,
-        concurrency=config.cells.capacity,
-        harness_s=config.run.harness_s,
-        overall_s=config.run.overall_s,
-        resume=args.resume,
-        device=config.run.device,
-        dtype=config.engine.dtype,
-        backend=config.engine.backend,
-        temperature=config.trainer.temperature,
-        max_context=config.run.max_context,
-        sandbox=sandbox(config.run.sandbox, config.run.sandbox_hide),
-    )
+    options = RolloutOptions(Path(args.run_dir), config, resume=args.resume)
     rows = asyncio.run(rollout(options))  # holds the run directory's lock throughout
     print(summary(rows))
     print(f"store {options.run_dir / 'proxy.sqlite'}, traces {options.run_dir / 'traces.jsonl'}")
@@ -626,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
         "token. The engine is proxy.engine (scripted: proxy.script; embedded: the model on "
         "run.device, engine.dtype, served by engine.backend: in-process, or a vLLM or SGLang "
         "server launched for it); every call samples at trainer.temperature (see "
-        "proxy.harness_sampling) and is capped at run.max_context tokens.",
+        "proxy.harness_sampling) and is capped at engine.max_context tokens.",
         epilog=_epilog("proxy"),
     )
     _add_config_args(serve)
@@ -642,7 +557,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shortcut(
         token, "proxy", "--admin-token-file", "read the admin API token from PATH", metavar="PATH"
     )
-    _add_moved(serve, "proxy")
     serve.set_defaults(func=cmd_proxy_serve)
 
     roll = sub.add_parser(
@@ -652,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the model's engine (engine.backend), with the settings train uses: groups.size "
         "valid executions per task (+ groups.oversample, groups.min_valid), cells.capacity "
         "at once, "
-        "run.harness within run.harness_s / run.overall_s, on run.device, sampling at "
+        "harness.name within harness.deadline_s / harness.budget_s, on run.device, sampling at "
         "trainer.temperature.",
         epilog=_epilog("rollout"),
     )
@@ -667,7 +581,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     roll.add_argument("--run-dir", required=True, help="output directory")
     roll.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    _add_moved(roll, "rollout")
     roll.set_defaults(func=cmd_rollout)
 
     engine = sub.add_parser("engine", help="inference engines")
@@ -676,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="the embedded engine as its own process, behind SGLang's HTTP API",
         description="The embedded engine behind SGLang's HTTP API, as train's cells run it: "
-        "on run.device with engine.dtype, cells.capacity concurrent requests, run.max_context "
+        "on run.device with engine.dtype, cells.capacity concurrent requests, engine.max_context "
         "tokens each. It binds engine.host (127.0.0.1) and every call needs the API key.",
         epilog=_epilog("engine"),
     )
@@ -688,7 +601,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="bearer token (never a config key; see engine.api_key_file; default: "
         "generated, printed)",
     )
-    _add_moved(eserve, "engine")
     eserve.set_defaults(func=cmd_engine_serve)
 
     model = sub.add_parser("model", help="build and inspect models")

@@ -24,12 +24,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from qwengyre.scheduler.core import SchedulerParams
 from qwengyre.scheduler.staleness import burst_for_staleness
+from qwengyre.types import TinySize
 
 Policy = Literal["elastic", "async", "colocate"]
 Supply = Literal["in_hand", "ready"]
 Dispatch = Literal["boundary", "continuous"]
 EngineBackend = Literal["embedded", "vllm", "sglang"]
 TrainerBackendName = Literal["fsdp2"]  # qwengyre.training.backend.TRAINER_BACKENDS
+Variant = Literal["default", "token_sum", "per_trajectory_clip"]
+"""The execution-level objective's variants (:mod:`qwengyre.training.objective`)."""
+Placement = Literal["local", "ray"]
+"""Where a run's processes live: local processes, or Ray actors (the 'ray' extra)."""
+SandboxKind = Literal["none", "bwrap"]
+"""What confines a harness (:mod:`qwengyre.rollout.sandbox`)."""
 
 
 class ConfigError(ValueError):
@@ -162,7 +169,7 @@ class TrainerConfig(_Section):
     token_weight_cap: float = Field(5.0, gt=0.0, description="cap on exp(l_t - b_t)")
     clip_low: float = Field(0.995, gt=0.0, le=1.0, description="execution ratio clip, low")
     clip_high: float = Field(1.005, ge=1.0, description="execution ratio clip, high")
-    variant: Literal["default", "token_sum", "per_trajectory_clip"] = Field(
+    variant: Variant = Field(
         "default", description="objective variant (qwengyre.training.objective)"
     )
     optimizer: Literal["adam"] = "adam"
@@ -219,7 +226,7 @@ class ModelConfig(_Section):
     """The policy model: a HuggingFace directory, or the built-in tiny model."""
 
     path: Path | None = Field(None, description="HF model directory; None = the tiny model")
-    tiny_size: Literal["test", "demo"] = "demo"
+    tiny_size: TinySize = "demo"
 
 
 class SimConfig(_Section):
@@ -247,37 +254,16 @@ class SimConfig(_Section):
 
 
 class RunConfig(_Section):
-    """The live training run (``qwengyre train``): rollout, placement, outputs."""
+    """The live training run (``qwengyre train``): how long, where its cells live, and
+    how it recovers. ``device`` is also the device of ``rollout``'s and the servers'
+    engines."""
 
     steps: int = Field(20, ge=1, description="RL training steps (optimizer updates) to run")
-    placement: Literal["local", "ray"] = Field(
+    placement: Placement = Field(
         "local", description="cells as local processes, or as Ray actors (the 'ray' extra)"
     )
-    harness: str = Field(
-        "toy",
-        description="toy, claude-code, claude-code-bare, mini-swe-agent, or a command template",
-    )
-    tasks: Path | None = Field(None, description="JSONL tasks; None = the bundled toy tasks")
-    harness_s: float = Field(120.0, gt=0.0, description="harness deadline per execution")
-    overall_s: float = Field(300.0, gt=0.0, description="overall budget per execution")
     device: str = Field("cpu", description="torch device of the cells")
     torch_threads: int = Field(1, ge=1, description="torch threads per cell process")
-    max_context: int = Field(4096, ge=64, description="tokens per model call, prompt + reply")
-    checkpoint_every: int = Field(1, ge=1, description="steps between checkpoints")
-    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept (older pruned)")
-    warm_start_accuracy: float | None = Field(
-        0.25,
-        gt=0.0,
-        le=1.0,
-        description="tiny model only: supervised warm start on the toy task until this "
-        "measured episode reward (parity's chance level is 0.5; None: no warm start)",
-    )
-    warm_start_max_steps: int = Field(
-        250,
-        ge=1,
-        description="most warm-start updates; a warm start that has not measured "
-        "warm_start_accuracy by then stops the run with an error (there is no time limit)",
-    )
     restarts: int = Field(
         0,
         ge=0,
@@ -285,26 +271,68 @@ class RunConfig(_Section):
         " its newest checkpoint (as --resume does) before it gives up; a rollout cell that"
         " dies is left behind and the run goes on without it",
     )
-    harness_hosts: Literal["local", "ray"] = Field(
+
+
+class CheckpointConfig(_Section):
+    """The checkpoints of a live run (``RUN_DIR/checkpoints``)."""
+
+    every: int = Field(1, ge=1, description="steps between checkpoints")
+    keep: int = Field(2, ge=1, description="newest checkpoints kept (older pruned)")
+
+
+class WarmStartConfig(_Section):
+    """The supervised warm start of the tiny model on the toy task, before RL."""
+
+    accuracy: float | None = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="tiny model only: supervised warm start on the toy task until this "
+        "measured episode reward (parity's chance level is 0.5; None: no warm start)",
+    )
+    max_steps: int = Field(
+        250,
+        ge=1,
+        description="most warm-start updates; a warm start that has not measured "
+        "warm_start.accuracy by then stops the run with an error (there is no time limit)",
+    )
+
+
+class HarnessConfig(_Section):
+    """What runs each execution (``train`` and ``rollout``): the agent harness, the tasks
+    it is given, its time budgets, where it runs and what confines it."""
+
+    name: str = Field(
+        "toy",
+        description="toy, claude-code, claude-code-bare, mini-swe-agent, or a command template",
+    )
+    tasks: Path | None = Field(None, description="JSONL tasks; None = the bundled toy tasks")
+    deadline_s: float = Field(120.0, gt=0.0, description="harness deadline per execution")
+    budget_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="overall budget per execution: the harness, then evaluation retries",
+    )
+    hosts: Placement = Field(
         "local",
         description="where harnesses run and are evaluated: local = this process's machine;"
         " ray = one harness host per alive Ray node with CPUs, executions spread by free"
         " slots (needs run.placement=ray or Ray initialised; the proxy then binds"
         " proxy.host, which every node must reach)",
     )
-    harness_slots: int | None = Field(
+    slots: int | None = Field(
         None,
         ge=1,
         description="executions one harness host runs at once (more wait for a slot); None ="
         " the rollout capacity (cells.count x cells.capacity + cells.standalone_capacity)"
         " divided over the hosts, so that no execution waits for a host",
     )
-    harness_dir: Path | None = Field(
+    dir: Path | None = Field(
         None,
         description="ray harness hosts: the directory on each node for workspaces and logs;"
         " None = the run directory's path (the same directory on a shared filesystem)",
     )
-    sandbox: Literal["none", "bwrap"] = Field(
+    sandbox: SandboxKind = Field(
         "none",
         description="what confines each harness: none, or bwrap (bubblewrap: the file system"
         " read-only but for its workspace and home, the run directory hidden, its own PID"
@@ -316,21 +344,12 @@ class RunConfig(_Section):
         " run directory",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "warm_start_max_s" in data:
-            raise ValueError(
-                "run.warm_start_max_s was removed: the warm start is bounded by steps, not "
-                "time; use run.warm_start_max_steps (default 250) instead"
-            )
-        return data
-
     @model_validator(mode="after")
-    def _budgets(self) -> RunConfig:
-        if self.harness_s > self.overall_s:
+    def _budgets(self) -> HarnessConfig:
+        if self.deadline_s > self.budget_s:
             raise ValueError(
-                f"run.harness_s ({self.harness_s}) must not exceed run.overall_s ({self.overall_s})"
+                f"harness.deadline_s ({self.deadline_s}) must not exceed"
+                f" harness.budget_s ({self.budget_s})"
             )
         return self
 
@@ -359,9 +378,9 @@ class MetricsConfig(_Section):
 class ProxyConfig(_Section):
     """``qwengyre proxy serve``: the OpenAI/Anthropic-API proxy as a server of its own.
 
-    It samples at ``trainer.temperature`` and caps each call at ``run.max_context``, as
+    It samples at ``trainer.temperature`` and caps each call at ``engine.max_context``, as
     the proxy inside ``train`` and ``rollout`` does (that one binds a free port on
-    127.0.0.1, or on ``host`` when ``run.harness_hosts=ray`` puts harnesses on other
+    127.0.0.1, or on ``host`` when ``harness.hosts=ray`` puts harnesses on other
     nodes, and takes its other settings from here too where they apply). Its model
     engine runs on ``run.device`` with ``engine.dtype``, served by ``engine.backend``.
     The admin token itself is never
@@ -407,7 +426,7 @@ class EngineConfig(_Section):
     port): ``0.0.0.0`` lets a proxy on another node reach them, at this node's address.
 
     As in ``train``'s cells, it runs on ``run.device``, serves ``cells.capacity``
-    concurrent requests and caps each at ``run.max_context`` tokens. The API key itself
+    concurrent requests and caps each at ``max_context`` tokens (the proxy too). The API key itself
     is never a config key: ``--api-key``, ``engine.api_key_file``, or generated and
     printed.
     """
@@ -423,28 +442,43 @@ class EngineConfig(_Section):
         "float32", description="weights and KV cache (train's cells: float32)"
     )
     api_key_file: Path | None = Field(None, description="file holding the bearer token")
+    max_context: int = Field(
+        4096, ge=64, description="tokens per model call, prompt + reply (engine and proxy)"
+    )
 
 
 class EvaluationConfig(_Section):
-    """Evaluation of executions (``qwengyre.rollout.evaluation.EvaluationOptions``).
+    """How evaluation retries, and whether intermediate assessments are scheduled
+    (:func:`qwengyre.rollout.evaluation.assess` takes this section as it is).
 
     The paper retries an invalid evaluation "within the execution's overall time
-    budget" (``run.overall_s``): ``max_attempts=None`` is that rule; a number also caps
+    budget" (``harness.budget_s``): ``max_attempts=None`` is that rule; a number also caps
     the attempts (frees the slot sooner when an evaluator fails deterministically).
     """
 
-    retry_delay_s: float = Field(1.0, ge=0.0, description="wait before the first retry")
-    retry_backoff: float = Field(2.0, ge=1.0, description="each later wait is this times longer")
-    max_retry_delay_s: float = Field(30.0, ge=0.0, description="longest wait between attempts")
+    retry_delay_s: float = Field(
+        1.0, ge=0.0, allow_inf_nan=False, description="wait before the first retry"
+    )
+    retry_backoff: float = Field(
+        2.0, ge=1.0, allow_inf_nan=False, description="each later wait is this times longer"
+    )
+    max_retry_delay_s: float = Field(
+        30.0, ge=0.0, allow_inf_nan=False, description="longest wait between attempts"
+    )
     max_attempts: int | None = Field(
         None, ge=1, description="cap on attempts; None = retry until the overall budget ends"
     )
     intermediate_every_s: float | None = Field(
         None,
         gt=0.0,
+        allow_inf_nan=False,
         description="assess the workspace this often while the harness runs (intermediate"
         " assessments, kept per artifact version, never the reward); None = off",
     )
+
+    def delay(self, retry: int) -> float:
+        """The wait before retry number ``retry`` (1: the first retry)."""
+        return min(self.max_retry_delay_s, self.retry_delay_s * self.retry_backoff ** (retry - 1))
 
 
 class Config(_Section):
@@ -458,6 +492,9 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
+
+TinySize = Literal["test", "demo"]
+"""The built-in tiny model's sizes (:mod:`qwengyre.models.tiny`, ``model.tiny_size``)."""
 
 
 class Outcome(StrEnum):

@@ -24,24 +24,24 @@ import json
 import sqlite3
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from qwengyre.apps.serve import close_engine, load_tokenizer, model_engine
-from qwengyre.config import EngineBackend, EngineConfig, ProxyConfig
+from qwengyre.apps.serve import close_engine, load_tokenizer, model_dir, model_engine
+from qwengyre.config import Config, GroupsConfig
 from qwengyre.proxy.build import build_proxy
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.records.trace import TraceWriter
-from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution, trace_record
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import harness_spec, kill_orphaned_harnesses
-from qwengyre.rollout.sandbox import NoSandbox, Sandbox
+from qwengyre.rollout.sandbox import Sandbox, sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
+from qwengyre.rollout.toy_tasks import toy_tasks_path
 from qwengyre.runtime.lock import lock_run_dir
 
 _SCHEMA = """
@@ -61,25 +61,16 @@ may call in parallel (sub-agents), so that no call waits for a slot."""
 
 @dataclass(frozen=True)
 class RolloutOptions:
-    model: Path
-    tasks: Path
-    harness: str  # toy, claude-code[-bare], mini-swe-agent, or a command template
+    """One ``qwengyre rollout``. Its settings are the config tree's, as ``train`` reads
+    them: ``model`` (the model), ``harness`` (which harness, the tasks, the budgets, the
+    sandbox), ``groups`` (``size``: N valid rewards per task, ``oversample``,
+    ``min_valid``), ``cells.capacity`` (executions at once), ``engine`` (``backend``,
+    ``dtype``, ``max_context``), ``run.device``, ``trainer.temperature`` and
+    ``evaluation``. The run directory and ``resume`` are the invocation's own."""
+
     run_dir: Path
-    executions_per_task: int = 4  # N: valid rewards a group needs
-    oversample: int = 0  # extra executions; the surplus is cancelled once N are valid
-    min_valid: int | None = None  # a short group with >= this many valid rewards still counts
-    scale_by_std: bool = False
-    concurrency: int = 4
-    harness_s: float = 600.0
-    overall_s: float = 900.0
+    config: Config
     resume: bool = False
-    device: str = "cpu"
-    dtype: str = "float32"  # the embedded engine's weights and KV cache
-    backend: EngineBackend = "embedded"  # what serves the model (engine.backend)
-    temperature: float = 1.0  # what every call samples at (trainer.temperature)
-    max_context: int | None = None  # tokens per model call; None: the model's limit
-    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)  # retries, schedule
-    sandbox: Sandbox = field(default_factory=NoSandbox)  # what confines each harness
 
 
 class ResultStore:
@@ -144,37 +135,42 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     with one line naming it, and a new run's directory must be empty (bar the lock file).
     Resuming an empty one runs everything, as a new run does. A sandbox that cannot run
     here raises :class:`~qwengyre.rollout.sandbox.SandboxUnavailable` first."""
-    options.sandbox.check()
+    config = options.config
+    confine = sandbox(config.harness.sandbox, config.harness.sandbox_hide)
+    confine.check()
     with lock_run_dir(options.run_dir, new=not options.resume):
-        tokenizer = load_tokenizer(options.model)
+        model = model_dir(config)
+        tokenizer = load_tokenizer(model)
         with model_engine(
-            options.model,
-            EngineConfig(backend=options.backend, dtype=options.dtype),
-            device=options.device,
+            model,
+            config.engine,
+            device=config.run.device,
             capacity=ENGINE_CAPACITY,
-            max_context=options.max_context,
+            max_context=config.engine.max_context,
         ) as engine:
             server = build_proxy(
-                ProxyConfig(),
-                options.model,
+                config.proxy,
+                model,
                 tokenizer,
                 options.run_dir,
-                max_context=options.max_context,
-                temperature=options.temperature,
+                max_context=config.engine.max_context,
+                temperature=config.trainer.temperature,
                 engines=[engine],
             )
             try:
-                return await _rollout(options, server)
+                return await _rollout(options, confine, server)
             finally:
                 await close_engine(engine)
 
 
 async def _rollout(
-    options: RolloutOptions, server: ProxyServer
+    options: RolloutOptions, confine: Sandbox, server: ProxyServer
 ) -> list[tuple[str, int, str, float | None]]:
-    tasks = load_tasks(options.tasks)
-    spec = harness_spec(options.harness, options.harness_s, options.sandbox)
-    budgets = Budgets(options.harness_s, options.overall_s)
+    config = options.config
+    harness, groups = config.harness, config.groups
+    tasks = load_tasks(harness.tasks or toy_tasks_path())
+    spec = harness_spec(harness.name, harness.deadline_s, confine)
+    budgets = Budgets(harness.deadline_s, harness.budget_s)
     run_dir = options.run_dir
     results = ResultStore(run_dir / "proxy.sqlite")
     runner = web.AppRunner(server.app(), access_log=None)
@@ -187,7 +183,7 @@ async def _rollout(
     if options.resume:  # harnesses a killed runner left behind must not keep running
         kill_orphaned_harnesses(run_dir)
     start_wall = time.time()
-    limit = asyncio.Semaphore(options.concurrency)
+    limit = asyncio.Semaphore(config.cells.capacity)
     assessments = AssessmentLog(run_dir / ASSESSMENTS_FILE)
     try:
         async with aiohttp.ClientSession() as http:
@@ -209,7 +205,7 @@ async def _rollout(
                             base_url=execution["base_url"],
                             api_key=execution["key"],
                             cancel=cancel,
-                            evaluation=options.evaluation,
+                            evaluation=config.evaluation,
                             hub=server,
                         )
                         tree_url = f"{url}/admin/executions/{execution['id']}/tree"
@@ -228,8 +224,7 @@ async def _rollout(
                         )
 
                 async def group_of(task: Task, group: int) -> None:
-                    n, total = options.executions_per_task, options.executions_per_task
-                    total += options.oversample
+                    n, total = groups.size, groups.size + groups.oversample
                     cancels = {i: asyncio.Event() for i in range(total)}
 
                     async def index(i: int) -> None:
@@ -241,7 +236,7 @@ async def _rollout(
                     if len(results.valid(task.id)) < n:
                         missing = [i for i in range(total) if (task.id, i) not in done]
                         await asyncio.gather(*(index(i) for i in missing))
-                    status, advantages = group_outcome(results.valid(task.id), options)
+                    status, advantages = group_outcome(results.valid(task.id), groups)
                     results.set_group(task.id, status, advantages)
 
                 await asyncio.gather(*(group_of(t, g) for g, t in enumerate(tasks)))
@@ -252,15 +247,14 @@ async def _rollout(
         server.store.close()
 
 
-def group_outcome(valid: dict[int, float], options: RolloutOptions) -> tuple[str, dict[int, float]]:
+def group_outcome(valid: dict[int, float], groups: GroupsConfig) -> tuple[str, dict[int, float]]:
     """``ready`` (the first N valid rewards), ``short`` (fewer, but >= min_valid: their own
-    statistics) or ``dropped`` — never invented zeros."""
-    n = options.executions_per_task
-    if len(valid) >= n:
-        first = dict(list(valid.items())[:n])
-        return "ready", group_advantages(first, scale_by_std=options.scale_by_std)
-    if options.min_valid is not None and len(valid) >= max(2, options.min_valid):
-        return "short", group_advantages(valid, scale_by_std=options.scale_by_std)
+    statistics) or ``dropped`` — never invented zeros. Advantages as ``train`` computes
+    them (not scaled by the standard deviation)."""
+    if len(valid) >= groups.size:
+        return "ready", group_advantages(dict(list(valid.items())[: groups.size]))
+    if groups.min_valid is not None and len(valid) >= max(2, groups.min_valid):
+        return "short", group_advantages(valid)
     return "dropped", {}
 
 

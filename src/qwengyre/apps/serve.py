@@ -121,7 +121,7 @@ def model_engine(
 def proxy_engine(config: Config, model: Path, tokenizer: Any) -> Iterator[InferenceEngine]:
     """``proxy serve``'s engine (``proxy.engine``): the scripted replies of
     ``proxy.script``, or the model's engine (:func:`model_engine`) on ``run.device``,
-    serving ``cells.capacity`` concurrent requests of at most ``run.max_context`` tokens,
+    serving ``cells.capacity`` concurrent requests of at most ``engine.max_context`` tokens,
     as in ``train``."""
     if config.proxy.engine == "scripted":
         if config.proxy.script is None:
@@ -135,7 +135,7 @@ def proxy_engine(config: Config, model: Path, tokenizer: Any) -> Iterator[Infere
         config.engine,
         device=config.run.device,
         capacity=config.cells.capacity,
-        max_context=config.run.max_context,
+        max_context=config.engine.max_context,
     ) as engine:
         yield engine
 
@@ -172,7 +172,7 @@ def serve(config: Config, admin_token: str | None) -> None:
             model,
             tokenizer,
             settings.store,
-            max_context=config.run.max_context,
+            max_context=config.engine.max_context,
             temperature=config.trainer.temperature,
             admin_token=admin_token,
             engines=[engine],

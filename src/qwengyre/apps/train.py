@@ -10,7 +10,7 @@ Everything lives under the run directory::
     metrics.jsonl      steps, roles, switches, load, groups (qwengyre.records.metrics)
     traces.jsonl       one line per execution, in the simulator's trace format
     checkpoints/       model + optimizer + what a resumed run needs (every step)
-    workspaces/, logs/ per execution (with Ray harness hosts: under run.harness_dir, per node)
+    workspaces/, logs/ per execution (with Ray harness hosts: under harness.dir, per node)
     report/            the HTML report, written at the end
 
 Resume (``--resume RUN_DIR``): the newest checkpoint gives the weights, the optimizer,
@@ -108,7 +108,7 @@ def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Pat
     from qwengyre.models import cached_tiny_model
 
     tiny = cached_tiny_model(config.model.tiny_size)
-    run, target = config.run, config.run.warm_start_accuracy
+    bounds, target = config.warm_start, config.warm_start.accuracy
     if target is None:
         return tiny
     out = run_dir / "warm_start"
@@ -118,18 +118,18 @@ def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Pat
 
     log(
         f"warm start: supervised, until accuracy >= {target:.2f} "
-        f"(at most {run.warm_start_max_steps} steps, {run.torch_threads} torch threads)"
+        f"(at most {bounds.max_steps} steps, {config.run.torch_threads} torch threads)"
     )
     result = warm_start(  # raises WarmStartError (a ValueError) short of the target
         tiny,
         out,
         target_accuracy=target,
-        max_steps=run.warm_start_max_steps,
+        max_steps=bounds.max_steps,
         seed=config.seed,
         log=log,
-        threads=run.torch_threads,
-        advice=f"raise run.warm_start_max_steps (now {run.warm_start_max_steps}), lower "
-        f"run.warm_start_accuracy (now {target:g}), or start from a trained "
+        threads=config.run.torch_threads,
+        advice=f"raise warm_start.max_steps (now {bounds.max_steps}), lower "
+        f"warm_start.accuracy (now {target:g}), or start from a trained "
         "model with model.path=DIR",
     )
     log(
@@ -165,8 +165,8 @@ def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
 
 
 def load_task_set(config: Config) -> list[Task]:
-    if config.run.tasks is not None:
-        return load_tasks(config.run.tasks)
+    if config.harness.tasks is not None:
+        return load_tasks(config.harness.tasks)
     from qwengyre.rollout.toy_tasks import rl_tasks
 
     return rl_tasks()
@@ -182,32 +182,32 @@ async def _start_proxy(
         model_dir,
         AutoTokenizer.from_pretrained(model_dir),
         run_dir,
-        max_context=config.run.max_context,
+        max_context=config.engine.max_context,
         temperature=config.trainer.temperature,
     )
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     # Harnesses on other nodes reach the proxy at proxy.host; local ones on loopback.
-    host = config.proxy.host if config.run.harness_hosts == "ray" else "127.0.0.1"
+    host = config.proxy.host if config.harness.hosts == "ray" else "127.0.0.1"
     await web.TCPSite(runner, host, 0).start()
     server.base_url = f"http://{advertised(host)}:{runner.addresses[0][1]}"
     return server, runner
 
 
 def _harness_hosts(config: Config, run_dir: Path, proxy: ProxyServer) -> HostPool:
-    """The run's harness hosts (``run.harness_hosts``), ``run.harness_slots`` executions
+    """The run's harness hosts (``harness.hosts``), ``harness.slots`` executions
     each; by default the rollout capacity over the hosts, so none waits for a host."""
     rollout = config.cells.count * config.cells.capacity + config.cells.standalone_capacity
-    if config.run.harness_hosts == "local":
-        slots = config.run.harness_slots or rollout
+    if config.harness.hosts == "local":
+        slots = config.harness.slots or rollout
         return HostPool([LocalHarnessHost(run_dir, capacity=slots, hub=proxy)])
     from qwengyre.cluster.ray_harness import harness_nodes, start_ray_hosts
 
     nodes = harness_nodes()
     hosts = start_ray_hosts(
         nodes,
-        capacity=config.run.harness_slots or math.ceil(rollout / len(nodes)),
-        harness_dir=config.run.harness_dir or run_dir.resolve(),
+        capacity=config.harness.slots or math.ceil(rollout / len(nodes)),
+        harness_dir=config.harness.dir or run_dir.resolve(),
         hub=proxy,
         proxy_url=proxy.base_url,
         admin_token=proxy.admin.token,
@@ -314,9 +314,9 @@ async def train(options: TrainOptions) -> Controller:
 async def _train_once(options: TrainOptions) -> Controller:
     config = prepare_run_dir(options)
     check_metrics(config)  # a sink that cannot work fails before the warm start
-    confine = sandbox(config.run.sandbox, config.run.sandbox_hide)
+    confine = sandbox(config.harness.sandbox, config.harness.sandbox_hide)
     confine.check()  # so does a sandbox
-    if config.run.harness_hosts == "ray" and config.run.placement != "ray":
+    if config.harness.hosts == "ray" and config.run.placement != "ray":
         from qwengyre.cluster.ray_harness import require_ray
 
         require_ray()  # before the warm start; run.placement=ray starts Ray later
@@ -379,7 +379,7 @@ async def _train_once(options: TrainOptions) -> Controller:
             proxy,
             engines.cells,
             load_task_set(config),
-            harness_spec(config.run.harness, config.run.harness_s, confine),
+            harness_spec(config.harness.name, config.harness.deadline_s, confine),
             RunOutputs(
                 run_dir,
                 metrics,

@@ -68,7 +68,7 @@ it does not make it stop short): a warm start that has not measured the target a
 the default (the demo model, parity, target 0.25, one torch thread) it reaches the target
 at its 7th evaluation, after 70 steps, on seeds 0, 1 and 2 (measured 0.25, 0.25, 0.41;
 0.00 through step 40), in 87-122 s on one quiet core; the default bound,
-:data:`MAX_STEPS` = 250, leaves a 3.5x margin over that.
+``warm_start.max_steps`` = 250 in the config tree, leaves a 3.5x margin over that.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ from qwengyre.rollout.toy_tasks import (
 )
 
 __all__ = [
-    "MAX_STEPS",
     "Episode",
     "ModelCall",
     "Policy",
@@ -126,8 +125,6 @@ __all__ = [
     "written_answer",
 ]
 
-MAX_STEPS = 250
-"""Default bound on warm-start updates (the default needs 70, see the module docstring)."""
 
 Policy = Callable[[str, int, Sequence[int]], Sequence[int]]
 """(request class, turn within the class, prompt ids) -> output ids (end-of-turn included)."""
@@ -464,8 +461,8 @@ def warm_start(
     model_dir: Path,
     out_dir: Path,
     *,
-    target_accuracy: float = 0.25,
-    max_steps: int = MAX_STEPS,
+    target_accuracy: float,
+    max_steps: int,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     batch_size: int = 8,

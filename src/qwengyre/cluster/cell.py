@@ -205,7 +205,7 @@ class Cell:
             name=self.spec.name,
             capacity=config.cells.capacity,
             device=self.spec.device,
-            max_context=config.run.max_context,
+            max_context=config.engine.max_context,
             seed=config.seed + 1000 * self.rank,
             host=config.engine.host,
             gpus=self._gpus,

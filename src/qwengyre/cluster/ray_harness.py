@@ -1,9 +1,9 @@
-"""Harness hosts on Ray nodes: ``run.harness_hosts=ray`` (:mod:`qwengyre.rollout.hosts`).
+"""Harness hosts on Ray nodes: ``harness.hosts=ray`` (:mod:`qwengyre.rollout.hosts`).
 
 Each alive Ray node with CPUs gets one :class:`RayHarnessHost`: an async Ray actor
 (:class:`HarnessActor`) pinned to the node with ``NodeAffinitySchedulingStrategy``. It
 runs its executions there with :class:`~qwengyre.rollout.hosts.LocalHarnessHost`: the
-workspaces and logs under ``run.harness_dir`` on that node (default: the run
+workspaces and logs under ``harness.dir`` on that node (default: the run
 directory's path, which is the same directory on every node when the run directory is
 on a shared filesystem, and otherwise a directory of that name on each node), the
 harnesses as process groups it kills on cancel and on close, the evaluation on the
@@ -26,7 +26,7 @@ CPU of a node in their placement group.
   (``GET /admin/executions/{id}/tree``): it holds the proxy's admin token for that.
 - **Cancel.** An execution starts in two calls, ``start`` then ``result``, so that a
   cancel reaches the actor only once the execution is registered there.
-- **Sandbox.** ``run.sandbox`` confines the harnesses on every node; ``train`` checks
+- **Sandbox.** ``harness.sandbox`` confines the harnesses on every node; ``train`` checks
   on each node that it can run there (:meth:`RayHarnessHost.check_sandbox`) before
   any execution starts.
 - **Failure.** A host whose actor dies fails its calls with
@@ -98,7 +98,7 @@ def require_ray() -> None:
     """Raise ``ValueError`` unless this process is connected to Ray."""
     if not ray.is_initialized():
         raise ValueError(
-            "run.harness_hosts=ray needs Ray: set run.placement=ray (which starts or joins "
+            "harness.hosts=ray needs Ray: set run.placement=ray (which starts or joins "
             "Ray), or initialise Ray (ray.init) before the run starts"
         )
 
@@ -113,7 +113,7 @@ def harness_nodes() -> list[RayNode]:
         if node["Alive"] and node["Resources"].get("CPU", 0) > 0
     ]
     if not nodes:
-        raise ValueError("run.harness_hosts=ray: the Ray cluster has no alive node with CPUs")
+        raise ValueError("harness.hosts=ray: the Ray cluster has no alive node with CPUs")
     return nodes
 
 
@@ -322,7 +322,7 @@ def start_ray_hosts(
     elsewhere = [n.address for n in nodes if n.address != here]
     if urlsplit(proxy_url).hostname in _LOOPBACK and elsewhere:
         raise ValueError(
-            f"run.harness_hosts=ray: the proxy at {proxy_url} is reachable from this machine"
+            f"harness.hosts=ray: the proxy at {proxy_url} is reachable from this machine"
             f" only, and node {elsewhere[0]} runs harnesses; set proxy.host=0.0.0.0 (or an"
             " address every node reaches)"
         )

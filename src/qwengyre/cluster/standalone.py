@@ -35,7 +35,7 @@ class StandaloneSpec:
     from which the pool reads ``cells.standalone_capacity`` (C_s),
     ``cells.standalone_device`` (else ``run.device``), ``cells.devices_per_cell`` (G:
     the core's weights come as this many shards), ``run.torch_threads``,
-    ``run.max_context``, ``engine.host`` (the engine's bind address),
+    ``engine.max_context``, ``engine.host`` (the engine's bind address),
     ``engine.backend`` and ``seed``."""
 
     model_dir: str
@@ -66,7 +66,7 @@ class StandalonePool:
             name=STANDALONE_NAME,
             capacity=spec.capacity,
             device=spec.device,
-            max_context=config.run.max_context,
+            max_context=config.engine.max_context,
             seed=config.seed + 999_983,  # sampling streams apart from every cell's
             host=config.engine.host,
             gpus=(gpu,) if gpu is not None else (),

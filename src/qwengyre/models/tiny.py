@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, get_args
 
 import tokenizers
 import torch
@@ -32,6 +32,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from tokenizers.trainers import BpeTrainer
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+from qwengyre.types import TinySize
+
 __all__ = [
     "ENDOFTEXT",
     "IM_END",
@@ -39,14 +41,12 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TINY_SIZES",
     "TinyModelSpec",
-    "TinySize",
     "build_tiny_model",
     "cached_tiny_model",
     "default_cache_dir",
     "quiet_progress_bars",
 ]
 
-TinySize = Literal["test", "demo"]
 
 # Bump when the builder's behaviour changes in a way the cache key would not otherwise see.
 _BUILDER_VERSION: Final = 1

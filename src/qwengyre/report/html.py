@@ -240,7 +240,7 @@ def learning_signal_warning(steps: Sequence[StepRecord]) -> str | None:
         )
     return (
         f"{head}. Check that the starting policy scores neither always 0 nor always 1 on "
-        "the tasks (the warm start: warm_start/warm_start.json and run.warm_start_accuracy, "
+        "the tasks (the warm start: warm_start/warm_start.json and warm_start.accuracy, "
         "or model.path), that executions end with valid rewards (logs/, traces.jsonl), and "
         "the tasks' evaluator"
     )

@@ -60,17 +60,16 @@ import stat
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qwengyre.config import EvaluationConfig
 from qwengyre.records.assessments import Assessment
 from qwengyre.rollout.harness import kill_group
 from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, PythonEvaluator
 
 __all__ = [
     "DEFAULT_PYTHON_TIMEOUT_S",
-    "EvaluationOptions",
     "artifact_digest",
     "assess",
     "evaluate_once",
@@ -202,52 +201,6 @@ def evaluator_name(spec: Evaluator) -> str:
     if isinstance(spec, PythonEvaluator):
         return spec.callable
     return f"exact_match:{spec.file}"
-
-
-@dataclass(frozen=True)
-class EvaluationOptions:
-    """How evaluation retries, and whether intermediate assessments are scheduled.
-
-    - ``retry_delay_s``: the wait before the first retry of an invalid attempt;
-    - ``retry_backoff``: each further wait is this many times the previous one;
-    - ``max_retry_delay_s``: the longest wait between two attempts;
-    - ``max_attempts``: ``None`` (the default, the paper's rule): retry until a valid
-      attempt or the execution's overall budget ends; an int caps the attempts too;
-    - ``intermediate_every_s``: ``None`` (off), or the period at which the workspace is
-      assessed while the harness runs (:mod:`qwengyre.rollout.assessments`).
-
-    :meth:`from_config` reads the same names from a config section
-    (``qwengyre.config.EvaluationConfig``).
-    """
-
-    retry_delay_s: float = 1.0
-    retry_backoff: float = 2.0
-    max_retry_delay_s: float = 30.0
-    max_attempts: int | None = None
-    intermediate_every_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.retry_delay_s) and self.retry_delay_s >= 0):
-            raise ValueError(f"retry_delay_s must be >= 0, got {self.retry_delay_s!r}")
-        if not (math.isfinite(self.retry_backoff) and self.retry_backoff >= 1):
-            raise ValueError(f"retry_backoff must be >= 1, got {self.retry_backoff!r}")
-        if not (math.isfinite(self.max_retry_delay_s) and self.max_retry_delay_s >= 0):
-            raise ValueError(f"max_retry_delay_s must be >= 0, got {self.max_retry_delay_s!r}")
-        if self.max_attempts is not None and self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1 or None, got {self.max_attempts}")
-        every = self.intermediate_every_s
-        if every is not None and not (math.isfinite(every) and every > 0):
-            raise ValueError(f"intermediate_every_s must be > 0 or None, got {every!r}")
-
-    @classmethod
-    def from_config(cls, section: Any) -> EvaluationOptions:
-        """The options of a config section with these field names (missing: defaults)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(section, n) for n in names if hasattr(section, n)})
-
-    def delay(self, retry: int) -> float:
-        """The wait before retry number ``retry`` (1: the first retry)."""
-        return min(self.max_retry_delay_s, self.retry_delay_s * self.retry_backoff ** (retry - 1))
 
 
 # --------------------------------------------------------------------------- parsing
@@ -509,7 +462,7 @@ async def assess(
     workspace: Path | str,
     *,
     deadline: float,
-    options: EvaluationOptions | None = None,
+    options: EvaluationConfig | None = None,
     metadata: dict[str, Any] | None = None,
     reference: str | None = None,
     version: int | None = None,
@@ -519,9 +472,9 @@ async def assess(
     ``deadline`` is a :func:`time.monotonic` value, the end of the execution's overall
     budget: no attempt starts at or after it, and each attempt's timeout is cut to the
     time left.  Invalid attempts are retried until the deadline (PAPER: "within the
-    execution's overall time budget"), paced by ``options`` (default
-    :class:`EvaluationOptions()`): the wait before retry ``r`` is
-    :meth:`EvaluationOptions.delay` (cut to the time left), and ``max_attempts``
+    execution's overall time budget"), paced by ``options`` (the config's
+    ``evaluation`` section; default: its defaults): the wait before retry ``r`` is
+    :meth:`~qwengyre.config.EvaluationConfig.delay` (cut to the time left), and ``max_attempts``
     (default ``None``: no cap) optionally caps the attempts too.  Every retry assesses
     the same preserved state: the workspace digest is taken before the first attempt
     (or given as ``reference``, when the caller has just taken it) and checked before
@@ -533,7 +486,7 @@ async def assess(
     The result is empty when the deadline had passed before the first attempt.  Use
     :func:`final` for the outcome: ``None`` (unresolved) is never a zero reward.
     """
-    pacing = options or EvaluationOptions()
+    pacing = options or EvaluationConfig()
     max_attempts = pacing.max_attempts
     workspace = Path(workspace)
     attempts: list[Assessment] = []

@@ -41,11 +41,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from qwengyre.config import EvaluationConfig
 from qwengyre.records.assessments import Assessment
 from qwengyre.records.trace import TraceCall, TraceRecord
 from qwengyre.rollout.assessments import ArtifactVersions, AssessmentHub, IntermediateAssessor
 from qwengyre.rollout.evaluation import (
-    EvaluationOptions,
     artifact_digest,
     assess,
     final,
@@ -195,19 +195,19 @@ async def run_execution(
     base_url: str,
     api_key: str,
     cancel: asyncio.Event | None = None,
-    evaluation: EvaluationOptions | None = None,
+    evaluation: EvaluationConfig | None = None,
     hub: AssessmentHub | None = None,
 ) -> ExecutionResult:
     """Run ``task`` once with ``harness``; workspaces and logs go under ``run_dir``.
 
-    ``evaluation`` sets the retry pacing, the optional attempt cap and the intermediate
-    schedule (default :class:`EvaluationOptions()`: retries until the overall budget,
-    no schedule). ``hub`` (the proxy serving ``base_url``, or a stand-in for it on the
+    ``evaluation`` (the config's ``evaluation`` section) sets the retry pacing, the
+    optional attempt cap and the intermediate schedule (default: retries until the overall
+    budget, no schedule). ``hub`` (the proxy serving ``base_url``, or a stand-in for it on the
     harness's node; its ``execution_id`` must be this one) receives the intermediate
     assessor while the harness runs and is asked for the model-call count
     (:func:`infrastructure_failure`, :func:`_model_calls`).
     """
-    options = evaluation or EvaluationOptions()
+    options = evaluation or EvaluationConfig()
     started = time.monotonic()
     overall_deadline = started + budgets.overall_s
     workspace = run_dir / "workspaces" / execution_id

@@ -7,7 +7,7 @@ executions it is given, with their workspaces on its machine, and evaluates them
 - :class:`LocalHarnessHost`: in this process, workspaces and logs under one directory
   (``train``'s run directory): what ``qwengyre train`` does by default;
 - :class:`~qwengyre.cluster.ray_harness.RayHarnessHost`: an async Ray actor pinned to
-  one node (``run.harness_hosts=ray``), one per node.
+  one node (``harness.hosts=ray``), one per node.
 
 :class:`HostPool` spreads executions over its hosts by free capacity: a new execution
 goes to the host with the most free slots (then the fewest running, then the first);
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+from qwengyre.config import EvaluationConfig
 from qwengyre.rollout.assessments import AssessmentHub
-from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
 from qwengyre.rollout.harness import HarnessSpec, kill_orphaned_harnesses
 from qwengyre.rollout.sandbox import Sandbox
@@ -51,7 +51,7 @@ class ExecutionRequest:
     execution_id: str
     base_url: str
     api_key: str
-    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
 
 class HarnessHost(Protocol):

@@ -1,4 +1,4 @@
-"""Sandboxes: what a harness may touch on the machine that runs it (``run.sandbox``).
+"""Sandboxes: what a harness may touch on the machine that runs it (``harness.sandbox``).
 
 A harness is a black-box agent that runs whatever shell commands the policy being
 trained writes, so a run must be able to keep it in its workspace. A :class:`Sandbox`
@@ -11,7 +11,7 @@ and a new kind (a container runtime, gVisor) is one more class here.
 - :class:`Bubblewrap` (``bwrap``, Linux; Debian's ``bubblewrap`` package): the harness
   sees the machine's file system read-only, with its workspace and its private home
   writable, ``TMPDIR`` in that home, and the run directory (every other execution's
-  workspace and logs, the proxy's store and tokens) and each of ``run.sandbox_hide``
+  workspace and logs, the proxy's store and tokens) and each of ``harness.sandbox_hide``
   (credentials, say) replaced by empty read-only directories. It gets a fresh ``/dev`` and
   ``/proc``, its own PID, IPC and UTS namespaces, and dies with qwengyre's side: the
   PID namespace ends when its first process does, so a tool the agent started in a
@@ -26,11 +26,11 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Protocol
 
-__all__ = ["Bubblewrap", "NoSandbox", "Sandbox", "SandboxKind", "SandboxUnavailable", "sandbox"]
+from qwengyre.config import SandboxKind
 
-SandboxKind = Literal["none", "bwrap"]
+__all__ = ["Bubblewrap", "NoSandbox", "Sandbox", "SandboxUnavailable", "sandbox"]
 
 
 class SandboxUnavailable(OSError):
@@ -42,7 +42,7 @@ class Sandbox(Protocol):
 
     @property
     def name(self) -> str:
-        """What ``run.sandbox`` calls it."""
+        """What ``harness.sandbox`` calls it."""
         ...
 
     def wrap(
@@ -60,7 +60,7 @@ class Sandbox(Protocol):
 
 @dataclass(frozen=True)
 class NoSandbox:
-    """The harness runs unconfined (``run.sandbox=none``)."""
+    """The harness runs unconfined (``harness.sandbox=none``)."""
 
     name: ClassVar[str] = "none"
 
@@ -75,7 +75,7 @@ class NoSandbox:
 
 @dataclass(frozen=True)
 class Bubblewrap:
-    """The harness under bubblewrap (``run.sandbox=bwrap``; see the module docstring).
+    """The harness under bubblewrap (``harness.sandbox=bwrap``; see the module docstring).
     ``hide``: directories or files hidden besides the ones :meth:`wrap` is given."""
 
     hide: tuple[Path, ...] = ()
@@ -108,26 +108,28 @@ class Bubblewrap:
             done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
         except FileNotFoundError:
             raise SandboxUnavailable(
-                f"run.sandbox=bwrap: no {self.binary!r} on PATH (Debian/Ubuntu: apt-get "
-                "install bubblewrap), or set run.sandbox=none"
+                f"harness.sandbox=bwrap: no {self.binary!r} on PATH (Debian/Ubuntu: apt-get "
+                "install bubblewrap), or set harness.sandbox=none"
             ) from None
         if done.returncode != 0:
             raise SandboxUnavailable(
-                f"run.sandbox=bwrap: {self.binary} cannot make a sandbox here (it needs "
+                f"harness.sandbox=bwrap: {self.binary} cannot make a sandbox here (it needs "
                 f"user namespaces, or root): {done.stderr.strip() or done.returncode}"
             )
 
 
 def sandbox(kind: SandboxKind, hide: Sequence[Path] = ()) -> Sandbox:
-    """The sandbox ``run.sandbox`` names, hiding ``hide`` (``run.sandbox_hide``: ``~``
+    """The sandbox ``harness.sandbox`` names, hiding ``hide`` (``harness.sandbox_hide``: ``~``
     expanded; each must exist, so that a misspelt path hides nothing silently)."""
     if kind == "bwrap":
         paths = tuple(Path(p).expanduser() for p in hide)
         if missing := [str(p) for p in paths if not p.exists()]:
-            raise ValueError(f"run.sandbox_hide: no such file or directory: {', '.join(missing)}")
+            raise ValueError(
+                f"harness.sandbox_hide: no such file or directory: {', '.join(missing)}"
+            )
         return Bubblewrap(paths)
     if kind == "none":
         if hide:
-            raise ValueError("run.sandbox_hide needs a sandbox: set run.sandbox=bwrap")
+            raise ValueError("harness.sandbox_hide needs a sandbox: set harness.sandbox=bwrap")
         return NoSandbox()
     raise ValueError(f"unknown sandbox {kind!r}; allowed: none, bwrap")

@@ -50,7 +50,6 @@ from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import AssessmentLog
 from qwengyre.records.metrics import MetricsWriter
 from qwengyre.records.trace import TraceWriter
-from qwengyre.rollout.evaluation import EvaluationOptions
 from qwengyre.rollout.execution import Budgets, trace_record
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec
@@ -162,8 +161,8 @@ class Controller:
         self.harness = harness
         self.outputs = outputs
         self.hosts = hosts  # where executions run (qwengyre.rollout.hosts)
-        self.budgets = Budgets(config.run.harness_s, config.run.overall_s)
-        self.evaluation = EvaluationOptions.from_config(config.evaluation)
+        self.budgets = Budgets(config.harness.deadline_s, config.harness.budget_s)
+        self.evaluation = config.evaluation
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.trajectories = trajectories or TrajectoryBuffer()
         self.packing = PackingBuffer(self.trajectories, config.trainer.micro_step_tokens)
@@ -460,7 +459,7 @@ class Controller:
             updates,
             launched,
         )
-        if core.version % self.config.run.checkpoint_every == 0 or self.last_step(core.version):
+        if core.version % self.config.checkpoint.every == 0 or self.last_step(core.version):
             await self._checkpoint(core.version)
         self._step = None
         self._emit(lambda t: StepDone(t, step.step))
@@ -476,7 +475,7 @@ class Controller:
             "next_group": max(self.scheduler.groups, default=-1) + 1,
             "next_execution": max(self.scheduler.executions, default=-1) + 1,
         }
-        root, keep = str(self.outputs.checkpoints), self.config.run.keep_checkpoints
+        root, keep = str(self.outputs.checkpoints), self.config.checkpoint.keep
         await self.cells[0].save_checkpoint(root, version, state, keep)
 
     async def shutdown(self) -> None:

@@ -110,29 +110,32 @@ class SchedulerError(ValueError):
     """An event that contradicts the scheduler's state (a driver bug); state is unchanged."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerParams:
     """Everything the scheduler decides with, drawn from the config tree by
-    :meth:`qwengyre.config.Config.scheduler_params` (the pure core reads no config)."""
+    :meth:`qwengyre.config.Config.scheduler_params` (the pure core reads no config).
 
-    policy: str = "elastic"
-    dispatch: str = "boundary"
-    group_size: int = 16
-    oversample: int = 0
-    max_topups: int = 4
-    min_valid: int | None = None  # None: a group needs all N valid rewards
-    batch: int = 32
-    mu: int = 1
-    phi: float = 0.0
-    cells: int = 8
-    cell_capacity: int = 144
-    standalone_capacity: int = 0
-    rho_min: float = 0.25
-    tau_s: float = 30.0
-    supply: str = "in_hand"  # what the supply check counts: "in_hand" or "ready"
-    streaming: bool = True
-    async_training_cells: int = 2
-    reserve: int = 0  # executions of quota held back per burst for top-ups (boundary)
+    No field has a default: the config tree is the one place defaults are declared
+    (each field's meaning and range is documented on its config key)."""
+
+    policy: str  # scheduler.policy: "elastic", "async" or "colocate"
+    dispatch: str  # scheduler.dispatch: "boundary" or "continuous"
+    group_size: int  # groups.size, N
+    oversample: int  # groups.oversample
+    max_topups: int  # groups.max_topups
+    min_valid: int | None  # groups.min_valid; None: a group needs all N valid rewards
+    batch: int  # groups.batch, B
+    mu: int  # scheduler.mu
+    phi: float  # scheduler.phi
+    cells: int  # cells.count, K
+    cell_capacity: int  # cells.capacity, C_e
+    standalone_capacity: int  # cells.standalone_capacity, C_s
+    rho_min: float  # scheduler.rho_min
+    tau_s: float  # scheduler.tau_s
+    supply: str  # scheduler.supply: what the supply check counts, "in_hand" or "ready"
+    streaming: bool  # scheduler.streaming
+    async_training_cells: int  # scheduler.async_training_cells
+    reserve: int  # groups.reserve: executions of quota held back per burst for top-ups
 
     def __post_init__(self) -> None:
         """Refuse combinations that could never train; messages name the config keys."""

@@ -54,16 +54,17 @@ from qwengyre.sim.workload import ExecutionSpec, Workload
 from qwengyre.types import Outcome
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SimCosts:
-    """Time costs of everything outside rollout (seconds)."""
+    """Time costs of everything outside rollout (seconds), from the config tree
+    (:meth:`from_config`: the one place their defaults are declared)."""
 
-    rollout_to_training_s: float = 8.52
-    training_to_rollout_s: float = 3.46
-    publish_s: float = 30.0
-    train_tokens_per_cell_s: float = 10_000.0
-    train_step_overhead_s: float = 60.0
-    micro_step_tokens: int = 262_144
+    rollout_to_training_s: float  # cells.rollout_to_training_s
+    training_to_rollout_s: float  # cells.training_to_rollout_s
+    publish_s: float  # sim.publish_s
+    train_tokens_per_cell_s: float  # sim.train_tokens_per_cell_s
+    train_step_overhead_s: float  # sim.train_step_overhead_s
+    micro_step_tokens: int  # sim.micro_step_tokens
 
     @classmethod
     def from_config(cls, config: Config) -> SimCosts:

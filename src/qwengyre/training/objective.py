@@ -36,14 +36,13 @@ Variants (``variant=``), not the default:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["ObjectiveOutput", "Variant", "execution_gspo_loss"]
+from qwengyre.config import Variant
 
-Variant = Literal["default", "token_sum", "per_trajectory_clip"]
+__all__ = ["ObjectiveOutput", "execution_gspo_loss"]
 
 
 @dataclass(frozen=True)
