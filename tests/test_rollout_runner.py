@@ -139,14 +139,15 @@ def test_a_runner_killed_with_sigkill_resumes_without_losing_or_double_counting(
 
 
 def _options(tmp_path: Path, model: Path, tasks: Path, *overrides: str) -> RolloutOptions:
-    """A rollout into ``tmp_path / "run"``: the toy harness, N = 2, two at a time."""
+    """A rollout into ``tmp_path / "run"``: the toy harness, N = 2, two at a time; budgets
+    far above a toy episode's seconds, so that a loaded machine times nothing out."""
     config = load_config(
         None,
         [
             "groups.size=2",
             "cells.capacity=2",
-            "harness.deadline_s=60",
-            "harness.budget_s=90",
+            "harness.deadline_s=600",
+            "harness.budget_s=900",
             *overrides,
         ],
         values={"model.path": model, "harness.tasks": tasks},
@@ -182,7 +183,8 @@ def test_a_group_without_valid_rewards_is_dropped_not_zeroed(tmp_path: Path, tin
     dump_tasks(tasks, [Task(id="t", instructions="x", evaluator=broken)])
     # Retries go on until the overall budget (62 s) unless capped: cap them to stay fast.
     quick = ["evaluation.retry_delay_s=0.05", "evaluation.max_attempts=3"]
-    options = _options(tmp_path, tiny_model_dir, tasks, "harness.budget_s=62", *quick)
+    budget = ["harness.deadline_s=60", "harness.budget_s=62"]
+    options = _options(tmp_path, tiny_model_dir, tasks, *budget, *quick)
     rows = asyncio.run(rollout(options))
     assert all(reward is None for *_, reward in rows) and len(rows) == 2
     logged = read_assessments(options.run_dir / "assessments.jsonl")
