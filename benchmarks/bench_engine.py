@@ -61,7 +61,11 @@ def workload(c: int, prompt: int, new: int, vocab: int) -> list[GenerateRequest]
         n = new // 2 + int(torch.randint(0, new // 2 + 1, (1,), generator=g))
         ids = torch.randint(10, vocab - 10, (p,), generator=g).tolist()
         requests.append(
-            GenerateRequest(f"b{c}-{i}", tuple(ids), SamplingParams(n, 1.0, ignore_eos=True))
+            GenerateRequest(
+                f"b{c}-{i}",
+                tuple(ids),
+                SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True),
+            )
         )
     return requests
 

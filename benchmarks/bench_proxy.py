@@ -259,7 +259,9 @@ async def _serve(store_dir: Path, given_kwargs: dict[str, Any], idle_s: float) -
             async with sem:
                 t = time.perf_counter()
                 await engine.generate(
-                    GenerateRequest(f"d{i}", prompt, SamplingParams(256), {"execution": f"d{i}"})
+                    GenerateRequest(
+                        f"d{i}", prompt, SamplingParams(max_tokens=256), {"execution": f"d{i}"}
+                    )
                 )
                 lat.append(time.perf_counter() - t)
 

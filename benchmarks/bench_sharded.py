@@ -116,7 +116,14 @@ def memory_run(
         run=RunConfig(torch_threads=threads),
     )
     specs = [
-        CellSpec(0, s, f"tcp://127.0.0.1:{port}", str(model_dir), board, run_config)
+        CellSpec(
+            rank=0,
+            shard=s,
+            init_method=f"tcp://127.0.0.1:{port}",
+            model_dir=str(model_dir),
+            board=board,
+            config=run_config,
+        )
         for s in range(shards)
     ]
 

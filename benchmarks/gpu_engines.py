@@ -174,7 +174,7 @@ class Bench:
     ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def request(self, ids: Sequence[int], max_tokens: int, temperature: float) -> GenerateRequest:
-        sampling = SamplingParams(max_tokens, temperature, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
         return GenerateRequest(f"bench-{next(self.ids)}", tuple(ids), sampling)
 
     def prompts(self, count: int) -> list[list[int]]:
@@ -321,8 +321,8 @@ def server_spec(name: str, bench: Bench, port: int, key: str) -> Any:
     if name == "sglang":
         extra = ("--mem-fraction-static", share, "--dtype", dtype)
         return sglang.SGLangServerSpec(
-            model,
-            port,
+            model=model,
+            port=port,
             api_key=key or None,
             key_file=str(bench.logs / "sglang-server.yaml") if key else None,
             max_context=bench.context,
@@ -334,8 +334,8 @@ def server_spec(name: str, bench: Bench, port: int, key: str) -> Any:
     else:
         extra, env = ("--enforce-eager",), {**env, "VLLM_CPU_KVCACHE_SPACE": "1"}
     return vllm.VLLMServerSpec(
-        model,
-        port,
+        model=model,
+        port=port,
         api_key=key,
         dtype=dtype,
         max_context=bench.context,

@@ -51,7 +51,9 @@ def test_an_engine_bound_to_all_interfaces_serves_key_holders_at_the_node_addres
 
         async def calls() -> None:
             async with SGLangEngine(url, "cell-1", capacity=2, api_key=key) as engine:
-                request = GenerateRequest("r0", (5, 6, 7), SamplingParams(4, 1.0))
+                request = GenerateRequest(
+                    "r0", (5, 6, 7), SamplingParams(max_tokens=4, temperature=1.0)
+                )
                 result = await engine.generate(request)
                 assert len(result.output_ids) == len(result.logprobs) > 0
                 assert result.versions == (0,) * len(result.output_ids)

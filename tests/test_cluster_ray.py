@@ -41,7 +41,14 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 
 def test_local_backend_returns_process_actors(tiny_model_dir: Path, tmp_path: Path) -> None:
-    spec = CellSpec(0, 0, "", str(tiny_model_dir), _board(), cells_config(1))
+    spec = CellSpec(
+        rank=0,
+        shard=0,
+        init_method="",
+        model_dir=str(tiny_model_dir),
+        board=_board(),
+        config=cells_config(1),
+    )
     handles = start_cells("local", [spec], run_dir=tmp_path)
     try:
         assert len(handles) == 1 and isinstance(handles[0].handle, ProcessActor)
@@ -95,7 +102,14 @@ def two_cells_train_a_step(
     alone = train_alone(tiny_model_dir, data)
     address, board = f"tcp://127.0.0.1:{free_port()}", _board()
     specs = [
-        CellSpec(r, s, address, str(tiny_model_dir), board, cells_config(2, shards))
+        CellSpec(
+            rank=r,
+            shard=s,
+            init_method=address,
+            model_dir=str(tiny_model_dir),
+            board=board,
+            config=cells_config(2, shards),
+        )
         for r in (1, 0)
         for s in range(shards)
     ]

@@ -57,7 +57,14 @@ def in_loop(proxy: Running, coro: Coroutine[Any, Any, Any]) -> Any:
 
 async def request(proxy: Running, task: Task, spec: HarnessSpec) -> ExecutionRequest:
     ex = await proxy.server.create_execution()
-    return ExecutionRequest(task, spec, Budgets(40, 60), ex["id"], ex["base_url"], ex["key"])
+    return ExecutionRequest(
+        task=task,
+        harness=spec,
+        budgets=Budgets(40, 60),
+        execution_id=ex["id"],
+        base_url=ex["base_url"],
+        api_key=ex["key"],
+    )
 
 
 async def pids(root: Path, execution_id: str) -> tuple[int, int]:
@@ -142,7 +149,7 @@ def test_ray_hosts_need_ray_and_a_proxy_every_node_reaches(tmp_path: Path) -> No
 
     assert not ray.is_initialized()
     config = load_config(None, ["harness.hosts=ray", "metrics.tensorboard=false"])
-    options = TrainOptions(tmp_path / "run", config, display=False)
+    options = TrainOptions(run_dir=tmp_path / "run", config=config, display=False)
     with pytest.raises(ValueError, match=r"harness_hosts=ray needs Ray: set run\.placement=ray"):
         asyncio.run(train(options))  # at once, before the warm start
     far = RayNode("f" * 56, "10.255.0.1")

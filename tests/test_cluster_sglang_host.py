@@ -38,7 +38,9 @@ from qwengyre.engines.sglang import SGLangBackend, SGLangEngine
 from qwengyre.types import SamplingParams
 
 FAKE = Path(__file__).parent / "fake_sglang"
-GREEDY = GenerateRequest("r", (5, 6, 7, 8), SamplingParams(6, 0.0, ignore_eos=True))
+GREEDY = GenerateRequest(
+    "r", (5, 6, 7, 8), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+)
 
 
 @dataclass

@@ -48,7 +48,9 @@ def test_a_stopped_and_restarted_server_serves_the_newest_version(tiny_model_dir
     def sample(url: str, key: str) -> GenerateResult:
         async def go() -> GenerateResult:
             async with VLLMEngine(url, "cell-1", api_key=key) as engine:
-                request = GenerateRequest("r", prompt, SamplingParams(8, 1.0, ignore_eos=True))
+                request = GenerateRequest(
+                    "r", prompt, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+                )
                 return await engine.generate(request)
 
         return asyncio.run(go())

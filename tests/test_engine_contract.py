@@ -76,11 +76,13 @@ class Setting:
 
 
 def greedy(rid: str) -> GenerateRequest:
-    return GenerateRequest(rid, PROMPT, SamplingParams(16, 0.0, ignore_eos=True))
+    return GenerateRequest(
+        rid, PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
 
 
 def long(subject: Subject, rid: str) -> GenerateRequest:
-    sampling = SamplingParams(subject.long_tokens, 1.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=subject.long_tokens, temperature=1.0, ignore_eos=True)
     return GenerateRequest(rid, PROMPT, sampling)
 
 

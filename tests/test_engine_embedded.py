@@ -44,7 +44,9 @@ def request(
     i: int, prompt: int, max_tokens: int, temperature: float = 1.0, **kw
 ) -> GenerateRequest:
     ids = tuple((7 * i + 3 * j) % 900 + 20 for j in range(prompt))
-    return GenerateRequest(f"r{i}", ids, SamplingParams(max_tokens, temperature, **kw))
+    return GenerateRequest(
+        f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, **kw)
+    )
 
 
 def recomputed(
@@ -311,11 +313,17 @@ def test_stop_token_ids_end_a_request(engine: EmbeddedEngine):
 @pytest.mark.parametrize(
     ("req", "message"),
     [
-        (GenerateRequest("x", (1, 99999), SamplingParams(5)), "out of vocabulary"),
-        (GenerateRequest("x", tuple(range(300)), SamplingParams(5)), "no room in the context"),
-        (GenerateRequest("x", (1, 2), SamplingParams(0)), "max_tokens must be > 0"),
-        (GenerateRequest("x", (1, 2), SamplingParams(5, top_p=0)), "sampling out of range"),
-        (GenerateRequest("x", (), SamplingParams(5)), "input_ids is empty"),
+        (GenerateRequest("x", (1, 99999), SamplingParams(max_tokens=5)), "out of vocabulary"),
+        (
+            GenerateRequest("x", tuple(range(300)), SamplingParams(max_tokens=5)),
+            "no room in the context",
+        ),
+        (GenerateRequest("x", (1, 2), SamplingParams(max_tokens=0)), "max_tokens must be > 0"),
+        (
+            GenerateRequest("x", (1, 2), SamplingParams(max_tokens=5, top_p=0)),
+            "sampling out of range",
+        ),
+        (GenerateRequest("x", (), SamplingParams(max_tokens=5)), "input_ids is empty"),
     ],
 )
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine, req, message):
@@ -356,7 +364,9 @@ def test_the_proxy_serves_the_embedded_engine_and_records_its_logprobs(
             )
             (node,) = running.tree(ex["id"])
             assert reply.usage.output_tokens == len(node["output_ids"]) <= 16
-            req = GenerateRequest("n", tuple(node["input_ids"]), SamplingParams(16, 1.0))
+            req = GenerateRequest(
+                "n", tuple(node["input_ids"]), SamplingParams(max_tokens=16, temperature=1.0)
+            )
             ref = recomputed(engine, req, tuple(node["output_ids"]))
             assert torch.allclose(torch.tensor(node["logprobs"]), ref, atol=1e-4)
             assert node["engine"] == "embedded" and node["versions"] == [0] * len(ref)

@@ -45,7 +45,7 @@ def served(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
 
 
 def req(rid: str, n: int, prompt: int = 6) -> GenerateRequest:
-    sampling = SamplingParams(n, 1.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True)
     return GenerateRequest(rid, tuple(range(30, 30 + prompt)), sampling)
 
 
@@ -63,7 +63,9 @@ def test_the_sglang_client_drives_the_embedded_engine_server(served):
             ref = behaviour_logprobs(logits[5:-1], torch.tensor(result.output_ids), 1.0)
             assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
             with pytest.raises(ValueError, match="out of vocabulary"):
-                await client.generate(GenerateRequest("e", (1, 10**7), SamplingParams(2)))
+                await client.generate(
+                    GenerateRequest("e", (1, 10**7), SamplingParams(max_tokens=2))
+                )
         async with SGLangEngine(url, "cell-0", api_key="wrong") as stranger:
             with pytest.raises(ValueError, match="401"):
                 await stranger.generate(req("f", 2))
@@ -91,7 +93,9 @@ def test_the_server_honours_stop_strings(served, tiny_model_dir: Path):
     prompt = tuple(range(30, 36))
 
     def greedy(*stop: str) -> GenerateRequest:
-        return GenerateRequest("s", prompt, SamplingParams(16, 0.0, stop=stop, ignore_eos=True))
+        return GenerateRequest(
+            "s", prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=stop, ignore_eos=True)
+        )
 
     async def scenario() -> None:
         async with SGLangEngine(url, "cell-0", api_key=KEY) as client:

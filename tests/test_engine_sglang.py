@@ -566,7 +566,7 @@ def test_api_key_is_sent() -> None:
 def test_server_spec_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("QWENGYRE_SGLANG_PYTHON", raising=False)
     spec = SGLangServerSpec(
-        "/ckpt/qwen",
+        model="/ckpt/qwen",
         port=30001,
         host="0.0.0.0",
         tp_size=2,
@@ -591,16 +591,16 @@ def test_server_spec_command(monkeypatch: pytest.MonkeyPatch) -> None:
     assert argv[-2:] == ["--mem-fraction-static", "0.8"]
     assert spec.env()["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert spec.base_url == "http://0.0.0.0:30001"
-    plain = SGLangServerSpec("/m", port=1, enable_memory_saver=False).command()
+    plain = SGLangServerSpec(model="/m", port=1, enable_memory_saver=False).command()
     assert not {"--enable-memory-saver", "--weight-version"} & set(plain)
     assert not any(arg.startswith("--api-key") for arg in argv + plain)
     monkeypatch.setenv("QWENGYRE_SGLANG_PYTHON", "/opt/sglang/bin/python")
-    assert SGLangServerSpec("/m", port=1).command()[0] == "/opt/sglang/bin/python"
+    assert SGLangServerSpec(model="/m", port=1).command()[0] == "/opt/sglang/bin/python"
 
 
 def test_the_key_goes_in_a_private_config_file_not_on_the_command_line(tmp_path: Path) -> None:
     key_file = tmp_path / "server.yaml"
-    spec = SGLangServerSpec("/m", port=1, api_key="k3y", key_file=str(key_file))
+    spec = SGLangServerSpec(model="/m", port=1, api_key="k3y", key_file=str(key_file))
     argv = spec.command()
     assert argv[argv.index("--config") + 1] == str(key_file) and "k3y" not in argv
     assert "k3y" not in repr(spec)
@@ -613,13 +613,13 @@ def test_the_key_goes_in_a_private_config_file_not_on_the_command_line(tmp_path:
     with pytest.raises(OSError):  # a link there is refused
         write_private(link, text)
     with pytest.raises(ValueError, match="key_file"):
-        SGLangServerSpec("/m", port=1, api_key="k3y")
+        SGLangServerSpec(model="/m", port=1, api_key="k3y")
 
 
 def test_launch_errors_clearly_without_sglang(tmp_path: Path) -> None:
     python = str(tmp_path / "no-python")
     with pytest.raises(SGLangNotInstalled, match=f"{python} cannot import 'sglang'"):
-        launch(SGLangServerSpec("/m", port=1, python=python))
+        launch(SGLangServerSpec(model="/m", port=1, python=python))
 
 
 def test_wait_until_healthy_times_out() -> None:
@@ -655,7 +655,7 @@ def test_real_sglang_server(tiny_model_dir: Path, tmp_path: Path) -> None:  # pr
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     spec = SGLangServerSpec(
-        str(tiny_model_dir), port=port, extra_args=("--mem-fraction-static", "0.3")
+        model=str(tiny_model_dir), port=port, extra_args=("--mem-fraction-static", "0.3")
     )
     log_path = tmp_path / "sglang.log"
     log = log_path.open("wb")

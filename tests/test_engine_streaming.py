@@ -25,7 +25,7 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 
 def req(rid: str = "r", max_tokens: int = 64, stop: tuple[str, ...] = ()) -> GenerateRequest:
-    return GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens, stop=stop))
+    return GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=max_tokens, stop=stop))
 
 
 async def deltas(*parts: TokenDelta) -> AsyncIterator[TokenDelta]:

@@ -68,7 +68,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         port = s.getsockname()[1]
     key = secrets.token_hex(16)
     spec = VLLMServerSpec(
-        str(model),
+        model=str(model),
         port=port,
         api_key=key,
         dtype="float32",
@@ -363,7 +363,7 @@ def test_server_spec_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QWENGYRE_VLLM_PYTHON", "/venvs/vllm/bin/python")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     spec = VLLMServerSpec(
-        "/ckpt/qwen",
+        model="/ckpt/qwen",
         port=8011,
         host="0.0.0.0",
         api_key="s3cret",
@@ -390,7 +390,7 @@ def test_server_spec_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env["PYTHONPATH"] == os.pathsep.join([src, "/elsewhere"])
     assert spec.base_url == "http://0.0.0.0:8011"
     monkeypatch.delenv("QWENGYRE_VLLM_PYTHON")
-    assert VLLMServerSpec("/m", port=1).python == sys.executable
+    assert VLLMServerSpec(model="/m", port=1).python == sys.executable
 
 
 def test_span_versions_and_request_body() -> None:

@@ -67,15 +67,22 @@ def _records() -> list[Record]:
         RoleRecord(0.0, 0, "rollout"),
         RoleRecord(0.0, 1, "rollout"),
         RoleRecord(0.0, 2, "rollout"),
-        LoadRecord(1.0, 10, 5, 16),
+        LoadRecord(time_s=1.0, running=10, queued=5, capacity=16),
         RoleRecord(5.0, 0, "to_training"),
-        SwitchRecord(6.0, 0, "training", 1.0),
+        SwitchRecord(time_s=6.0, cell=0, to="training", seconds=1.0),
         RoleRecord(6.0, 0, "training"),
         _step(0, 10.0, 0.25, 1.0),
-        GroupRecord(10.0, 0, 0, 0, 0, 0.0),
+        GroupRecord(
+            time_s=10.0,
+            group_id=0,
+            dispatch_version=0,
+            step=0,
+            staleness=0,
+            execution_staleness=0.0,
+        ),
         RoleRecord(11.0, 1, "training"),
         _step(1, 15.0, 0.5, 2.0),
-        SwitchRecord(16.0, 0, "rollout", 0.5),
+        SwitchRecord(time_s=16.0, cell=0, to="rollout", seconds=0.5),
         RoleRecord(16.0, 0, "rollout"),
         UsageRecord(16.0, 0, 12.0, 4.0),
     ]
@@ -145,7 +152,7 @@ def test_scalar_stream_skips_what_is_not_finite_and_names_the_standalone_pool():
     assert "step/reward_mean" not in values and "staleness/predicted" not in values
     assert "throughput/tokens_per_s" not in values  # no previous time
     assert stream.scalars(RoleRecord(1.0, -1, "training"))["cell/standalone/role"] == 1.0
-    assert stream.step_of(LoadRecord(2.0, 1, 1, 1)) == 0
+    assert stream.step_of(LoadRecord(time_s=2.0, running=1, queued=1, capacity=1)) == 0
 
 
 def test_metrics_tensorboard_false_writes_no_event_files(tmp_path: Path):

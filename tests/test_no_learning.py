@@ -123,7 +123,19 @@ def test_the_step_log_marks_a_step_with_no_learning_signal():
 
 def _write(run_dir: Path, steps: list[StepRecord]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    records = [RunRecord(0.0, "elastic", 1, 0.0, 3, 1.0, 8, 4), *steps]
+    records = [
+        RunRecord(
+            time_s=0.0,
+            policy="elastic",
+            mu=1,
+            phi=0.0,
+            cells=3,
+            predicted_staleness=1.0,
+            group_size=8,
+            batch=4,
+        ),
+        *steps,
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(r.to_json() + "\n" for r in records))
 
 

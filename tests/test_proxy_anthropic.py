@@ -612,7 +612,9 @@ def test_sampling_defaults_and_ranges() -> None:
     )
     assert (req.sampling.temperature, req.sampling.top_k) == (1.5, -1)
     nulls = {**base, "temperature": None, "top_p": None, "system": None, "tools": None}
-    assert parse_messages_request(json.dumps(nulls).encode(), {}).sampling == SamplingParams(7)
+    assert parse_messages_request(json.dumps(nulls).encode(), {}).sampling == SamplingParams(
+        max_tokens=7
+    )
 
 
 @pytest.mark.parametrize(

@@ -592,7 +592,15 @@ def test_parse_unicode_survives() -> None:
     assert req.messages[1].tool_calls[0].arguments == {"msg": text}
     assert req.sampling.stop == ("🛑",)
     # and on the way out
-    c = Completion("u", MODEL, text, (ToolCall("c", "say", {"msg": text}),), "tool_use", 1, 1)
+    c = Completion(
+        id="u",
+        model=MODEL,
+        text=text,
+        tool_calls=(ToolCall("c", "say", {"msg": text}),),
+        stop_reason="tool_use",
+        input_tokens=1,
+        output_tokens=1,
+    )
     body = json.loads(json.dumps(completion_body(c, CREATED)))
     assert body["choices"][0]["message"]["content"] == text
     assert json.loads(body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {
@@ -778,7 +786,15 @@ def test_parse_rejects_malformed_bodies(raw: bytes, needle: str) -> None:
     ],
 )
 def test_finish_reasons(stop_reason: Any, tool_calls: tuple[ToolCall, ...], expected: str) -> None:
-    c = Completion("x", MODEL, "t", tool_calls, stop_reason, 1, 1)
+    c = Completion(
+        id="x",
+        model=MODEL,
+        text="t",
+        tool_calls=tool_calls,
+        stop_reason=stop_reason,
+        input_tokens=1,
+        output_tokens=1,
+    )
     assert completion_body(c, CREATED)["choices"][0]["finish_reason"] == expected
     events = list(stream_chunks(c, CREATED, logprobs=False, include_usage=False))
     final = json.loads(events[-2][len(b"data: ") :])
@@ -787,7 +803,15 @@ def test_finish_reasons(stop_reason: Any, tool_calls: tuple[ToolCall, ...], expe
 
 def test_completion_body_content_null_only_with_tool_calls() -> None:
     assert completion_body(TOOLS, CREATED)["choices"][0]["message"]["content"] is None
-    empty = Completion("e", MODEL, "", (), "end_turn", 1, 0)
+    empty = Completion(
+        id="e",
+        model=MODEL,
+        text="",
+        tool_calls=(),
+        stop_reason="end_turn",
+        input_tokens=1,
+        output_tokens=0,
+    )
     message = completion_body(empty, CREATED)["choices"][0]["message"]
     assert message["content"] == "" and "tool_calls" not in message
     assert completion_body(MIXED, CREATED)["choices"][0]["message"]["content"] == MIXED.text
@@ -857,13 +881,13 @@ def test_stream_chunking() -> None:
 
 def test_stream_logprobs_when_tokens_do_not_spell_the_text() -> None:
     c = Completion(
-        "odd",
-        MODEL,
-        "Hello world",
-        (),
-        "end_turn",
-        1,
-        3,
+        id="odd",
+        model=MODEL,
+        text="Hello world",
+        tool_calls=(),
+        stop_reason="end_turn",
+        input_tokens=1,
+        output_tokens=3,
         logprobs=(
             TokenLogprob("<think>", -0.5),
             TokenLogprob("Hello", -1.0),
@@ -964,7 +988,15 @@ def test_a_forwarded_header_that_is_not_utf8_is_refused() -> None:
 
 def test_a_lone_surrogate_in_a_reply_streams_losslessly() -> None:
     call = ToolCall("call_1", "f", {"s": "a\ud800b"})
-    c = Completion("u", MODEL, "hé", (call,), "tool_use", 1, 1)
+    c = Completion(
+        id="u",
+        model=MODEL,
+        text="hé",
+        tool_calls=(call,),
+        stop_reason="tool_use",
+        input_tokens=1,
+        output_tokens=1,
+    )
     arguments = ""
     for chunk in stream_chunks(c, CREATED, logprobs=False, include_usage=False, chunk_chars=3):
         data = chunk.decode("utf-8").removeprefix("data: ").removesuffix("\n\n")

@@ -30,7 +30,7 @@ def completion(text: str, calls: tuple[ToolCall, ...] = (), **kw: Any) -> Comple
     stop = "tool_use" if calls else "end_turn"
     args: dict[str, Any] = {"stop_reason": stop, "input_tokens": 40, "output_tokens": 9}
     args.update(kw)
-    return Completion("msg_abc", MODEL, text, calls, **args)
+    return Completion(id="msg_abc", model=MODEL, text=text, tool_calls=calls, **args)
 
 
 CASES = {

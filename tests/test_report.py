@@ -84,18 +84,19 @@ def _records() -> list[Record]:
     # Cell 1 goes to training at 100 s (5 s switch) and back at 400 s (3 s switch).
     records += [
         RoleRecord(100.0, 1, Role.TO_TRAINING.value),
-        SwitchRecord(105.0, 1, "training", 5.0, "stopped"),
+        SwitchRecord(time_s=105.0, cell=1, to="training", seconds=5.0, engine="stopped"),
         RoleRecord(105.0, 1, Role.TRAINING.value),
         RoleRecord(400.0, 1, Role.TO_ROLLOUT.value),
-        SwitchRecord(403.0, 1, "rollout", 3.0, "stopped"),
+        SwitchRecord(time_s=403.0, cell=1, to="rollout", seconds=3.0, engine="stopped"),
         RoleRecord(403.0, 1, Role.ROLLOUT.value),
         # Cell 2 switches to training at 500 s (7 s) and stays there to the end.
         RoleRecord(500.0, 2, Role.TO_TRAINING.value),
-        SwitchRecord(507.0, 2, "training", 7.0),
+        SwitchRecord(time_s=507.0, cell=2, to="training", seconds=7.0),
         RoleRecord(507.0, 2, Role.TRAINING.value),
     ]
     records += [
-        LoadRecord(50.0 * i, running=10 - i % 3, queued=i % 4, capacity=12) for i in range(20)
+        LoadRecord(time_s=50.0 * i, running=10 - i % 3, queued=i % 4, capacity=12)
+        for i in range(20)
     ]
     records += [_step(s, 100.0 * (s + 1)) for s in range(STEPS)]
     records += [PublicationRecord(100.0 * s + 50.0, s, 0.5 * s) for s in (1, 2, 3)]
@@ -198,7 +199,7 @@ def test_integers_are_accepted_for_float_fields_and_extra_keys_ignored():
     record = parse_record(
         '{"kind": "switch", "time_s": 2, "cell": 1, "to": "rollout", "seconds": 3, "x": 0}'
     )
-    assert record == SwitchRecord(2.0, 1, "rollout", 3.0)
+    assert record == SwitchRecord(time_s=2.0, cell=1, to="rollout", seconds=3.0)
     assert isinstance(record.time_s, float)
 
 
@@ -233,7 +234,7 @@ def test_step_metrics_are_mirrored_to_tensorboard_when_available(
     with open_metrics(tmp_path, load_config(None, []), fsync=True) as writer:
         assert [sink.name for sink in writer.sinks] == ["tensorboard"]
         writer.write(_step(7, 10.0))
-        writer.write(LoadRecord(1.0, 1, 2, 3))  # at the latest step
+        writer.write(LoadRecord(time_s=1.0, running=1, queued=2, capacity=3))  # at the latest step
     assert dirs == [tmp_path / "tensorboard"]
     assert fake.closed and writer.closed
     tags = {tag: (value, step) for tag, value, step in fake.scalars}
@@ -308,8 +309,20 @@ def _is_png(path: Path) -> bool:
 def test_write_report_writes_a_page_and_valid_pngs(tmp_path: Path):
     _write_run(tmp_path)
     log = AssessmentLog(tmp_path / ASSESSMENTS_FILE)
-    invalid = Assessment(None, False, "d1", 1, "command", "timeout")
-    log.write("a", 0, 0, [invalid, Assessment(1.0, True, "d1", 2, "command", "ok")])
+    invalid = Assessment(
+        score=None, valid=False, artifact="d1", attempt=1, evaluator="command", detail="timeout"
+    )
+    log.write(
+        "a",
+        0,
+        0,
+        [
+            invalid,
+            Assessment(
+                score=1.0, valid=True, artifact="d1", attempt=2, evaluator="command", detail="ok"
+            ),
+        ],
+    )
     log.write("b", 0, 1, [invalid])
     log.write("c", 0, 2, [placeholder("the harness could not start")])
     index = write_report(tmp_path)
@@ -401,7 +414,16 @@ def test_report_command_errors_are_one_line(tmp_path: Path, capsys: pytest.Captu
 def _async_records() -> list[Record]:
     """An async run of 10 steps, 150 s each: cell 0 trains, cells 1 and 2 roll out."""
     return [
-        RunRecord(0.0, "async", 1, 1.0, 3, 2.0, 8, 4),
+        RunRecord(
+            time_s=0.0,
+            policy="async",
+            mu=1,
+            phi=1.0,
+            cells=3,
+            predicted_staleness=2.0,
+            group_size=8,
+            batch=4,
+        ),
         *(RoleRecord(0.0, cell, Role.ROLLOUT.value) for cell in range(3)),
         RoleRecord(0.0, 0, Role.TRAINING.value),
         *(_step(s, 150.0 * (s + 1)) for s in range(STEPS)),

@@ -282,10 +282,35 @@ def test_the_log_keeps_every_assessment_durably_and_reads_back(tmp_path: Path):
     path = tmp_path / "assessments.jsonl"
     log = AssessmentLog(path)
     middle = Assessment(
-        0.5, True, "d1", 1, "python", "ok", kind="intermediate", version=1, critique="c"
+        score=0.5,
+        valid=True,
+        artifact="d1",
+        attempt=1,
+        evaluator="python",
+        detail="ok",
+        kind="intermediate",
+        version=1,
+        critique="c",
     )
-    bad = Assessment(None, False, "d2", 1, "python", "timeout", version=2)
-    good = Assessment(1.0, True, "d2", 2, "python", "ok", version=2, time_s=5.0)
+    bad = Assessment(
+        score=None,
+        valid=False,
+        artifact="d2",
+        attempt=1,
+        evaluator="python",
+        detail="timeout",
+        version=2,
+    )
+    good = Assessment(
+        score=1.0,
+        valid=True,
+        artifact="d2",
+        attempt=2,
+        evaluator="python",
+        detail="ok",
+        version=2,
+        time_s=5.0,
+    )
     assert log.write("ex_a", 0, 3, [middle, bad, good], task_id="t") == 3
     assert log.write("ex_b", 1, 0, [placeholder("no harness")]) == 1
     assert log.write("ex_c", 1, 1, []) == 0
@@ -293,7 +318,9 @@ def test_the_log_keeps_every_assessment_durably_and_reads_back(tmp_path: Path):
         stream.write('{"execution_id": "ex_torn", "gro')  # a crash mid-write
     records = read_assessments(path)
     assert [r.assessment for r in records[:3]] == [middle, bad, good]
-    assert records[0] == AssessmentRecord("ex_a", "t", 0, 3, middle)
+    assert records[0] == AssessmentRecord(
+        execution_id="ex_a", task_id="t", group=0, index=3, assessment=middle
+    )
     assert records[3].assessment.kind == "placeholder" and records[3].group == 1
     line = json.loads(path.read_text().splitlines()[0])
     assert {"execution_id", "group", "index", "kind", "version", "artifact", "score"} <= set(line)

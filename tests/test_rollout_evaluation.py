@@ -464,8 +464,12 @@ def test_assessment_refuses_inconsistent_values(kwargs: dict[str, Any]) -> None:
 
 def test_assessment_refuses_bool_score_and_converts_int() -> None:
     with pytest.raises(TypeError):
-        Assessment(True, True, "abc", 1, "command", "ok")  # type: ignore[arg-type]
-    converted = Assessment(1, True, "abc", 1, "command", "ok")  # type: ignore[arg-type]
+        Assessment(
+            score=True, valid=True, artifact="abc", attempt=1, evaluator="command", detail="ok"
+        )  # type: ignore[arg-type]
+    converted = Assessment(
+        score=1, valid=True, artifact="abc", attempt=1, evaluator="command", detail="ok"
+    )  # type: ignore[arg-type]
     assert isinstance(converted.score, float) and converted.score == 1.0
     assert json.loads(json.dumps(converted.to_dict()))["score"] == 1.0
 
@@ -481,8 +485,12 @@ def test_placeholder() -> None:
 
 
 def test_final_prefers_valid_and_never_invents_zero() -> None:
-    bad = Assessment(None, False, "abc", 1, "command", "timeout")
-    good = Assessment(0.0, True, "abc", 2, "command", "ok")
+    bad = Assessment(
+        score=None, valid=False, artifact="abc", attempt=1, evaluator="command", detail="timeout"
+    )
+    good = Assessment(
+        score=0.0, valid=True, artifact="abc", attempt=2, evaluator="command", detail="ok"
+    )
     assert final([]) is None
     assert final([bad]) is None
     assert final([bad, good]) is good
@@ -547,15 +555,69 @@ def test_an_assessment_names_its_evaluator_time_and_critique(tmp_path: Path) -> 
 
 
 def test_kinds_are_consistent_and_intermediate_ones_never_give_the_reward() -> None:
-    middle = Assessment(1.0, True, "abc", 1, "command", "ok", kind="intermediate", version=1)
+    middle = Assessment(
+        score=1.0,
+        valid=True,
+        artifact="abc",
+        attempt=1,
+        evaluator="command",
+        detail="ok",
+        kind="intermediate",
+        version=1,
+    )
     assert final([middle]) is None  # an intermediate assessment is never the reward
-    later = Assessment(0.0, True, "abd", 1, "command", "ok", version=2)
+    later = Assessment(
+        score=0.0,
+        valid=True,
+        artifact="abd",
+        attempt=1,
+        evaluator="command",
+        detail="ok",
+        version=2,
+    )
     assert final([later, middle]) is later
     assert placeholder("x").kind == "placeholder"
-    assert Assessment(0.0, True, "", 0, "placeholder", "x", placeholder=True).kind == "placeholder"
+    assert (
+        Assessment(
+            score=0.0,
+            valid=True,
+            artifact="",
+            attempt=0,
+            evaluator="placeholder",
+            detail="x",
+            placeholder=True,
+        ).kind
+        == "placeholder"
+    )
     with pytest.raises(ValueError, match="version"):
-        Assessment(1.0, True, "abc", 1, "command", "ok", kind="intermediate")
+        Assessment(
+            score=1.0,
+            valid=True,
+            artifact="abc",
+            attempt=1,
+            evaluator="command",
+            detail="ok",
+            kind="intermediate",
+        )
     with pytest.raises(ValueError, match="kind"):
-        Assessment(1.0, True, "abc", 1, "command", "ok", kind="draft")
+        Assessment(
+            score=1.0,
+            valid=True,
+            artifact="abc",
+            attempt=1,
+            evaluator="command",
+            detail="ok",
+            kind="draft",
+        )
     with pytest.raises(ValueError, match="placeholder"):
-        Assessment(0.0, True, "", 0, "x", "y", placeholder=True, kind="intermediate", version=1)
+        Assessment(
+            score=0.0,
+            valid=True,
+            artifact="",
+            attempt=0,
+            evaluator="x",
+            detail="y",
+            placeholder=True,
+            kind="intermediate",
+            version=1,
+        )

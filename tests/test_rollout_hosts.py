@@ -30,11 +30,26 @@ TASK = Task(
 
 def request(execution_id: str, *command: str) -> ExecutionRequest:
     spec = HarnessSpec(command=command or ("true",), deadline_s=20)
-    return ExecutionRequest(TASK, spec, Budgets(20, 30), execution_id, "http://127.0.0.1:9", "k")
+    return ExecutionRequest(
+        task=TASK,
+        harness=spec,
+        budgets=Budgets(20, 30),
+        execution_id=execution_id,
+        base_url="http://127.0.0.1:9",
+        api_key="k",
+    )
 
 
 def result(execution_id: str, outcome: Outcome) -> ExecutionResult:
-    return ExecutionResult(execution_id, "t", outcome, None, 0.0, 0.0, None)
+    return ExecutionResult(
+        execution_id=execution_id,
+        task_id="t",
+        outcome=outcome,
+        reward=None,
+        started_s=0.0,
+        ended_s=0.0,
+        harness=None,
+    )
 
 
 class FakeHost:

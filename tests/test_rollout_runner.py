@@ -228,12 +228,39 @@ def test_a_call_the_harness_never_received_is_not_one_of_its_calls_in_the_trace(
 
     tree = TrajectoryTree()
     usage = {"input_tokens": 10, "output_tokens": 3}
-    cut = NodeMeta("main.task", "main", "e", 0, 1.0, 2.0, "abort", usage, delivered=False)
+    cut = NodeMeta(
+        request_class="main.task",
+        agent_id="main",
+        engine="e",
+        policy_version=0,
+        started_s=1.0,
+        finished_s=2.0,
+        finish_reason="abort",
+        usage=usage,
+        delivered=False,
+    )
     tree.add(None, (1, 2), (3, 4, 5), (-0.1,) * 3, (0,) * 3, cut)
-    retry = NodeMeta("main.task", "main", "e", 0, 2.0, 3.0, "stop", usage)
+    retry = NodeMeta(
+        request_class="main.task",
+        agent_id="main",
+        engine="e",
+        policy_version=0,
+        started_s=2.0,
+        finished_s=3.0,
+        finish_reason="stop",
+        usage=usage,
+    )
     tree.add(None, (1, 2), (6, 7, 8), (-0.1,) * 3, (0,) * 3, retry)
     task = load_tasks(example_tasks_path())[0]
-    result = ExecutionResult("ex", task.id, Outcome.COMPLETED, 1.0, 0.0, 5.0, None)
+    result = ExecutionResult(
+        execution_id="ex",
+        task_id=task.id,
+        outcome=Outcome.COMPLETED,
+        reward=1.0,
+        started_s=0.0,
+        ended_s=5.0,
+        harness=None,
+    )
     record = trace_record(task, 0, 0, result, 0.0, tree.to_json()["nodes"], 0.0)
     assert [(c.start_s, c.end_s) for c in record.calls] == [(2.0, 3.0)]
     assert record.train_tokens == 3

@@ -55,7 +55,7 @@ def probe(tmp_path: Path, spec: HarnessSpec) -> dict[str, str]:
     env = {"RUN_DIR": str(run_dir), "HIDDEN": str(hidden), "ELSEWHERE": str(elsewhere)}
     env["TOKEN"] = str(tmp_path / "token")
     env["HOME_DIR"] = "{home_dir}"  # the execution's own home (under its logs)
-    spec = HarnessSpec(("sh", "-c", PROBE), 30, env=env, sandbox=spec.sandbox)
+    spec = HarnessSpec(command=("sh", "-c", PROBE), deadline_s=30, env=env, sandbox=spec.sandbox)
     run = asyncio.run(
         run_harness(
             spec,
@@ -79,7 +79,7 @@ def test_a_sandboxed_harness_writes_only_its_workspace_and_home_and_sees_no_run_
     tmp_path: Path,
 ) -> None:
     hide = (tmp_path / "creds", tmp_path / "token")
-    confined = HarnessSpec(("true",), 1, sandbox=Bubblewrap(hide))
+    confined = HarnessSpec(command=("true",), deadline_s=1, sandbox=Bubblewrap(hide))
     seen = probe(tmp_path, confined)
     assert seen == {
         "workspace": "yes",
@@ -99,7 +99,7 @@ def test_a_sandboxed_harness_writes_only_its_workspace_and_home_and_sees_no_run_
 
 
 def test_without_a_sandbox_the_same_harness_reaches_everything(tmp_path: Path) -> None:
-    seen = probe(tmp_path, HarnessSpec(("true",), 1))
+    seen = probe(tmp_path, HarnessSpec(command=("true",), deadline_s=1))
     reached = ("elsewhere", "run_dir", "secret", "hidden", "hidden_file")
     assert {k: seen[k] for k in reached} == dict.fromkeys(reached, "yes")
 
@@ -108,7 +108,9 @@ def test_without_a_sandbox_the_same_harness_reaches_everything(tmp_path: Path) -
 def test_a_tool_that_leaves_the_session_dies_with_the_sandbox(tmp_path: Path) -> None:
     marker = f"{uuid.uuid4().int % 10**6 + 10**6}.5"  # a sleep nobody else runs
     escape = f"setsid sleep {marker} & echo started > started; sleep 60"
-    spec = HarnessSpec(("sh", "-c", escape), 60, kill_grace_s=0.5, sandbox=Bubblewrap())
+    spec = HarnessSpec(
+        command=("sh", "-c", escape), deadline_s=60, kill_grace_s=0.5, sandbox=Bubblewrap()
+    )
     workspace = tmp_path / "ws"
     workspace.mkdir()
 

@@ -152,7 +152,7 @@ def test_train_keeps_the_lock_across_its_restart(tmp_path: Path):
     def log(line: str) -> None:  # train() logs the restart between the two calls
         between.append(_locked_by_another_process(run_dir))
 
-    options = TrainOptions(run_dir, config, log=log)
+    options = TrainOptions(run_dir=run_dir, config=config, log=log)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train_module, "_train_once", train_once)
         assert asyncio.run(train(options)) == "done"  # type: ignore[comparison-overlap]
@@ -183,7 +183,7 @@ def test_a_foreign_non_empty_directory_is_refused_without_a_lock_file(tmp_path: 
     with pytest.raises(ValueError, match="is not empty"), lock_run_dir(tmp_path, new=True):
         pass
     with pytest.raises(ValueError, match="is not empty"):
-        asyncio.run(train(TrainOptions(tmp_path, load_config())))
+        asyncio.run(train(TrainOptions(run_dir=tmp_path, config=load_config())))
     assert not (tmp_path / LOCK_FILE).exists()
 
 

@@ -70,7 +70,9 @@ def config(tmp_path: Path, model_dir: Path, *extra: str) -> Config:
 
 def run(tmp_path: Path, model_dir: Path, *extra: str) -> Path:
     run_dir = tmp_path / "run"
-    options = TrainOptions(run_dir, config(tmp_path, model_dir, *extra), display=False)
+    options = TrainOptions(
+        run_dir=run_dir, config=config(tmp_path, model_dir, *extra), display=False
+    )
     asyncio.run(train(options))
     return run_dir
 
@@ -178,7 +180,7 @@ def resume_and_check(run_dir: Path, steps: int) -> None:
     before = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
     finished_before = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
 
-    asyncio.run(train(TrainOptions(run_dir, resume=True, display=False)))
+    asyncio.run(train(TrainOptions(run_dir=run_dir, resume=True, display=False)))
 
     after = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
     assert after["version"] == steps
@@ -195,7 +197,7 @@ def resume_and_check(run_dir: Path, steps: int) -> None:
     # A complete run is not resumed again: it says so and leaves its records as they are.
     metrics = (run_dir / "metrics.jsonl").read_bytes()
     with pytest.raises(ValueError, match=f"is complete: version {steps} of run.steps={steps}"):
-        asyncio.run(train(TrainOptions(run_dir, resume=True, display=False)))
+        asyncio.run(train(TrainOptions(run_dir=run_dir, resume=True, display=False)))
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
 
 

@@ -82,11 +82,11 @@ def test_rows_refuse_a_base_they_cannot_derive_from():
 
 
 def test_figures_compute_percent_change_and_speedup():
-    slower = PaperFigure("X", "Y", 7.6, "percent")
+    slower = PaperFigure(row="X", reference="Y", paper=7.6, kind="percent")
     assert slower.measure(11.0, 10.0) == pytest.approx(10.0)
     assert slower.agrees(10.0) and not slower.agrees(-3.0)
     assert not slower.agrees(0.4)  # a tie (< TIE_PERCENT) goes no way
-    faster = PaperFigure("X", "Y", 1.19, "speedup")
+    faster = PaperFigure(row="X", reference="Y", paper=1.19, kind="speedup")
     assert faster.measure(10.0, 12.0) == pytest.approx(1.2)  # Y's time over X's
     assert faster.change_percent(1.25) == pytest.approx(-20.0)
     assert faster.agrees(1.2) and not faster.agrees(0.9)

@@ -67,7 +67,9 @@ def workloads(draw: st.DrawFn) -> Workload:
     kind = draw(st.sampled_from(["fixed", "122b", "2p4t", "harsh"]))
     if kind == "fixed":
         duration = draw(seconds(60, 3600, 7200))
-        return FixedWorkload(duration, train_tokens=draw(st.sampled_from([0, 100_000])), seed=seed)
+        return FixedWorkload(
+            duration_s=duration, train_tokens=draw(st.sampled_from([0, 100_000])), seed=seed
+        )
     if kind == "2p4t":
         return ParametricWorkload.paper_2p4t(seed)
     preset = ParametricWorkload.paper_122b(seed)
@@ -97,7 +99,7 @@ def run(params: SchedulerParams, costs: SimCosts, workload: Workload, steps: int
         async_training_cells=1,
     ),
     costs=make_costs(train_step_overhead_s=36000.0),
-    workload=FixedWorkload(3600.0),
+    workload=FixedWorkload(duration_s=3600.0),
     steps=4,
 )  # fmt: skip
 def test_no_run_ends_below_its_bound(
@@ -131,7 +133,7 @@ def test_one_cell_with_equal_executions_runs_within_two_percent_of_its_bound():
         policy="elastic", group_size=4, batch=4, cells=1, cell_capacity=16, tau_s=30.0
     )
     costs = make_costs(train_tokens_per_cell_s=1_000.0)
-    result = run(params, costs, FixedWorkload(3600.0, train_tokens=20_000), steps=4)
+    result = run(params, costs, FixedWorkload(duration_s=3600.0, train_tokens=20_000), steps=4)
     over = result.end_to_end_s / result.bound.seconds
     assert over >= 1.0 and over < 1.02
 
@@ -167,7 +169,7 @@ def test_one_cell_with_equal_executions_runs_within_two_percent_of_its_bound():
 def test_each_term_binds_somewhere_and_is_close(
     term: str, params: SchedulerParams, costs: SimCosts
 ):
-    result = run(params, costs, FixedWorkload(3600.0), steps=6)
+    result = run(params, costs, FixedWorkload(duration_s=3600.0), steps=6)
     assert result.bound.binding == term
     over = result.end_to_end_s / result.bound.seconds
     assert over >= 1.0 and over < 1.05

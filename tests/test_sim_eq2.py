@@ -53,7 +53,7 @@ def valid_workloads(draw: st.DrawFn) -> Workload:
     seed = draw(st.integers(0, 20))
     kind = draw(st.sampled_from(["fixed", "122b", "2p4t"]))
     if kind == "fixed":
-        return FixedWorkload(3600.0, seed=seed)
+        return FixedWorkload(duration_s=3600.0, seed=seed)
     preset = ParametricWorkload.paper_122b if kind == "122b" else ParametricWorkload.paper_2p4t
     return dataclasses.replace(preset(seed), eval_failure_prob=0.0, overall_budget_h=1e6)
 

@@ -49,9 +49,9 @@ def step(step: int, tokens: int, micro_step_s: float, update_s: float) -> StepRe
 
 
 RECORDS: list[Record] = [
-    SwitchRecord(1.0, 1, "training", 2.0),
-    SwitchRecord(2.0, 2, "training", 4.0),
-    SwitchRecord(3.0, 1, "rollout", 1.0),
+    SwitchRecord(time_s=1.0, cell=1, to="training", seconds=2.0),
+    SwitchRecord(time_s=2.0, cell=2, to="training", seconds=4.0),
+    SwitchRecord(time_s=3.0, cell=1, to="rollout", seconds=1.0),
     PublicationRecord(4.0, 1, 0.5),
     PublicationRecord(5.0, 2, 1.5),
     step(0, 1000, 0.5, 0.2),

@@ -86,7 +86,7 @@ def _run(cells: int, policy: str, workload: Workload, extra: tuple[str, ...]) ->
     )
 
 
-FIXED = FixedWorkload(1800.0, train_tokens=60_000)
+FIXED = FixedWorkload(duration_s=1800.0, train_tokens=60_000)
 # (cells, policy, workload, overrides) -> (end-to-end s, launched, cancelled, dropped,
 # reroutes, role spans, load samples, rollout utilisation, mean staleness, training share)
 PINNED = [

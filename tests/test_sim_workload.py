@@ -243,15 +243,40 @@ def test_evaluator_failures_become_overall_timeouts_only_when_budget_runs_out():
 
 def test_execution_spec_rejects_inconsistent_values():
     with pytest.raises(ValueError, match="no valid reward"):
-        ExecutionSpec(0, 0, 10.0, Outcome.OVERALL_TIMEOUT, 0.0, 0)
+        ExecutionSpec(
+            query_id=0,
+            index=0,
+            duration_s=10.0,
+            outcome=Outcome.OVERALL_TIMEOUT,
+            reward=0.0,
+            train_tokens=0,
+        )
     with pytest.raises(ValueError, match="completed"):
-        ExecutionSpec(0, 0, 10.0, Outcome.COMPLETED, None, 0)
+        ExecutionSpec(
+            query_id=0,
+            index=0,
+            duration_s=10.0,
+            outcome=Outcome.COMPLETED,
+            reward=None,
+            train_tokens=0,
+        )
     with pytest.raises(ValueError, match="cancel"):
-        ExecutionSpec(0, 0, 10.0, Outcome.CANCELLED, None, 0)
+        ExecutionSpec(
+            query_id=0,
+            index=0,
+            duration_s=10.0,
+            outcome=Outcome.CANCELLED,
+            reward=None,
+            train_tokens=0,
+        )
     with pytest.raises(ValueError, match="duration"):
-        ExecutionSpec(0, 0, -1.0, Outcome.FAILED, 0.0, 0)
+        ExecutionSpec(
+            query_id=0, index=0, duration_s=-1.0, outcome=Outcome.FAILED, reward=0.0, train_tokens=0
+        )
     with pytest.raises(ValueError, match="train_tokens"):
-        ExecutionSpec(0, 0, 1.0, Outcome.FAILED, 0.0, -5)
+        ExecutionSpec(
+            query_id=0, index=0, duration_s=1.0, outcome=Outcome.FAILED, reward=0.0, train_tokens=-5
+        )
 
 
 def test_parametric_workload_rejects_deadline_beyond_budget():
@@ -281,7 +306,7 @@ def test_block_stats_counts_long_queries_ending_with_overall_timeout():
 
 
 def test_fixed_workload_durations_and_validity():
-    workload = FixedWorkload(1234.5, train_tokens=777)
+    workload = FixedWorkload(duration_s=1234.5, train_tokens=777)
     specs = [workload.execution(q, i) for q in range(10) for i in range(16)]
     assert all(s.duration_s == 1234.5 for s in specs)
     assert all(s.outcome is Outcome.COMPLETED and s.valid for s in specs)
@@ -289,19 +314,19 @@ def test_fixed_workload_durations_and_validity():
 
 
 def test_fixed_workload_rewards_vary_within_groups_deterministically():
-    workload = FixedWorkload(60.0, seed=3)
+    workload = FixedWorkload(duration_s=60.0, seed=3)
     for query_id in range(20):
         rewards = [workload.execution(query_id, i).reward for i in range(16)]
         assert set(rewards) == {0.0, 1.0}
         assert rewards == [
-            FixedWorkload(60.0, seed=3).execution(query_id, i).reward for i in range(16)
+            FixedWorkload(duration_s=60.0, seed=3).execution(query_id, i).reward for i in range(16)
         ]
     everywhere = [workload.execution(q, i).reward or 0.0 for q in range(200) for i in range(16)]
     assert 0.45 < sum(everywhere) / len(everywhere) < 0.55
 
 
 def test_fixed_workload_constant_reward():
-    workload = FixedWorkload(60.0, reward=0.25)
+    workload = FixedWorkload(duration_s=60.0, reward=0.25)
     assert {workload.execution(q, i).reward for q in range(5) for i in range(5)} == {0.25}
 
 
@@ -344,4 +369,4 @@ def test_registry_trace_path_rules(tmp_path: Path):
     with pytest.raises(FileNotFoundError):
         workload_from_name("trace", 0, tmp_path / "missing.jsonl")
     # other workloads ignore a trace path left in the config
-    assert workload_from_name("fixed", 0, tmp_path / "x.jsonl") == FixedWorkload(3600.0)
+    assert workload_from_name("fixed", 0, tmp_path / "x.jsonl") == FixedWorkload(duration_s=3600.0)

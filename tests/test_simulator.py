@@ -139,7 +139,7 @@ def test_shapes_span_every_split_burst_and_standalone_pool():
     # cells, and mu 1..3 with 1..7.
     assert len(colocate) == 8 + 3 * 7
     assert all(s.phi == 0 or s.standalone_cells for s in colocate)
-    c1 = Shape("colocate", 3, 0.5, standalone_cells=1).apply(config)
+    c1 = Shape(policy="colocate", mu=3, phi=0.5, standalone_cells=1).apply(config)
     assert (c1.cells.count, c1.cells.standalone_capacity) == (7, 144)
     assert c1.scheduler.phi == 0.5 and c1.scheduler.policy == "colocate"
     # B = 3 leaves out shapes whose queue depth is not whole: (phi + mu) B = 4.5 at mu 1.

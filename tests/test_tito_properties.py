@@ -85,7 +85,7 @@ def test_recorded_tokens_are_exactly_what_the_engine_saw(renderer: ChatRenderer,
             api="anthropic",
             model="m",
             messages=(Message("system", agent.system), *agent.messages),
-            sampling=SamplingParams(64),
+            sampling=SamplingParams(max_tokens=64),
             tools=TOOLS,
             headers=agent.headers,
         )

@@ -96,7 +96,7 @@ def test_one_step_of_rl_through_claude_code(
     assert config.harness.name == "claude-code-bare"
     run_dir = tmp_path / "run"
     began = time.monotonic()
-    asyncio.run(train(TrainOptions(run_dir, config, display=False)))
+    asyncio.run(train(TrainOptions(run_dir=run_dir, config=config, display=False)))
     seconds = time.monotonic() - began
 
     # Every execution ran through Claude Code; those that completed made model calls

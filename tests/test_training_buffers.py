@@ -137,7 +137,15 @@ def run_batch(
 
 
 def _meta(cls: str = "main.task") -> NodeMeta:
-    return NodeMeta(cls, "main", "e", 0, 0.0, 1.0, "stop")
+    return NodeMeta(
+        request_class=cls,
+        agent_id="main",
+        engine="e",
+        policy_version=0,
+        started_s=0.0,
+        finished_s=1.0,
+        finish_reason="stop",
+    )
 
 
 def _tree_execution(eid: str, advantage: float, seed: int) -> ExecutionSample:
@@ -440,7 +448,16 @@ def test_claim_waits_for_put_and_returns_none_after_close_and_drain():
         await queue.put(micro_steps[1])
         assert queue.queued == 1
         with pytest.raises(ValueError, match="summary counts 1 micro-steps, 2 were put"):
-            await queue.close(BatchSummary(0, (), 0, 0, 1, 0))
+            await queue.close(
+                BatchSummary(
+                    step=0,
+                    group_ids=(),
+                    num_executions=0,
+                    num_target_tokens=0,
+                    num_micro_steps=1,
+                    num_tokens=0,
+                )
+            )
         late = asyncio.create_task(queue.claim(2))
         await queue.close(summary)
         assert (await late) is micro_steps[1]
@@ -454,7 +471,16 @@ def test_claim_waits_for_put_and_returns_none_after_close_and_drain():
         blocked = asyncio.create_task(queue.claim(0))
         await asyncio.sleep(0)
         assert not blocked.done()
-        await queue.close(BatchSummary(1, (), 0, 0, 0, 0))
+        await queue.close(
+            BatchSummary(
+                step=1,
+                group_ids=(),
+                num_executions=0,
+                num_target_tokens=0,
+                num_micro_steps=0,
+                num_tokens=0,
+            )
+        )
         assert await blocked is None
         with pytest.raises(ValueError, match="step 1 does not follow step 1"):
             queue.open(1)
@@ -472,6 +498,15 @@ def test_queue_refuses_a_new_step_before_the_open_one_drains():
         with pytest.raises(ValueError, match="step 0 is not closed and drained"):
             queue.open(1)
         with pytest.raises(ValueError, match="summary of step 1; open step is 0"):
-            await queue.close(BatchSummary(1, (), 0, 0, 1, 0))
+            await queue.close(
+                BatchSummary(
+                    step=1,
+                    group_ids=(),
+                    num_executions=0,
+                    num_target_tokens=0,
+                    num_micro_steps=1,
+                    num_tokens=0,
+                )
+            )
 
     asyncio.run(main())

@@ -64,12 +64,12 @@ async def start(
     config = cells_config(cells, shards)
     specs = [
         CellSpec(
-            r,
-            s,
-            f"tcp://127.0.0.1:{port}",
-            str(model_dir),
-            board,
-            config,
+            rank=r,
+            shard=s,
+            init_method=f"tcp://127.0.0.1:{port}",
+            model_dir=str(model_dir),
+            board=board,
+            config=config,
             checkpoint=checkpoint,
         )
         for r in range(cells)
@@ -202,7 +202,14 @@ def test_two_sharded_cells_match_one_cell_hold_half_each_and_resume_with_any_g(
 
 def test_a_cell_error_comes_back_and_the_cell_keeps_serving(tiny_model_dir: Path) -> None:
     board = f"qg-test-{uuid.uuid4().hex[:12]}"
-    spec = CellSpec(0, 0, "", str(tiny_model_dir), board, cells_config(1))
+    spec = CellSpec(
+        rank=0,
+        shard=0,
+        init_method="",
+        model_dir=str(tiny_model_dir),
+        board=board,
+        config=cells_config(1),
+    )
     cell = CellClient(ProcessActor(Cell, spec, name="cell-0"))
 
     async def calls() -> None:

@@ -44,7 +44,11 @@ def test_packed_rows_reproduce_the_engines_behaviour_logprobs(tiny_model_dir: Pa
     async def sample() -> list:
         return await asyncio.gather(
             *(
-                engine.generate(GenerateRequest(f"r{i}", p, SamplingParams(12, temperature)))
+                engine.generate(
+                    GenerateRequest(
+                        f"r{i}", p, SamplingParams(max_tokens=12, temperature=temperature)
+                    )
+                )
                 for i, p in enumerate(prompts)
             )
         )

@@ -19,7 +19,15 @@ from qwengyre.trajectories.tree import NodeMeta, TrajectoryTree
 
 
 def meta(request_class: str = "main.task") -> NodeMeta:
-    return NodeMeta(request_class, "main", "e", 0, 0.0, 1.0, "stop")
+    return NodeMeta(
+        request_class=request_class,
+        agent_id="main",
+        engine="e",
+        policy_version=0,
+        started_s=0.0,
+        finished_s=1.0,
+        finish_reason="stop",
+    )
 
 
 def add(

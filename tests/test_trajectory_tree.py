@@ -13,7 +13,15 @@ from qwengyre.trajectories.classes import (
 )
 from qwengyre.trajectories.tree import NodeMeta, TrajectoryTree
 
-META = NodeMeta("main.task", "main", "e", 0, 0.0, 1.0, "stop")
+META = NodeMeta(
+    request_class="main.task",
+    agent_id="main",
+    engine="e",
+    policy_version=0,
+    started_s=0.0,
+    finished_s=1.0,
+    finish_reason="stop",
+)
 
 
 def test_paths_contexts_and_leaves():

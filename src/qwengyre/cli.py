@@ -414,12 +414,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         if args.config_file or args.overrides or args.run_dir:
             raise ConfigError("--resume RUN_DIR continues that run with its own config.yaml")
-        options = TrainOptions(Path(args.resume), resume=True, display=not args.quiet)
+        options = TrainOptions(run_dir=Path(args.resume), resume=True, display=not args.quiet)
     else:
         given = args.config_file is not None and "=" not in args.config_file
         config = _resolve_config(args, preset=None if given else "embedded")
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        options = TrainOptions(run_dir, config, display=not args.quiet)
+        options = TrainOptions(run_dir=run_dir, config=config, display=not args.quiet)
     controller = asyncio.run(train(options))
     from qwengyre.report.html import learning_signal_warning, write_report
 

@@ -29,7 +29,7 @@ class Outcome(StrEnum):
     CANCELLED = "cancelled"
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class SamplingParams:
     """What an engine samples with; ``max_tokens`` is required by both APIs' clients."""
 

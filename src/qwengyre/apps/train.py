@@ -65,7 +65,7 @@ __all__ = ["Resumed", "TrainOptions", "train"]
 CONFIG_FILE = "config.yaml"
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainOptions:
     run_dir: Path
     config: Config | None = None  # None with resume: the run's own config.yaml
@@ -74,7 +74,7 @@ class TrainOptions:
     display: bool = True  # the live rich view (one line per step when not a terminal)
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Resumed:
     """What a resumed run starts from."""
 
@@ -348,18 +348,18 @@ async def _train_once(options: TrainOptions) -> Controller:
     s = config.scheduler
     metrics.write(
         RunRecord(
-            0.0,
-            s.policy,
-            s.mu,
-            s.phi,
-            config.cells.count,
-            predicted_staleness(s.mu, s.phi),
-            config.groups.size,
-            config.groups.batch,
-            config.cells.standalone_capacity,
-            s.dispatch,
-            s.streaming,
-            config.engine.backend,
+            time_s=0.0,
+            policy=s.policy,
+            mu=s.mu,
+            phi=s.phi,
+            cells=config.cells.count,
+            predicted_staleness=predicted_staleness(s.mu, s.phi),
+            group_size=config.groups.size,
+            batch=config.groups.batch,
+            standalone_capacity=config.cells.standalone_capacity,
+            dispatch=s.dispatch,
+            streaming=s.streaming,
+            engine_backend=config.engine.backend,
         )
     )
     engines = Engines([])
@@ -381,11 +381,11 @@ async def _train_once(options: TrainOptions) -> Controller:
             load_task_set(config),
             harness_spec(config.harness.name, config.harness.deadline_s, confine),
             RunOutputs(
-                run_dir,
-                metrics,
-                traces,
-                Ledger(run_dir / "ledger.jsonl"),
-                AssessmentLog(run_dir / ASSESSMENTS_FILE),
+                run_dir=run_dir,
+                metrics=metrics,
+                traces=traces,
+                ledger=Ledger(run_dir / "ledger.jsonl"),
+                assessments=AssessmentLog(run_dir / ASSESSMENTS_FILE),
             ),
             hosts=hosts,
             trajectories=resumed.trajectories,

@@ -159,7 +159,7 @@ class ModelCall:
     reply_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Episode:
     task_id: str
     calls: tuple[ModelCall, ...]
@@ -247,7 +247,13 @@ def run_recorded_episode(
             ids += node.output_ids
             mask += [True] * len(node.output_ids)
         chains.append((tuple(ids), tuple(mask)))
-    return Episode(task.id, tuple(client.records), tuple(chains), result, score)
+    return Episode(
+        task_id=task.id,
+        calls=tuple(client.records),
+        chains=tuple(chains),
+        result=result,
+        score=score,
+    )
 
 
 def ideal_episode(renderer: ChatRenderer, problem: ToyProblem) -> Episode:
@@ -431,7 +437,7 @@ def _episode_score(
 # --------------------------------------------------------------------------- warm start
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class WarmStartResult:
     steps: int
     seconds: float

@@ -60,7 +60,7 @@ from qwengyre.training.distributed import CellComm
 __all__ = ["Cell", "CellSpec"]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class CellSpec:
     """Everything one rank of a cell needs to start (picklable). The run's settings
     come from ``config`` as they are: ``cells`` (K, G, the engine's capacity),

@@ -87,7 +87,7 @@ _Token = tuple[int, float, int, FinishReason | None]
 """A sampled token as the worker hands it over: id, log-prob, version, finish reason."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Sequence:
     request: GenerateRequest
     queue: asyncio.Queue[_Token | BaseException]  # read by the consumer's event loop
@@ -192,7 +192,7 @@ class EmbeddedEngine:
             tokenizer = await asyncio.to_thread(lambda: self.tokenizer)
             stops = StopStrings(tokenizer, request.sampling.stop)
         loop = asyncio.get_running_loop()
-        sequence = _Sequence(request, asyncio.Queue(), loop, stops)
+        sequence = _Sequence(request=request, queue=asyncio.Queue(), loop=loop, stops=stops)
         with self._lock:
             if self._released:
                 raise EngineAborted(f"{self.name} has released its memory")

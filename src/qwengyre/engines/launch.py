@@ -67,7 +67,7 @@ def importable(python: str, package: str, env: Mapping[str, str] | None = None) 
     return done.returncode == 0
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ServerSpec(ABC):
     """How to start one server: ``python -m <module> <model flag> MODEL --host --port``,
     the backend's own flags (:meth:`flags`), then ``extra_args`` as given.
@@ -219,7 +219,7 @@ async def wait_until_healthy(
 # -- a server on a cell's devices --------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Placement:
     """Where a host starts its server: on the weights in directory ``model``, bound to
     ``host``:``port``, guarded by ``api_key``, on ``device`` and the physical GPUs

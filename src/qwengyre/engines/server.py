@@ -187,13 +187,13 @@ def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
         stop = [s.stop] if isinstance(s.stop, str) else (s.stop or [])
         rid = body.rid or secrets.token_hex(8)
         sampling = SamplingParams(
-            s.max_new_tokens,
-            s.temperature,
-            s.top_p,
-            s.top_k,
-            tuple(stop),
-            tuple(s.stop_token_ids or ()),
-            s.ignore_eos,
+            max_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop=tuple(stop),
+            stop_token_ids=tuple(s.stop_token_ids or ()),
+            ignore_eos=s.ignore_eos,
         )
         answers = _Answers(rid, len(body.input_ids), body.return_logprob, engine.version)
         gone = hang_ups.watch(request)

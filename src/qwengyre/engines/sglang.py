@@ -377,7 +377,7 @@ class SGLangEngine(HTTPEngineClient):
 # -- launching a server ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class SGLangServerSpec(ServerSpec):
     """How to start ``python -m sglang.launch_server`` (flags of SGLang's
     ``server_args.py``).
@@ -459,7 +459,7 @@ class SGLangBackend(ServerBackend[SGLangEngine]):
 
     def spec(self, place: Placement) -> SGLangServerSpec:
         return SGLangServerSpec(
-            place.model,
+            model=place.model,
             host=place.host,
             port=place.port,
             api_key=place.api_key,

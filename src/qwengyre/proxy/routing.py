@@ -85,7 +85,7 @@ class NoEngineAvailable(Exception):
     """No engine accepts requests right now (the caller answers 529 overloaded)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Slot:
     engine: InferenceEngine
     preference: int  # higher is tried first: standalone pools high, cell i gets i
@@ -108,7 +108,7 @@ class Router:
     def register(self, engine: InferenceEngine, preference: int) -> None:
         if engine.name in self._slots:
             raise ValueError(f"engine {engine.name!r} is already registered")
-        self._slots[engine.name] = _Slot(engine, preference)
+        self._slots[engine.name] = _Slot(engine=engine, preference=preference)
 
     def route_of(self, execution_id: str) -> str | None:
         return self._routes.get(execution_id)

@@ -253,7 +253,9 @@ class ProxyServer:
                 prepared.parent,
             )
             state.bodies.remember(body, split, earlier)
-        call = _Call(http, dialect, state, recorder, chat, prepared)
+        call = _Call(
+            http=http, dialect=dialect, state=state, recorder=recorder, chat=chat, prepared=prepared
+        )
         state.busy += 1
         try:
             if chat.stream:
@@ -510,7 +512,7 @@ def _error_response(dialect: Dialect, error: ApiError) -> web.Response:
     return web.json_response(answer.body, status=answer.status, headers=answer.headers)
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class _Call:
     """A model call once parsed and prepared, on its way to the engine and back."""
 

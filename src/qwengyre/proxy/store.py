@@ -219,13 +219,13 @@ def _decode(
     if parent is not None and not 0 <= parent < len(lengths):
         raise ValueError(f"parent {parent} is not an earlier call")
     node = Node(
-        node_id,
-        parent,
-        array("i", inp),
-        array("i", out),
-        array("d", lps),
-        array("i", vers),
-        NodeMeta(**json.loads(meta), delivered=bool(delivered)),
+        id=node_id,
+        parent=parent,
+        input_ids=array("i", inp),
+        output_ids=array("i", out),
+        logprobs=array("d", lps),
+        versions=array("i", vers),
+        meta=NodeMeta(**json.loads(meta), delivered=bool(delivered)),
     )
     tools = tools_by_hash.get(toolset)
     if tools is None:
@@ -235,7 +235,14 @@ def _decode(
     if not new_messages or new_messages[-1].role != "assistant":
         raise ValueError("the call's messages do not end with its reply")
     length = (0 if parent is None else lengths[parent]) + len(new_messages)
-    return node, Turn(node_id, parent, new_messages, tools, toolset, length)
+    return node, Turn(
+        node_id=node_id,
+        parent=parent,
+        new_messages=new_messages,
+        tools=tools,
+        toolset=toolset,
+        length=length,
+    )
 
 
 def _message(data: dict[str, Any]) -> Message:

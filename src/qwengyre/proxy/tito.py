@@ -57,7 +57,7 @@ class ContextTooLong(Exception):
         self.limit = limit
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Turn:
     """A recorded call at message level: what it added to its parent's conversation.
 
@@ -75,7 +75,7 @@ class Turn:
     length: int  # messages in the whole conversation (the parent's + these)
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class PreparedCall:
     """A call ready for the engine."""
 
@@ -159,7 +159,14 @@ class ExecutionRecorder:
         if len(prompt) >= self.max_context:  # no room left for a single output token
             raise ContextTooLong(len(prompt), self.max_context)
         return PreparedCall(
-            parent, messages, input_ids, prompt, klass, tools, toolset, request.sampling.stop
+            parent=parent,
+            messages=messages,
+            input_ids=input_ids,
+            prompt_ids=prompt,
+            request_class=klass,
+            tools=tools,
+            toolset=toolset,
+            stop=request.sampling.stop,
         )
 
     def intern_tools(self, tools: tuple[ToolSpec, ...]) -> tuple[str, tuple[ToolSpec, ...]]:
@@ -294,19 +301,24 @@ class ExecutionRecorder:
             delivered=delivered,
         )
         node = Node(
-            len(self.tree.nodes),
-            call.parent,
-            call.input_ids,
-            result.output_ids,
-            result.logprobs,
-            result.versions,
-            meta,
+            id=len(self.tree.nodes),
+            parent=call.parent,
+            input_ids=call.input_ids,
+            output_ids=result.output_ids,
+            logprobs=result.logprobs,
+            versions=result.versions,
+            meta=meta,
         )
         reply = Message("assistant", text, calls)
         before = 0 if call.parent is None else self.turns[call.parent].length
         increment = (*call.messages[before:], reply)
         turn = Turn(
-            node.id, call.parent, increment, call.tools, call.toolset, len(call.messages) + 1
+            node_id=node.id,
+            parent=call.parent,
+            new_messages=increment,
+            tools=call.tools,
+            toolset=call.toolset,
+            length=len(call.messages) + 1,
         )
         tokens = self.renderer.tokenizer.convert_ids_to_tokens(ids)
         completion = Completion(

@@ -71,7 +71,7 @@ class ToolSpec:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ChatRequest:
     """An API request, API-neutral. ``headers`` keeps the lower-cased request headers
     that request-class rules look at (e.g. ``x-claude-code-agent-id``);
@@ -110,7 +110,7 @@ class TokenLogprob:
     logprob: float
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Completion:
     """What the model answered, parsed back into text and tool calls."""
 

@@ -35,7 +35,7 @@ ASSESSMENTS_FILE = "assessments.jsonl"
 KINDS: tuple[str, ...] = ("final", "intermediate", "placeholder")
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Assessment:
     """One assessment: an evaluation attempt's result, kept with its execution.
 
@@ -144,7 +144,7 @@ class Assessment:
         return cls(**data)
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class AssessmentRecord:
     """One line of the log: an assessment and the execution it belongs to."""
 
@@ -196,7 +196,12 @@ class AssessmentLog:
         task_id: str = "",
     ) -> int:
         """Append one line per assessment, in order, durable on return; how many."""
-        records = [AssessmentRecord(execution_id, task_id, group, index, a) for a in assessments]
+        records = [
+            AssessmentRecord(
+                execution_id=execution_id, task_id=task_id, group=group, index=index, assessment=a
+            )
+            for a in assessments
+        ]
         if not records:
             return 0
         data = "".join(json.dumps(r.to_json(), allow_nan=False) + "\n" for r in records)

@@ -118,7 +118,7 @@ class _Record:
         """Raise ``ValueError`` when a field holds an impossible value."""
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class RunRecord(_Record):
     """The run's shape, written once when it starts."""
 
@@ -145,7 +145,7 @@ class RunRecord(_Record):
     depends on it."""
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class StepRecord(_Record):
     """One optimizer step done."""
 
@@ -203,7 +203,7 @@ class RoleRecord(_Record):
             )
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class SwitchRecord(_Record):
     """Cell ``cell`` finished switching ``to`` training or rollout, in ``seconds``."""
 
@@ -225,7 +225,7 @@ class SwitchRecord(_Record):
             raise ValueError(f"field 'to': {self.to!r} is not 'training' or 'rollout'")
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class LoadRecord(_Record):
     """Running and queued executions and rollout capacity from ``time_s`` on."""
 
@@ -256,7 +256,7 @@ class PublicationRecord(_Record):
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class GroupRecord(_Record):
     """A group dispatched at ``dispatch_version`` and trained in ``step``."""
 
@@ -333,7 +333,7 @@ def parse_record(text: str) -> Record:
 # ---------------------------------------------------------------- reading
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunMetrics:
     """A metrics log read back: the records of each kind, in file order."""
 

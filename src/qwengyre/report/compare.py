@@ -38,7 +38,7 @@ COLUMNS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class RunRow:
     """One run of the comparison: its directory's ``name``, policy and summary."""
 
@@ -66,7 +66,14 @@ def comparison_rows(run_dirs: Sequence[Path]) -> list[RunRow]:
         policy = metrics.run.policy if metrics.run is not None else "?"
         name = run_dir.resolve().name
         rows.append(
-            RunRow(run_dir, metrics, name, policy, describe_policy(metrics), summarize(metrics))
+            RunRow(
+                run_dir=run_dir,
+                metrics=metrics,
+                name=name,
+                policy=policy,
+                label=describe_policy(metrics),
+                summary=summarize(metrics),
+            )
         )
     return rows
 

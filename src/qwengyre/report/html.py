@@ -117,7 +117,7 @@ def _fifth(n: int) -> int:
     return max(1, round(n / 5)) if n else 0
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Summary:
     """The numbers in the report's summary table (NaN where nothing was recorded)."""
 

@@ -418,12 +418,12 @@ async def evaluate_once(
             artifact = await asyncio.to_thread(artifact_digest, workspace)
         except OSError as error:
             return Assessment(
-                None,
-                False,
-                "",
-                attempt,
-                spec.type,
-                f"workspace cannot be read: {error}",
+                score=None,
+                valid=False,
+                artifact="",
+                attempt=attempt,
+                evaluator=spec.type,
+                detail=f"workspace cannot be read: {error}",
                 time_s=time.time(),
                 duration_s=time.monotonic() - began_s,
                 **tags,
@@ -499,12 +499,12 @@ async def assess(
             unreadable = f"workspace cannot be read: {error}"
             return [
                 Assessment(
-                    None,
-                    False,
-                    "",
-                    1,
-                    spec.type,
-                    unreadable,
+                    score=None,
+                    valid=False,
+                    artifact="",
+                    attempt=1,
+                    evaluator=spec.type,
+                    detail=unreadable,
                     evaluator_name=evaluator_name(spec),
                     time_s=time.time(),
                 )

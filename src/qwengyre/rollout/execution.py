@@ -73,7 +73,7 @@ class Budgets:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ExecutionResult:
     """How one execution ended; ``reward`` is None exactly when no valid assessment exists.
 
@@ -222,15 +222,15 @@ async def run_execution(
     ) -> ExecutionResult:
         ended = time.monotonic()
         return ExecutionResult(
-            execution_id,
-            task.id,
-            outcome,
-            reward,
-            started,
-            ended,
-            harness_run,
-            assessments,
-            detail,
+            execution_id=execution_id,
+            task_id=task.id,
+            outcome=outcome,
+            reward=reward,
+            started_s=started,
+            ended_s=ended,
+            harness=harness_run,
+            assessments=assessments,
+            detail=detail,
         )
 
     problem = await _prepare_workspace(task, workspace, budgets.harness_s)

@@ -86,7 +86,7 @@ def _check_template(template: str, where: str) -> None:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class HarnessSpec:
     """How to launch one kind of harness.
 
@@ -132,7 +132,7 @@ class HarnessSpec:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class HarnessRun:
     """How one harness run ended.
 

@@ -36,7 +36,7 @@ from qwengyre.types import Outcome
 __all__ = ["ExecutionRequest", "HarnessHost", "HostPool", "LocalHarnessHost"]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ExecutionRequest:
     """Everything a host needs to run one execution (picklable: it travels to a node).
 
@@ -156,7 +156,15 @@ def _cancelled_before_start(request: ExecutionRequest, why: str) -> ExecutionRes
     """The result of an execution cancelled before any host ran it."""
     now = time.monotonic()
     return ExecutionResult(
-        request.execution_id, request.task.id, Outcome.CANCELLED, None, now, now, None, (), why
+        execution_id=request.execution_id,
+        task_id=request.task.id,
+        outcome=Outcome.CANCELLED,
+        reward=None,
+        started_s=now,
+        ended_s=now,
+        harness=None,
+        assessments=(),
+        detail=why,
     )
 
 

@@ -135,7 +135,7 @@ class ModelCallError(RuntimeError):
     """A model call failed for good (non-retryable status, or retries exhausted)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ToyResult:
     turns: int
     """Task-driving calls of the main agent."""

@@ -96,7 +96,7 @@ __all__ = ["Controller", "RunOutputs"]
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunOutputs:
     """Where the controller writes: metrics, traces, the ledger, assessments, checkpoints."""
 
@@ -111,7 +111,7 @@ class RunOutputs:
         return self.run_dir / "checkpoints"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Execution:
     id: int
     group: int
@@ -122,7 +122,7 @@ class _Execution:
     ended: bool = False  # its harness host answered: nothing left to cancel
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Step:
     """One training step in flight: who trains it, what they produced."""
 
@@ -278,12 +278,12 @@ class Controller:
         info = await self.proxy.create_execution()
         self.proxy.router.assign(info["id"], engine_name(action.engine))
         ex = _Execution(
-            action.execution_id,
-            action.group_id,
-            action.index,
-            info["id"],
-            self.now(),
-            action.version,
+            id=action.execution_id,
+            group=action.group_id,
+            index=action.index,
+            proxy_id=info["id"],
+            started_s=self.now(),
+            version=action.version,
         )
         self._executions[ex.id] = ex
         self._spawn(self._run_execution(ex, info), name="execution")
@@ -291,13 +291,13 @@ class Controller:
     async def _run_execution(self, ex: _Execution, info: dict[str, str]) -> None:
         task = self._group_task[ex.group]
         request = ExecutionRequest(
-            task,
-            self.harness,
-            self.budgets,
-            ex.proxy_id,
-            info["base_url"],
-            info["key"],
-            self.evaluation,
+            task=task,
+            harness=self.harness,
+            budgets=self.budgets,
+            execution_id=ex.proxy_id,
+            base_url=info["base_url"],
+            api_key=info["key"],
+            evaluation=self.evaluation,
         )
         result = await self.hosts.run(request)
         ex.ended = True
@@ -401,7 +401,7 @@ class Controller:
     async def _assign(self, action: AssignGroups) -> None:
         if self._step is None or self._step.step != action.step:
             self.queue.open(action.step)
-            self._step = _Step(action.step, started_s=self.now())
+            self._step = _Step(step=action.step, started_s=self.now())
             for cell in self._training_prefix():
                 self._start_worker(cell)
             self._spawn(self._finish_step(self._step))

@@ -81,7 +81,16 @@ class Observer:
         sample = (c.running, c.queued, s.capacity, c.reserved)
         if sample != self._last_load:
             self._last_load = sample
-            self.metrics.write(LoadRecord(self.now(), *sample))
+            running, queued, capacity, reserved = sample
+            self.metrics.write(
+                LoadRecord(
+                    time_s=self.now(),
+                    running=running,
+                    queued=queued,
+                    capacity=capacity,
+                    reserved=reserved,
+                )
+            )
 
     async def timed(self, cell: int, call: Awaitable[T]) -> tuple[T, float]:
         """A training call on ``cell`` and its duration, counted as busy."""
@@ -92,7 +101,9 @@ class Observer:
             self._busy_s[cell] += time.monotonic() - start
 
     def switch(self, cell: int, to: str, seconds: float, how: str) -> None:
-        self.metrics.write(SwitchRecord(self.now(), cell, to, seconds, how))
+        self.metrics.write(
+            SwitchRecord(time_s=self.now(), cell=cell, to=to, seconds=seconds, engine=how)
+        )
 
     def publication(self, version: int, seconds: float) -> None:
         self.metrics.write(PublicationRecord(self.now(), version, seconds))
@@ -138,12 +149,14 @@ class Observer:
             versions = launched[gid]
             self.metrics.write(
                 GroupRecord(
-                    self.now(),
-                    gid,
-                    group.v_d,
-                    step,
-                    step - group.v_d,
-                    statistics.fmean(step - v for v in versions) if versions else math.nan,
+                    time_s=self.now(),
+                    group_id=gid,
+                    dispatch_version=group.v_d,
+                    step=step,
+                    staleness=step - group.v_d,
+                    execution_staleness=statistics.fmean(step - v for v in versions)
+                    if versions
+                    else math.nan,
                 )
             )
         self.metrics.write(record)

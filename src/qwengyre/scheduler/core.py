@@ -211,7 +211,7 @@ class GroupState(StrEnum):
     DROPPED = "dropped"  # could not reach N valid rewards
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Group:
     """A rollout group as the scheduler sees it."""
 
@@ -239,7 +239,7 @@ class Consumed:
         return self.v_t - self.v_d
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Execution:
     """One execution; ``version`` is the published version it launched with (a top-up
     launched after a publication samples newer weights than its group's v_d)."""

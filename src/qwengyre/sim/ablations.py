@@ -94,7 +94,7 @@ TIE_PERCENT = 0.5
 """A difference in time smaller than this (in percent) is a tie: no direction."""
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Row:
     """One ablation run, derived from a base config.
 
@@ -136,45 +136,95 @@ class Row:
                 "training cells to rollout: the split must be at least "
                 f"{self.moved_training_cells + 1}"
             )
-        shape = Shape(self.policy, self.mu, self.phi, split, self.standalone_cells)
+        shape = Shape(
+            policy=self.policy,
+            mu=self.mu,
+            phi=self.phi,
+            training_cells=split,
+            standalone_cells=self.standalone_cells,
+        )
         return shape.apply(Config.model_validate(data))
 
 
 ROWS: tuple[Row, ...] = (
-    Row("A0", "Async at Eq 2's shape, non-streaming", "async", 1, 1.5, streaming=False),
     Row(
-        "A1",
-        "A0 with a training cell moved to rollout",
-        "async",
-        1,
-        1.5,
+        name="A0",
+        description="Async at Eq 2's shape, non-streaming",
+        policy="async",
+        mu=1,
+        phi=1.5,
+        streaming=False,
+    ),
+    Row(
+        name="A1",
+        description="A0 with a training cell moved to rollout",
+        policy="async",
+        mu=1,
+        phi=1.5,
         streaming=False,
         moved_training_cells=1,
     ),
-    Row("A2", "A0 with longer bursts (mu 3, phi 0.5)", "async", 3, 0.5, streaming=False),
-    Row("A3", "A0 + streaming", "async", 1, 1.5, streaming=True),
     Row(
-        "C0", "Colocate at Eq 2's shape (phi 0), non-streaming", "colocate", 4, 0.0, streaming=False
+        name="A2",
+        description="A0 with longer bursts (mu 3, phi 0.5)",
+        policy="async",
+        mu=3,
+        phi=0.5,
+        streaming=False,
+    ),
+    Row(name="A3", description="A0 + streaming", policy="async", mu=1, phi=1.5, streaming=True),
+    Row(
+        name="C0",
+        description="Colocate at Eq 2's shape (phi 0), non-streaming",
+        policy="colocate",
+        mu=4,
+        phi=0.0,
+        streaming=False,
     ),
     Row(
-        "C1",
-        "C0 + extra dispatch (mu 3, phi 0.5), 1 standalone cell",
-        "colocate",
-        3,
-        0.5,
+        name="C1",
+        description="C0 + extra dispatch (mu 3, phi 0.5), 1 standalone cell",
+        policy="colocate",
+        mu=3,
+        phi=0.5,
         streaming=False,
         standalone_cells=1,
     ),
-    Row("C2", "C1 + streaming", "colocate", 3, 0.5, streaming=True, standalone_cells=1),
-    Row("C3", "C2 with 2 standalone cells", "colocate", 3, 0.5, streaming=True, standalone_cells=2),
-    Row("E0", "Elastic, streaming", "elastic", 3, 0.5, streaming=True),
-    Row("E1", "E0 with mu 1, phi 1.5", "elastic", 1, 1.5, streaming=True),
     Row(
-        "E2",
-        "E0 regrouped: half the cells, each twice as large",
-        "elastic",
-        3,
-        0.5,
+        name="C2",
+        description="C1 + streaming",
+        policy="colocate",
+        mu=3,
+        phi=0.5,
+        streaming=True,
+        standalone_cells=1,
+    ),
+    Row(
+        name="C3",
+        description="C2 with 2 standalone cells",
+        policy="colocate",
+        mu=3,
+        phi=0.5,
+        streaming=True,
+        standalone_cells=2,
+    ),
+    Row(
+        name="E0", description="Elastic, streaming", policy="elastic", mu=3, phi=0.5, streaming=True
+    ),
+    Row(
+        name="E1",
+        description="E0 with mu 1, phi 1.5",
+        policy="elastic",
+        mu=1,
+        phi=1.5,
+        streaming=True,
+    ),
+    Row(
+        name="E2",
+        description="E0 regrouped: half the cells, each twice as large",
+        policy="elastic",
+        mu=3,
+        phi=0.5,
         streaming=True,
         merge=2,
     ),
@@ -187,7 +237,7 @@ PAPER_HOURS: dict[str, float] = {"E0": 16.12, "E2": 16.47}
 Kind = Literal["percent", "speedup"]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class PaperFigure:
     """One relative figure of the paper: ``row`` against ``reference``.
 
@@ -262,17 +312,17 @@ WHY_A2 = (
 )
 
 FIGURES: tuple[PaperFigure, ...] = (
-    PaperFigure("E1", "E0", 10.9, "percent"),
-    PaperFigure("E1", "A3", 1.24, "speedup"),
-    PaperFigure("E1", "C2", 1.08, "speedup", reason=WHY_E1_C2),
-    PaperFigure("E2", "E0", 2.2, "percent", reason=WHY_E2),
-    PaperFigure("C1", "C0", -2.9, "percent"),
-    PaperFigure("C2", "C1", -14.8, "percent"),
-    PaperFigure("E0", "C2", 1.19, "speedup"),
-    PaperFigure("C3", "C2", 7.6, "percent", reason=WHY_C3),
-    PaperFigure("A1", "A0", 7.7, "percent"),
-    PaperFigure("A2", "A0", 29.9, "percent", reason=WHY_A2),
-    PaperFigure("A3", "A0", -11.6, "percent"),
+    PaperFigure(row="E1", reference="E0", paper=10.9, kind="percent"),
+    PaperFigure(row="E1", reference="A3", paper=1.24, kind="speedup"),
+    PaperFigure(row="E1", reference="C2", paper=1.08, kind="speedup", reason=WHY_E1_C2),
+    PaperFigure(row="E2", reference="E0", paper=2.2, kind="percent", reason=WHY_E2),
+    PaperFigure(row="C1", reference="C0", paper=-2.9, kind="percent"),
+    PaperFigure(row="C2", reference="C1", paper=-14.8, kind="percent"),
+    PaperFigure(row="E0", reference="C2", paper=1.19, kind="speedup"),
+    PaperFigure(row="C3", reference="C2", paper=7.6, kind="percent", reason=WHY_C3),
+    PaperFigure(row="A1", reference="A0", paper=7.7, kind="percent"),
+    PaperFigure(row="A2", reference="A0", paper=29.9, kind="percent", reason=WHY_A2),
+    PaperFigure(row="A3", reference="A0", paper=-11.6, kind="percent"),
 )
 """The paper's relative figures between rows, in the order it states them."""
 
@@ -338,7 +388,7 @@ class RowResult:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class FigureResult:
     """A paper figure measured: ``ours`` from the rows' mean hours; ``low``-``high`` the
     range of its per-seed values (both rows on the same executions);
@@ -373,7 +423,7 @@ class FigureResult:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class AblationResult:
     """Every row on every seed's workload, and the paper's figures measured on them."""
 
@@ -452,7 +502,13 @@ def run_ablations(
         for figure in figures
         if figure.row in results and figure.reference in results
     ]
-    return AblationResult(config.sim.workload, chosen, config.sim.steps, results, tuple(measured))
+    return AblationResult(
+        workload=config.sim.workload,
+        seeds=chosen,
+        steps=config.sim.steps,
+        rows=results,
+        figures=tuple(measured),
+    )
 
 
 def _measure(figure: PaperFigure, results: Mapping[str, RowResult]) -> FigureResult:
@@ -460,7 +516,14 @@ def _measure(figure: PaperFigure, results: Mapping[str, RowResult]) -> FigureRes
     paired = [figure.measure(a, b) for a, b in zip(row.hours(), reference.hours(), strict=True)]
     single = [figure.measure(a, b) for a in row.hours() for b in reference.hours()]
     ours = figure.measure(row.mean_hours, reference.mean_hours)
-    return FigureResult(figure, ours, min(paired), max(paired), min(single), max(single))
+    return FigureResult(
+        figure=figure,
+        ours=ours,
+        low=min(paired),
+        high=max(paired),
+        single_low=min(single),
+        single_high=max(single),
+    )
 
 
 def _seeds(config: Config, seeds: int | Sequence[int]) -> tuple[int, ...]:

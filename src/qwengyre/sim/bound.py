@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from qwengyre.sim.workload import ExecutionSpec
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class GroupWork:
     """One consumed group: trained in step ``step`` (v_t), dispatched under ``version``
     (v_d); ``longest_s`` (L_g) and ``rollout_s`` are the longest and the summed duration

@@ -37,7 +37,7 @@ RUN_TRACE_FILE = "traces.jsonl"
 """What ``qwengyre train`` writes in its run directory (:mod:`qwengyre.apps.train`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Candidate:
     """One shape and what it measured on each of the plan's workloads, in their order:
     end-to-end time, time over the run's lower bound, rollout utilisation, and the
@@ -55,23 +55,23 @@ class Candidate:
     def of(cls, shape: Shape, result: SimResult) -> Candidate:
         """``shape`` measured on one workload."""
         return cls(
-            shape,
-            result.steps,
-            (result.end_to_end_s,),
-            (result.end_to_end_s / result.bound.seconds,),
-            (result.rollout_utilisation,),
-            (result.mean_staleness,),
+            shape=shape,
+            steps=result.steps,
+            times_s=(result.end_to_end_s,),
+            over_bounds=(result.end_to_end_s / result.bound.seconds,),
+            utilisations=(result.rollout_utilisation,),
+            stalenesses=(result.mean_staleness,),
         )
 
     def join(self, other: Candidate) -> Candidate:
         """This shape measured on this candidate's workloads, then on ``other``'s."""
         return Candidate(
-            self.shape,
-            self.steps,
-            self.times_s + other.times_s,
-            self.over_bounds + other.over_bounds,
-            self.utilisations + other.utilisations,
-            self.stalenesses + other.stalenesses,
+            shape=self.shape,
+            steps=self.steps,
+            times_s=self.times_s + other.times_s,
+            over_bounds=self.over_bounds + other.over_bounds,
+            utilisations=self.utilisations + other.utilisations,
+            stalenesses=self.stalenesses + other.stalenesses,
         )
 
     @property
@@ -116,7 +116,7 @@ class Candidate:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Plan:
     """Every candidate shape at ``target`` on ``config``'s cells, fastest first."""
 
@@ -213,7 +213,13 @@ def plan_run(
             one = Candidate.of(shape, result)
             measured[shape] = measured[shape].join(one) if shape in measured else one
     ranked = sorted(measured.values(), key=lambda c: c.mean_s)
-    return Plan(config, target, workloads[0].name, len(workloads), tuple(ranked))
+    return Plan(
+        config=config,
+        target=target,
+        workload=workloads[0].name,
+        seeds=len(workloads),
+        candidates=tuple(ranked),
+    )
 
 
 def sweep(

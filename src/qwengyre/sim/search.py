@@ -19,7 +19,7 @@ from qwengyre.sim.simulator import SimResult, simulate
 from qwengyre.sim.workload import Workload
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Shape:
     """One setting of the scheduler for a fixed pool of cells.
 
@@ -86,13 +86,16 @@ def shapes(config: Config, target: float, policy: Policy) -> list[Shape]:
         if not math.isclose(depth, round(depth), abs_tol=1e-9):
             continue
         if policy == "async":
-            found += [Shape("async", mu, phi, training_cells=t) for t in range(1, k)]
+            found += [Shape(policy="async", mu=mu, phi=phi, training_cells=t) for t in range(1, k)]
         elif policy == "colocate":
             for s in range(k):
                 if phi == 0 or s or standing:
-                    found.append(Shape("colocate", mu, phi, standalone_cells=s))
+                    found.append(Shape(policy="colocate", mu=mu, phi=phi, standalone_cells=s))
         else:
-            found += [Shape("elastic", mu, phi, standalone_cells=s) for s in range(min(2, k))]
+            found += [
+                Shape(policy="elastic", mu=mu, phi=phi, standalone_cells=s)
+                for s in range(min(2, k))
+            ]
     return found
 
 

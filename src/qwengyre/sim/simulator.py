@@ -101,7 +101,7 @@ class LoadSample:
     capacity: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SimResult:
     """What one simulated run measured.
 

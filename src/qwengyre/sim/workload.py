@@ -49,7 +49,7 @@ _CODE_OUTCOMES: tuple[Outcome, ...] = (
 _COMPLETED, _FAILED, _HARNESS_TIMEOUT, _OVERALL_TIMEOUT = range(4)
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ExecutionSpec:
     """What one launched execution does, as the workload decides it.
 
@@ -130,7 +130,7 @@ def _execution_tile_rng(seed: int, block: int, chunk: int) -> np.random.Generato
     return np.random.default_rng([seed, block, chunk, 2])
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ParametricDraws:
     """Standard random variates for a block of queries x executions.
 
@@ -209,7 +209,7 @@ def _sigmoid(x: NDArray[np.float64]) -> NDArray[np.float64]:
     return np.asarray(1.0 / (1.0 + np.exp(-x)), dtype=np.float64)
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ParametricWorkload:
     """A generative model of long-horizon agent executions (durations in hours).
 
@@ -489,7 +489,7 @@ def _mix64(*values: int) -> int:
     return state
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class FixedWorkload:
     """Every execution takes exactly ``duration_s`` and completes with a valid reward.
 
@@ -532,7 +532,7 @@ class FixedWorkload:
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class WorkloadStats:
     """Statistics of a workload over queries ``0 .. n_queries-1`` x ``n_per_query``.
 

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class MicroStepResult:
     """What one micro-step contributed (``loss`` is its summed, unnormalised objective)."""
 
@@ -54,7 +54,7 @@ class MicroStepResult:
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class StepResult:
     """The update of one batch, as the core saw it."""
 

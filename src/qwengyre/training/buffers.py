@@ -228,7 +228,7 @@ class TrajectoryBuffer:
             self.add(GroupSample.from_json(group))
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class MicroStep:
     """One packed row (batch dim 1, no padding) of whole trajectories.
 
@@ -307,7 +307,7 @@ def split_micro_step(ms: MicroStep, parts: int) -> list[MicroStep | None]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class BatchSummary:
     """What the trainer needs to normalise one step's summed gradient.
 

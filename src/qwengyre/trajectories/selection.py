@@ -47,7 +47,7 @@ DEFAULT_PRIORITY: tuple[str, ...] = ("main.task", "main.summary", "sub.task", "s
 Rng = random.Random | np.random.Generator
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class AdmittedTrajectory:
     """One admitted root-to-leaf path, materialised as a token row.
 

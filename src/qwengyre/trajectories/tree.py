@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class NodeMeta:
     """What is known about a call besides its tokens."""
 
@@ -38,7 +38,7 @@ class NodeMeta:
 _TYPECODES = {"input_ids": "i", "output_ids": "i", "logprobs": "d", "versions": "i"}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(kw_only=True, frozen=True, eq=False)
 class Node:
     """One recorded model call. Its token fields are kept as compact arrays (int32 ids
     and versions, float64 log-probs: 4-8 bytes a token instead of ~36 as a tuple of ints),
@@ -109,7 +109,15 @@ class TrajectoryTree:
     ) -> Node:
         if parent is not None and not 0 <= parent < len(self.nodes):
             raise ValueError(f"parent {parent} is not a node of this tree")
-        node = Node(len(self.nodes), parent, input_ids, output_ids, logprobs, versions, meta)
+        node = Node(
+            id=len(self.nodes),
+            parent=parent,
+            input_ids=input_ids,
+            output_ids=output_ids,
+            logprobs=logprobs,
+            versions=versions,
+            meta=meta,
+        )
         self.nodes.append(node)
         self._children.setdefault(parent, []).append(node.id)
         self._children[node.id] = []
