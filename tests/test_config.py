@@ -15,7 +15,7 @@ def test_defaults_are_the_papers():
     assert (c.groups.size, c.groups.batch, c.trainer.j_max) == (16, 32, 5)
     assert c.trainer.token_weight_cap == 5.0
     assert (c.trainer.clip_low, c.trainer.clip_high) == (0.995, 1.005)
-    assert (c.trainer.optimizer, c.trainer.lr, c.trainer.lr_schedule) == ("adam", 1e-6, "constant")
+    assert (c.trainer.optimizer, c.trainer.lr) == ("adam", 1e-6)
     assert (c.scheduler.mu, c.scheduler.phi) == (1, 0.0)
     assert (c.cells.rollout_to_training_s, c.cells.training_to_rollout_s) == (8.52, 3.46)
 

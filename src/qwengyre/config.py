@@ -177,9 +177,6 @@ class TrainerConfig(_Section):
     lr_warmup_steps: int = Field(
         0, ge=0, description="optimizer updates over which the learning rate rises linearly to lr"
     )
-    lr_schedule: Literal["constant"] = Field(
-        "constant", description="the learning rate after the warm-up (the only schedule so far)"
-    )
     grad_clip: float = Field(1.0, gt=0.0, description="global gradient-norm clip on the core")
     temperature: float = Field(
         1.0,

@@ -28,6 +28,7 @@ from qwengyre.cluster.client import CellClient, CellHandle, EngineClient
 from qwengyre.cluster.devices import rank_device
 from qwengyre.cluster.local import ProcessActor
 from qwengyre.cluster.standalone import STANDALONE_NAME, StandalonePool, StandaloneSpec
+from qwengyre.config import Placement
 from qwengyre.scheduler.events import STANDALONE
 
 __all__ = [
@@ -37,6 +38,9 @@ __all__ = [
     "start_standalone",
     "stop_cells",
 ]
+
+BundleStrategy = Literal["PACK", "SPREAD"]
+"""How Ray places a cell's bundles: on as few nodes as possible, or across them."""
 
 
 def engine_name(engine: int) -> str:
@@ -86,13 +90,13 @@ def _on_device(spec: CellSpec, device: str) -> CellSpec:
 
 
 def start_cells(
-    backend: Literal["local", "ray"],
+    backend: Placement,
     specs: Sequence[CellSpec],
     *,
     run_dir: Path,
     cpus_per_cell: float = 1.0,
     gpus_per_cell: float = 0.0,
-    strategy: Literal["PACK", "SPREAD"] = "PACK",
+    strategy: BundleStrategy = "PACK",
 ) -> list[CellClient]:
     """Build one process per spec (a rank of a cell) on its device
     (:func:`~qwengyre.cluster.devices.rank_device` locally; one GPU per rank under Ray);
@@ -128,7 +132,7 @@ def start_cells(
 
 
 def start_standalone(
-    backend: Literal["local", "ray"], spec: StandaloneSpec, *, gpus: float = 0.0
+    backend: Placement, spec: StandaloneSpec, *, gpus: float = 0.0
 ) -> EngineClient:
     """The standalone pool's actor (a process, or a Ray actor outside the cells'
     placement group, on any node with room); start it after the cells connected."""

@@ -40,7 +40,7 @@ import tempfile
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 from qwengyre.cluster.local import ActorDied, ActorError
@@ -59,6 +59,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor
 
 from qwengyre.cluster.cell import Cell, CellSpec
+from qwengyre.cluster.placement import BundleStrategy
 
 __all__ = ["RayActor", "RayCells", "core_address"]
 
@@ -224,7 +225,7 @@ class RayCells:
         run_dir: Path,
         cpus_per_cell: float = 1.0,
         gpus_per_cell: float = 0.0,
-        strategy: Literal["PACK", "SPREAD"] = "PACK",
+        strategy: BundleStrategy = "PACK",
         timeout_s: float = 120.0,
     ) -> None:
         self.started_ray = False
