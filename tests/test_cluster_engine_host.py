@@ -1,4 +1,4 @@
-"""A cell's engine host (issue 18, engines across nodes): bound to all interfaces it
+"""A cell's engine host: bound to all interfaces it
 advertises this node's address, which serves the engine to a key holder only; the
 factory of rollout hosts; how every host loads the boards' newest weights."""
 

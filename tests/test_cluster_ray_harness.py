@@ -1,4 +1,4 @@
-"""Harness hosts on Ray nodes (issue 18): on a two-node Ray cluster (each node its own
+"""Harness hosts on Ray nodes: on a two-node Ray cluster (each node its own
 raylet, on this one machine) executions of the toy harness spread over both nodes; each
 harness is a child of its node's host actor, its intermediate assessments are made
 there, its model calls are counted through the proxy's admin API, a cancel kills the

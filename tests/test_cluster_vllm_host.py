@@ -1,4 +1,4 @@
-"""A cell's vLLM server (``engine.backend=vllm``; issue 18): it takes the core's
+"""A cell's vLLM server (``engine.backend=vllm``): it takes the core's
 published weights from the boards through disk (an untied model's own ``lm_head``
 included), and on the CPU a role switch stops and restarts it, still serving (and
 labelling its tokens with) the newest version."""

@@ -222,7 +222,7 @@ def test_bad_requests_raise_value_error(server: Server) -> None:
 
 
 def test_a_call_drained_mid_generation_continues_on_another_engine(server: Server) -> None:
-    """A reroute (issue 18, item 4): the call starts on engine "a", which is drained
+    """A reroute: the call starts on engine "a", which is drained
     after some tokens (its cell moves to training); "b" (a second client of the same
     server: to the router, another engine) continues from the prompt plus those tokens.
     One reply, the budget spent once, every log-prob that of the whole context."""

@@ -1,6 +1,6 @@
 """A step with no learning signal (nothing packed: every advantage zero) is shown as such
 in the live view, the step log, the HTML report, and the run summary warns when a run
-learned nothing (issue 16 §3)."""
+learned nothing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A call moved mid-generation between two real embedded engines (issue 18, item 4):
+"""A call moved mid-generation between two real embedded engines:
 one continuous reply, every token generated once, each log-prob that of the whole
 context it was sampled in. (The same against a vLLM server: tests/test_engine_vllm.py.)"""
 

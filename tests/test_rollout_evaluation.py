@@ -496,7 +496,7 @@ def test_final_prefers_valid_and_never_invents_zero() -> None:
     assert final([bad, good]) is good
 
 
-# --------------------------------------------------------------------------- issue 16
+# --------------------------------------------------------------------------- retries and budgets
 
 
 def test_retries_are_bounded_by_the_budget_not_by_five_attempts(tmp_path: Path) -> None:

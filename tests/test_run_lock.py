@@ -1,4 +1,4 @@
-"""The run-directory lock (issue 16 §3): a second train/rollout on a directory in use is
+"""The run-directory lock: a second train/rollout on a directory in use is
 refused with one line naming the holder; a holder killed with -9 leaves no stale lock;
 train() keeps it across its in-process restarts."""
 

@@ -1,4 +1,4 @@
-"""Every scheduling setting the config accepts runs live (issue 16, section 1).
+"""Every scheduling setting the config accepts runs live.
 
 The matrix is every policy x dispatch x streaming x standalone-pool combination of the
 typed config; each one it refuses is refused with an error naming the keys. Of the

@@ -1,4 +1,4 @@
-"""`qwengyre train` end to end on this machine (issue 8): real cell processes, the
+"""`qwengyre train` end to end on this machine: real cell processes, the
 proxy, the toy harness, the scheduler with the real clock, training and resume.
 
 Rewards come from a grader that flips a coin, so groups have non-zero advantages and
@@ -123,7 +123,7 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     ]
     assert len(summaries) >= 3 * 2 * 4
     assert all(" retries=0 " in line + " " for line in summaries), summaries
-    # `qwengyre plan` replays this run's trace with its own config and costs (issue 19 §4).
+    # `qwengyre plan` replays this run's trace with its own config and costs.
     planned = tmp_path / "plan.yaml"
     assert main(["plan", "--trace", str(run_dir), "sim.steps=3", "--out", str(planned)]) == 0
     recommended = load_config(planned)

@@ -19,7 +19,7 @@ from qwengyre.sim.workload import FixedWorkload, ParametricWorkload, Workload
 
 HOUR = 3600.0
 
-# The two runs of issue 19 that beat the old, policy-blind bound (0.84x and 0.66x of it).
+# The two runs that beat the old, policy-blind bound (0.84x and 0.66x of it).
 EXTRA_DISPATCH_SKIPS_THE_STRAGGLER = [
     "scheduler.policy=async",
     "scheduler.phi=2",

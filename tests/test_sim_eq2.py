@@ -1,4 +1,4 @@
-"""Measured staleness against Eq 2 wherever Eq 2 applies (issue 19's acceptance).
+"""Measured staleness against Eq 2 wherever Eq 2 applies.
 
 Eq 2 (E[d] = phi + (mu - 1) / 2) describes boundary dispatch in steady state: bursts of
 mu steps, each followed by a refill of mu B groups at the new version. It applies when

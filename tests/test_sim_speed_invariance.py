@@ -1,7 +1,7 @@
 """The simulator's speed work changed no decision: runs without random draws are pinned.
 
 The expected values were computed with the simulator and scheduler as they were before
-the per-event O(K) work was made incremental (issue 19, part 4), at K = 2, 8 and 80
+the per-event O(K) work was made incremental, at K = 2, 8 and 80
 cells for every policy. Any change of behaviour, however small, moves one of them.
 They count supply as the scheduler then did (``scheduler.supply=ready``).
 """

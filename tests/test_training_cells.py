@@ -1,4 +1,4 @@
-"""Cells training one batch together (issues 7, 17): micro-steps claimed by several
+"""Cells training one batch together: micro-steps claimed by several
 cells of one or two FSDP2 ranks each, gradient shards reduced over the participating
 prefix, one update on the core, a satellite joining mid-batch with the core's current
 weights, sharded checkpoints resumed with another number of ranks per cell."""

@@ -1,4 +1,4 @@
-"""A packed row's forward, one document at a time (issue 17, item 7): the same hidden
+"""A packed row's forward, one document at a time: the same hidden
 states and gradients as transformers' packed forward with a block-diagonal mask."""
 
 from __future__ import annotations

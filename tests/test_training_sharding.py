@@ -1,4 +1,4 @@
-"""The pieces of sharded cells (issue 17) that one process can check: a micro-step cut
+"""The pieces of sharded cells that one process can check: a micro-step cut
 into whole executions for a cell's ranks, shards cut as FSDP2 cuts them, engines loading
 weights one shard at a time, bounded collectives, and trainer state leaving and
 re-entering (device) memory without changing the next update."""

@@ -1,5 +1,5 @@
 """The trainer on one cell: packed rows reproduce the engine's log-probs, and a run
-resumed from a checkpoint continues exactly (issue 7)."""
+resumed from a checkpoint continues exactly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`qwengyre train` over two hosts with their own addresses (issue 18).
+"""`qwengyre train` over two hosts with their own addresses.
 
 The test makes the hosts itself: two network namespaces joined by a veth pair (host A
 10.213.N.1, host B 10.213.N.2, each with its own loopback and a default route through

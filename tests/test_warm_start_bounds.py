@@ -1,5 +1,5 @@
 """The warm start is bounded by steps and measured accuracy, never by the clock, uses the
-configured torch threads, and fails loudly when it cannot reach its target (issue 16 §3)."""
+configured torch threads, and fails loudly when it cannot reach its target."""
 
 from __future__ import annotations
 

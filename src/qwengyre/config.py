@@ -102,7 +102,7 @@ class SchedulerConfig(_Section):
     batch's groups already in hand, assigned or ready (capped at B); ``ready``: the
     paper's ready-unassigned groups capped by what the batch still needs, which stops
     counting a group once a training cell takes it, so a batch being trained by the
-    core alone never draws the satellites that would finish it sooner (issue 19).
+    core alone never draws the satellites that would finish it sooner.
     """
 
     policy: Policy = "elastic"
