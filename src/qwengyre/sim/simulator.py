@@ -174,14 +174,23 @@ _FINISH, _CELL, _MICRO, _STEP, _PUBLISH, _TICK = range(6)
 
 
 class Simulation:
-    """One run of one policy on one workload; call :meth:`run` once."""
+    """One run of one policy on one workload; call :meth:`run` once. ``scheduler``: the
+    one to drive, a new one of ``params`` by default (a test passes one that records)."""
 
     def __init__(
-        self, params: SchedulerParams, costs: SimCosts, workload: Workload, steps: int
+        self,
+        params: SchedulerParams,
+        costs: SimCosts,
+        workload: Workload,
+        steps: int,
+        *,
+        scheduler: Scheduler | None = None,
     ) -> None:
+        if scheduler is not None and scheduler.params != params:
+            raise ValueError("the scheduler to drive must have the simulation's params")
         self.params, self.costs, self.steps = params, costs, steps
         self.workload = workload
-        self.scheduler = Scheduler(params)
+        self.scheduler = Scheduler(params) if scheduler is None else scheduler
         self.now = 0.0
         self._timers: list[tuple[float, int, int, int]] = []  # (time, kind, seq, payload)
         self._seq = 0
