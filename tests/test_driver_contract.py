@@ -233,7 +233,13 @@ class ScriptedCell:
         version = summary.step + 1
         if self.index == 0:  # the core's update is the one the other cells take
             self.board.version = version
-        return StepResult(summary.step, version, cells, 1.0, self.costs.train_step_overhead_s)
+        return StepResult(
+            step=summary.step,
+            version=version,
+            cells=cells,
+            grad_norm=1.0,
+            seconds=self.costs.train_step_overhead_s,
+        )
 
     async def save_checkpoint(self, root: str, step: int, state: object, keep: int) -> str:
         return f"{root}/{step:06d}"
@@ -279,7 +285,16 @@ class ScriptedProxy:
         now = time.time()
         usage = {"input_tokens": PROMPT_TOKENS, "output_tokens": tokens}
         engine = self.router.route_of(execution_id) or ""
-        meta = NodeMeta("main.task", "main", engine, version, now, now, "stop", usage)
+        meta = NodeMeta(
+            request_class="main.task",
+            agent_id="main",
+            engine=engine,
+            policy_version=version,
+            started_s=now,
+            finished_s=now,
+            finish_reason="stop",
+            usage=usage,
+        )
         tree = self.trees[execution_id]
         tree.add(None, [1] * PROMPT_TOKENS, [2] * tokens, [-1.0] * tokens, [version] * tokens, meta)
 
@@ -312,7 +327,14 @@ class ScriptedHost:
             del self._cancels[execution_id]
         task = request.task.id
         return ExecutionResult(
-            execution_id, task, outcome, reward, started, time.monotonic(), None, host=self.name
+            execution_id=execution_id,
+            task_id=task,
+            outcome=outcome,
+            reward=reward,
+            started_s=started,
+            ended_s=time.monotonic(),
+            harness=None,
+            host=self.name,
         )
 
     async def cancel(self, execution_id: str) -> None:
@@ -333,11 +355,11 @@ async def run_live(config: Config, run_dir: Path) -> DriverRun:
     proxy = ScriptedProxy(config, scheduler.launches)
     hosts = HostPool([ScriptedHost(proxy, capacity=config.cells.count * config.cells.capacity)])
     outputs = RunOutputs(
-        run_dir,
-        MetricsWriter(run_dir / "metrics.jsonl"),
-        TraceWriter(run_dir / "traces.jsonl"),
-        Ledger(run_dir / "ledger.jsonl"),
-        AssessmentLog(run_dir / "assessments.jsonl"),
+        run_dir=run_dir,
+        metrics=MetricsWriter(run_dir / "metrics.jsonl"),
+        traces=TraceWriter(run_dir / "traces.jsonl"),
+        ledger=Ledger(run_dir / "ledger.jsonl"),
+        assessments=AssessmentLog(run_dir / "assessments.jsonl"),
     )
     harness = HarnessSpec(command=("true",), deadline_s=60.0)  # the host starts none
     controller = Controller(config, scheduler, proxy, cells, TASKS, harness, outputs, hosts=hosts)
