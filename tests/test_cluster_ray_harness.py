@@ -150,7 +150,7 @@ def test_ray_hosts_need_ray_and_a_proxy_every_node_reaches(tmp_path: Path) -> No
     assert not ray.is_initialized()
     config = load_config(None, ["harness.hosts=ray", "metrics.tensorboard=false"])
     options = TrainOptions(run_dir=tmp_path / "run", config=config, display=False)
-    with pytest.raises(ValueError, match=r"harness_hosts=ray needs Ray: set run\.placement=ray"):
+    with pytest.raises(ValueError, match=r"harness\.hosts=ray needs Ray: set run\.placement=ray"):
         asyncio.run(train(options))  # at once, before the warm start
     far = RayNode("f" * 56, "10.255.0.1")
     refused = r"node 10\.255\.0\.1 runs harnesses; set proxy\.host=0\.0\.0\.0"

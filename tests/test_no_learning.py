@@ -78,7 +78,7 @@ def _controller(records: list[StepRecord]) -> Any:
     scheduler.handle(Start(0.0))
     return SimpleNamespace(
         scheduler=scheduler,
-        step_records=records,
+        observer=SimpleNamespace(step_records=records),
         config=SimpleNamespace(run=SimpleNamespace(steps=32)),
         now=lambda: 12.0,
     )
@@ -167,7 +167,7 @@ def test_the_train_summary_warns_when_the_run_learned_nothing(
 
     async def fake_train(options: train_module.TrainOptions) -> Any:
         _write(options.run_dir, steps)
-        return SimpleNamespace(step_records=steps)
+        return SimpleNamespace(observer=SimpleNamespace(step_records=steps))
 
     monkeypatch.setattr(train_module, "train", fake_train)
     assert main(["train", "--run-dir", str(tmp_path / "dead"), "--quiet"]) == 0
