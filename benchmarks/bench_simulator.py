@@ -27,7 +27,7 @@ from typing import Any
 from qwengyre.config import Config, load_config, retarget
 from qwengyre.presets import preset_path
 from qwengyre.scheduler.core import Scheduler
-from qwengyre.sim.compare import POLICIES
+from qwengyre.sim.plan import POLICIES
 from qwengyre.sim.simulator import SimResult, simulate
 from qwengyre.sim.workload import ExecutionSpec, Workload, workload_from_name
 
