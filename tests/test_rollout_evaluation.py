@@ -484,13 +484,15 @@ def test_placeholder() -> None:
         placeholder("  ")
 
 
+def _assessed(**fields: Any) -> Assessment:
+    """A valid command assessment of artifact ``abc`` (score 1.0), ``fields`` changed."""
+    ok = {"score": 1.0, "valid": True, "artifact": "abc", "attempt": 1, "evaluator": "command"}
+    return Assessment(**{**ok, "detail": "ok", **fields})
+
+
 def test_final_prefers_valid_and_never_invents_zero() -> None:
-    bad = Assessment(
-        score=None, valid=False, artifact="abc", attempt=1, evaluator="command", detail="timeout"
-    )
-    good = Assessment(
-        score=0.0, valid=True, artifact="abc", attempt=2, evaluator="command", detail="ok"
-    )
+    bad = _assessed(score=None, valid=False, detail="timeout")
+    good = _assessed(score=0.0, attempt=2)
     assert final([]) is None
     assert final([bad]) is None
     assert final([bad, good]) is good
@@ -555,69 +557,18 @@ def test_an_assessment_names_its_evaluator_time_and_critique(tmp_path: Path) -> 
 
 
 def test_kinds_are_consistent_and_intermediate_ones_never_give_the_reward() -> None:
-    middle = Assessment(
-        score=1.0,
-        valid=True,
-        artifact="abc",
-        attempt=1,
-        evaluator="command",
-        detail="ok",
-        kind="intermediate",
-        version=1,
-    )
+    middle = _assessed(kind="intermediate", version=1)
     assert final([middle]) is None  # an intermediate assessment is never the reward
-    later = Assessment(
-        score=0.0,
-        valid=True,
-        artifact="abd",
-        attempt=1,
-        evaluator="command",
-        detail="ok",
-        version=2,
-    )
+    later = _assessed(score=0.0, artifact="abd", version=2)
     assert final([later, middle]) is later
     assert placeholder("x").kind == "placeholder"
-    assert (
-        Assessment(
-            score=0.0,
-            valid=True,
-            artifact="",
-            attempt=0,
-            evaluator="placeholder",
-            detail="x",
-            placeholder=True,
-        ).kind
-        == "placeholder"
-    )
+    stub = _assessed(score=0.0, artifact="", attempt=0, evaluator="placeholder", placeholder=True)
+    assert stub.kind == "placeholder"
     with pytest.raises(ValueError, match="version"):
-        Assessment(
-            score=1.0,
-            valid=True,
-            artifact="abc",
-            attempt=1,
-            evaluator="command",
-            detail="ok",
-            kind="intermediate",
-        )
+        _assessed(kind="intermediate")
     with pytest.raises(ValueError, match="kind"):
-        Assessment(
-            score=1.0,
-            valid=True,
-            artifact="abc",
-            attempt=1,
-            evaluator="command",
-            detail="ok",
-            kind="draft",
-        )
+        _assessed(kind="draft")
     with pytest.raises(ValueError, match="placeholder"):
-        Assessment(
-            score=0.0,
-            valid=True,
-            artifact="",
-            attempt=0,
-            evaluator="x",
-            detail="y",
-            placeholder=True,
-            kind="intermediate",
-            version=1,
+        _assessed(
+            score=0.0, artifact="", attempt=0, placeholder=True, kind="intermediate", version=1
         )
