@@ -157,6 +157,8 @@ def test_a_crashed_server_is_revived_at_its_endpoint_with_the_newest(cell: Cell)
     with pytest.raises(OSError):
         generate(cell.endpoint)
     version = cell.publish()  # and the core published meanwhile
+    # A publication that comes before the revival calls no dead server, and fails nothing.
+    assert cell.host.load_newest(cell.boards) < version
     assert cell.host.revive(cell.boards)
     # the proxy's client of the same endpoint (address and key) is served again
     assert generate(cell.endpoint).versions == (version,) * 6

@@ -206,7 +206,19 @@ class ServerHost(Generic[C]):
         return Endpoint(self.url, self.api_key, self.backend.api)
 
     def load_newest(self, boards: BoardShards) -> int:
-        """Load the boards' weights if newer; returns the version served."""
+        """Load the boards' weights if newer; returns the version served. A server that
+        crashed is not called: the proxy drains it once a call fails, and :meth:`revive`
+        starts it again with the newest weights (a publication racing that revival is
+        no run failure)."""
+        if self._process is not None and (code := self._process.poll()) is not None:
+            log.warning(
+                "%s: the %s server exited (code %s); it takes version %d when started again",
+                self.name,
+                self.backend.api,
+                code,
+                boards.version,
+            )
+            return self.version
         self.version = boards.load_newest(self.version, partial(self._load, boards))
         return self.version
 
