@@ -462,9 +462,18 @@ def test_crashed_sglang_servers_are_started_again_and_the_run_goes_on(
     metrics = read_metrics(run_dir)
     assert [s.version for s in metrics.steps] == [1, 2]
     said = {r.getMessage() for r in caplog.records}
-    for engine in ("cell-1", "standalone"):
-        assert f"{engine}: its engine crashed and was started again" in said
-        assert f"engine {engine} is healthy again: it accepts calls" in said  # either first
+
+    def revived(engine: str) -> bool:
+        return {
+            f"{engine}: its engine crashed and was started again",
+            f"engine {engine} is healthy again: it accepts calls",  # either first
+        } <= said
+
+    assert revived("standalone")
+    # Cell 1 is revived where it serves, or, when it moves to training first (a loaded
+    # machine), released as stopped and started again when it returns to rollout.
+    moved_dead = [s for s in metrics.switches if s.cell == 1 and s.engine == "stopped"]
+    assert revived("cell-1") or moved_dead, said
 
 
 def test_sglang_cells_switch_roles_and_take_every_publication(
