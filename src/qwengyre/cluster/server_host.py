@@ -231,10 +231,25 @@ class ServerHost(Generic[C]):
             self._stop()  # a crashed one has nothing to free; resume starts it again
             state = "stopped"
         else:
-            self._on_loop(self._engine().release_memory(), timeout_s)
+            self._release_memory(start + timeout_s)
             state = "asleep"
         log.info("%s: %s in %.1f s", self.name, state, time.monotonic() - start)
         return state
+
+    def _release_memory(self, deadline: float) -> None:
+        """Put the server to sleep. The proxy drained it, but a server may still be
+        finishing the requests it aborted and refuse (SGLang: "abort or drain in-flight
+        requests first"): ask again until ``deadline``, then raise what it said."""
+        while True:
+            try:
+                self._on_loop(
+                    self._engine().release_memory(), max(1.0, deadline - time.monotonic())
+                )
+                return
+            except ValueError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
 
     def resume(self, boards: BoardShards) -> int:
         """Serve again with the boards' newest weights; returns their version."""
