@@ -1,4 +1,4 @@
-"""Placement backends (DESIGN.md §3, cluster): cells as local processes or Ray actors
+"""Placement backends (docs/design.md §3, cluster): cells as local processes or Ray actors
 behind one handle interface; two Ray cells train a step exactly like one trainer; a
 dead actor is seen at once, also while a call occupies it."""
 

@@ -113,7 +113,7 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     assert all(r.assessment.evaluator == "command" for r in kept)
     # Executions cancelled when the run ended may not have called the model yet.
     assert all(t["calls"] for t in traces if t["outcome"] == "completed")
-    # No harness saw an error while cells moved (DESIGN.md §4): every finished toy
+    # No harness saw an error while cells moved (docs/design.md §4): every finished toy
     # harness says it sent no call twice.
     summaries = [
         line

@@ -1,4 +1,4 @@
-"""Random drivers for the scheduler: DESIGN.md §4's invariants after every event.
+"""Random drivers for the scheduler: docs/design.md §4's invariants after every event.
 
 A :class:`Driver` plays the imperative shell around the pure scheduler. It answers
 every action as the contract asks (``Launch`` -> one ``ExecutionFinished``, ``Cancel``
@@ -771,7 +771,7 @@ def test_waterlevel_never_rises_within_a_burst_when_every_reward_is_valid(
     params: SchedulerParams, data: st.DataObject
 ):
     """Boundary dispatch, no oversampling, every reward valid: no top-ups, no drops, no
-    stalls, so w can only fall between publications (DESIGN.md §4)."""
+    stalls, so w can only fall between publications (docs/design.md §4)."""
     params = dataclasses.replace(params, oversample=0, dispatch="boundary")
     d = run_random(data, params, steps=300, valid_only=True)
     assert d.stalls == d.early_ends == 0

@@ -1,4 +1,4 @@
-"""Each scheduler rule on small, hand-computed cases (DESIGN.md §2, Eqs 1-6)."""
+"""Each scheduler rule on small, hand-computed cases (docs/design.md §2, Eqs 1-6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for the execution-level objective and the chunked log-probs (DESIGN.md §2)."""
+"""Tests for the execution-level objective and the chunked log-probs (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Trajectory admission from the trajectory tree (DESIGN.md §2, Eq 7)."""
+"""Trajectory admission from the trajectory tree (docs/design.md §2, Eq 7)."""
 
 from __future__ import annotations
 

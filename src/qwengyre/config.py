@@ -91,7 +91,7 @@ class GroupsConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    """Dispatch and role transitions (DESIGN.md §2, Eqs 1-6).
+    """Dispatch and role transitions (docs/design.md §2, Eqs 1-6).
 
     ``rho_min`` and ``tau_s`` (the supply check of Eq 5) are not given by the paper.
     ``rho_min = 0.25``: a cell moves only when a quarter of a batch is ready and
@@ -158,7 +158,7 @@ class CellsConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    """Trajectory selection and the execution-level objective (DESIGN.md §2)."""
+    """Trajectory selection and the execution-level objective (docs/design.md §2)."""
 
     backend: TrainerBackendName = Field(
         "fsdp2",

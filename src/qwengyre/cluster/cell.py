@@ -1,5 +1,5 @@
-"""A cell: one slice of the accelerators that serves rollout or training (PAPER: elastic
-cells; DESIGN.md §3).
+"""A cell: one slice of the accelerators that serves rollout or training (the paper: elastic
+cells; docs/design.md §3).
 
 A cell is ``G`` ranks (``cells.devices_per_cell``), each a :class:`Cell` object in its
 own process on its own device: a local process

@@ -1,4 +1,4 @@
-"""A rollout engine served from inside a cell or standalone process (DESIGN.md §3).
+"""A rollout engine served from inside a cell or standalone process (docs/design.md §3).
 
 :class:`EngineHost` runs an :class:`~qwengyre.engines.embedded.EmbeddedEngine` behind
 SGLang's HTTP API on ``engine.host`` (127.0.0.1 by default; an address other nodes

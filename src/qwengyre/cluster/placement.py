@@ -1,5 +1,5 @@
 """Placement of cells: local processes or Ray actors behind one interface
-(DESIGN.md §3, cluster).
+(docs/design.md §3, cluster).
 
 ``start_cells("local", specs, run_dir=...)`` builds each rank of each cell in its own
 process on this machine (:class:`~qwengyre.cluster.local.ProcessActor`);

@@ -1,5 +1,5 @@
 """Ray placement: each cell is a Ray actor, for runs on more than one machine
-(DESIGN.md §3, cluster).
+(docs/design.md §3, cluster).
 
 :class:`RayActor` runs the same :class:`~qwengyre.cluster.cell.Cell` code as
 :class:`~qwengyre.cluster.local.ProcessActor` and offers the same interface

@@ -1,5 +1,5 @@
 """An inference server launched as a subprocess on a cell's devices: the rollout host
-of every server backend (``engine.backend=vllm``, ``sglang``; DESIGN.md §3).
+of every server backend (``engine.backend=vllm``, ``sglang``; docs/design.md §3).
 
 A :class:`ServerHost` launches its server (with the one launcher,
 :mod:`qwengyre.engines.launch`; its :class:`~qwengyre.engines.launch.ServerBackend`

@@ -1,5 +1,5 @@
-"""The standalone rollout pool: engines that never train (PAPER: "an optional
-standalone pool remains in rollout"; DESIGN.md §2, C_s in Eq 3).
+"""The standalone rollout pool: engines that never train (the paper: "an optional
+standalone pool remains in rollout"; docs/design.md §2, C_s in Eq 3).
 
 :class:`StandalonePool` is an actor like :class:`~qwengyre.cluster.cell.Cell` (a local
 process, or a Ray actor) that holds no trainer: it serves one engine

@@ -1,5 +1,5 @@
 """Weights in shared memory: how the core hands its parameters to other cells on one
-machine (DESIGN.md §3, cluster: weight transfer).
+machine (docs/design.md §3, cluster: weight transfer).
 
 A cell of ``G`` ranks holds its model in ``G`` shards (:mod:`qwengyre.training.sharding`),
 so there is one board per shard index (:func:`board_name`): rank ``r`` of the core

@@ -1,4 +1,4 @@
-"""The engine interface the proxy and the cells use (DESIGN.md §3).
+"""The engine interface the proxy and the cells use (docs/design.md §3).
 
 An engine generates from token ids and returns the ids it sampled with their
 behaviour log-probs and the policy version of the weights that produced them, either

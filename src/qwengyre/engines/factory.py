@@ -1,4 +1,4 @@
-"""Where engines are made: every command builds its engines here (DESIGN.md §3).
+"""Where engines are made: every command builds its engines here (docs/design.md §3).
 
 - :func:`embedded_engine`: this package's engine, in this process (``engine serve``,
   ``proxy serve`` and ``rollout`` with ``engine.backend=embedded``, a cell's or the

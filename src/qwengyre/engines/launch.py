@@ -1,5 +1,5 @@
 """Launching an inference server as a subprocess: the one launcher every server backend
-uses (vLLM's, SGLang's; DESIGN.md §3).
+uses (vLLM's, SGLang's; docs/design.md §3).
 
 A backend says only what is its own, in its module: its command line and environment
 (a :class:`ServerSpec`: the ``python -m`` module, its flags, how it takes its API key)

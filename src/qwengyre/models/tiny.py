@@ -81,7 +81,7 @@ TINY_SIZES: Final[MappingProxyType[str, TinyModelSpec]] = MappingProxyType(
             vocab_size=1024,
             max_position_embeddings=4096,
         ),
-        # The "mini" model of DESIGN.md section 6 (~0.9M parameters).
+        # The "mini" model of docs/design.md section 6 (~0.9M parameters).
         "demo": TinyModelSpec(
             num_hidden_layers=2,
             hidden_size=128,

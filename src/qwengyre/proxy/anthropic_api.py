@@ -8,7 +8,7 @@ and render with :func:`error_body` / :func:`error_headers` / :func:`stream_error
 The server uses them through :class:`AnthropicMessages`, this API's
 :class:`~qwengyre.proxy.dialect.Dialect`.
 
-What real clients send (see ``shared/HARNESSES.md``) is accepted: unknown top-level fields
+What real clients send (see ``docs/harnesses.md``) is accepted: unknown top-level fields
 (``thinking``, ``context_management``, ``output_config``, ``metadata``, ...) and
 ``cache_control`` anywhere are ignored; ``role: "system"`` messages may appear inside
 ``messages``; ``thinking`` blocks in history are dropped; server tools are skipped.

@@ -1,5 +1,5 @@
 """The one way a proxy is built: ``qwengyre train``'s, ``proxy serve``'s and
-``rollout``'s (DESIGN.md §3)."""
+``rollout``'s (docs/design.md §3)."""
 
 from __future__ import annotations
 

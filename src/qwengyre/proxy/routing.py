@@ -1,4 +1,4 @@
-"""Engines, sticky per-execution routes, and rerouting for role transitions (DESIGN.md §3).
+"""Engines, sticky per-execution routes, and rerouting for role transitions (docs/design.md §3).
 
 An execution keeps its engine (its KV cache is there) until that engine stops
 accepting. Draining an engine — the first step of a cell's move to training —

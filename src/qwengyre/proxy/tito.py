@@ -1,6 +1,6 @@
 """Token-in/token-out for one execution: match a call to its tree, build its prompt, record it.
 
-For each call (DESIGN.md §3, proxy):
+For each call (docs/design.md §3, proxy):
 
 1. restore the payload of tool calls we produced, by call id (a harness that reformats
    tool-call JSON still matches; its ids are kept); the text stays exactly as sent;

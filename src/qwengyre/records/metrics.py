@@ -240,7 +240,7 @@ class LoadRecord(_Record):
 
     @property
     def waterlevel(self) -> int:
-        """w = d - f (+ the held reserve): never rises within a burst (DESIGN.md §4)."""
+        """w = d - f (+ the held reserve): never rises within a burst (docs/design.md §4)."""
         return self.running + self.queued + self.reserved
 
 

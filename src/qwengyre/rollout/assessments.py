@@ -1,4 +1,4 @@
-"""Intermediate assessments and the durable log of every assessment (PAPER, §evaluation).
+"""Intermediate assessments and the durable log of every assessment (the paper, §evaluation).
 
 "An xLong execution may evaluate intermediate artifacts, revise them, and abandon
 branches. Each assessment remains associated with its execution, artifact version, and

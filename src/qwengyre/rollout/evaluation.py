@@ -13,14 +13,14 @@ artifact state"), which evaluator made it, when, and its *kind*:
   kept with the execution but never supplies the reward;
 - ``placeholder``: the zero-reward stand-in for a complete failure (:func:`placeholder`).
 
-Invariants (DESIGN.md §4):
+Invariants (docs/design.md §4):
 
 - an invalid or missing assessment is never a reward of 0: an invalid
   :class:`Assessment` has ``score=None``, and :func:`final` returns ``None`` (not 0)
   when no final attempt was valid -- the execution has no reward;
 - attempts never overwrite each other: :func:`assess` returns every attempt, in order,
   each tagged with its number and the artifact digest it assessed;
-- retries are bounded by the execution's overall budget, not by a count (PAPER:
+- retries are bounded by the execution's overall budget, not by a count (the paper:
   "evaluation may be retried against the same preserved state within the execution's
   overall time budget"): :func:`assess` retries an invalid attempt, after a delay that
   grows geometrically (``retry_delay_s``, times ``retry_backoff`` per retry, at most
@@ -471,7 +471,7 @@ async def assess(
 
     ``deadline`` is a :func:`time.monotonic` value, the end of the execution's overall
     budget: no attempt starts at or after it, and each attempt's timeout is cut to the
-    time left.  Invalid attempts are retried until the deadline (PAPER: "within the
+    time left.  Invalid attempts are retried until the deadline (the paper: "within the
     execution's overall time budget"), paced by ``options`` (the config's
     ``evaluation`` section; default: its defaults): the wait before retry ``r`` is
     :meth:`~qwengyre.config.EvaluationConfig.delay` (cut to the time left), and ``max_attempts``

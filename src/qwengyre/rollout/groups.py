@@ -1,4 +1,4 @@
-"""Group-relative advantages (DESIGN.md §2): computed from a group's *valid* rewards only.
+"""Group-relative advantages (docs/design.md §2): computed from a group's *valid* rewards only.
 
 A group's rewards map execution ids to real scores; executions without a valid
 assessment are simply absent (never a zero). Every execution of the group inherits

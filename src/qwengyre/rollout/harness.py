@@ -421,7 +421,7 @@ def claude_code_spec(
     cpu_limit_s: int | None = None,
     extra_env: Mapping[str, str] | None = None,
 ) -> HarnessSpec:
-    """Claude Code in print mode, as measured in HARNESSES.md.
+    """Claude Code in print mode, as measured in docs/harnesses.md.
 
     ``tools=None`` runs ``--bare`` (3 tools, small requests) instead of ``--tools``.
     HOME, CLAUDE_CONFIG_DIR and CLAUDE_CODE_TMPDIR live in the per-execution
@@ -470,7 +470,7 @@ def mini_swe_agent_spec(
     cpu_limit_s: int | None = None,
     extra_env: Mapping[str, str] | None = None,
 ) -> HarnessSpec:
-    """mini-swe-agent (litellm, OpenAI chat completions), as measured in HARNESSES.md.
+    """mini-swe-agent (litellm, OpenAI chat completions), as measured in docs/harnesses.md.
 
     The API base is passed on the command line (``{openai_base_url}``); the key travels
     only in OPENAI_API_KEY (which litellm reads for ``openai/`` models), so it never

@@ -1,5 +1,5 @@
 """The live controller: the scheduler's actions carried out with the real clock
-(DESIGN.md §3; PAPER: elastic cells, role transitions, streaming training).
+(docs/design.md §3; the paper: elastic cells, role transitions, streaming training).
 
 The scheduler is the same pure state machine the simulator drives. Everything that
 happens (an execution ends, a cell finished moving, a step's update is done, a
@@ -347,7 +347,7 @@ class Controller:
     # ------------------------------------------------------------------ cells
 
     async def _move(self, cell: int, role: Role) -> None:
-        """A role switch (PAPER §role transitions); answers with CellMoved."""
+        """A role switch (the paper §role transitions); answers with CellMoved."""
         start = self.now()
         name = engine_name(cell)
         try:
@@ -378,7 +378,7 @@ class Controller:
 
     async def _publish(self, version: int) -> None:
         """The core's weights reach every rollout engine: the rollout cells and the
-        standalone pool (PAPER: publication after the burst's final update)."""
+        standalone pool (the paper: publication after the burst's final update)."""
         roles = self.scheduler.roles
         lost = self.supervisor.lost
         rollout = [c for c, r in enumerate(roles) if r is Role.ROLLOUT and c not in lost]

@@ -4,7 +4,7 @@ A group is appended (and fsynced) the moment it becomes ready, with its admitted
 trajectories and advantages, before it can be assigned to training. A checkpoint
 records which groups its version has trained; on resume, the ledger's groups minus
 those are the ready groups the scheduler gets back. So a crash loses no finished
-group and a resumed run trains none twice (DESIGN.md §4: nothing recorded is lost).
+group and a resumed run trains none twice (docs/design.md §4: nothing recorded is lost).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The scheduler: boundary/continuous dispatch, elastic cells, bursts (DESIGN.md §2).
+"""The scheduler: boundary/continuous dispatch, elastic cells, bursts (docs/design.md §2).
 
 A pure, deterministic state machine: :meth:`Scheduler.handle` takes one event and
 returns the actions to carry out. It never reads a clock, sleeps or does I/O, so
@@ -235,7 +235,7 @@ class Consumed:
 
     @property
     def staleness(self) -> int:
-        """Scheduling staleness d = v_t - v_d (DESIGN.md §1)."""
+        """Scheduling staleness d = v_t - v_d (docs/design.md §1)."""
         return self.v_t - self.v_d
 
 
@@ -254,7 +254,7 @@ class Execution:
 
 @dataclass(frozen=True)
 class Counters:
-    """d, p, f (DESIGN.md §2) and the replacement reserve held, all in executions.
+    """d, p, f (docs/design.md §2) and the replacement reserve held, all in executions.
 
     ``reserved`` = min(reserve left in this burst, top-ups the groups in rollout may still
     get): quota that top-ups may still take within the burst (0 once rollout is done).

@@ -1,1 +1,1 @@
-"""Training: chunked current log-probs and the execution-level objective (DESIGN.md §2)."""
+"""Training: chunked current log-probs and the execution-level objective (docs/design.md §2)."""

@@ -1,6 +1,6 @@
 """Streaming training buffers: ready groups, packing into micro-steps, the claim queue.
 
-DESIGN.md §3 (training) and PAPER "streaming training". Three pieces, in data order:
+docs/design.md §3 (training) and the paper "streaming training". Three pieces, in data order:
 
 ``TrajectoryBuffer``
     Ready rollout groups (rewards known, trajectories admitted) keyed by group id.

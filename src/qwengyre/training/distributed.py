@@ -1,4 +1,4 @@
-"""The process groups of sharded cells (DESIGN.md §3).
+"""The process groups of sharded cells (docs/design.md §3).
 
 A run has ``K`` cells of ``G`` ranks each: process ``cell * G + shard`` holds shard
 ``shard`` of cell ``cell``'s model. Two kinds of groups are built once at start-up

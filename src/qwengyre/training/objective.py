@@ -1,4 +1,4 @@
-r"""The execution-level adapted GSPO objective (DESIGN.md §2).
+r"""The execution-level adapted GSPO objective (docs/design.md §2).
 
 Notation, for a batch of ``N`` executions (``N = advantages.numel()``), execution
 ``i`` with target tokens ``t in i`` (``n_i`` of them), current log-prob ``l_t``,

@@ -1,5 +1,5 @@
 """One rank of a cell's trainer: micro-steps in, one optimizer update per batch
-(PAPER: streaming training; DESIGN.md §3 training).
+(the paper: streaming training; docs/design.md §3 training).
 
 A cell of ``G`` ranks holds one policy sharded with FSDP2
 (:func:`qwengyre.training.sharding.shard_policy`): each rank keeps ~1/G of every

@@ -1,4 +1,4 @@
-"""Request classes: which agent made a model call, and what for (DESIGN.md §2, Eq 7).
+"""Request classes: which agent made a model call, and what for (docs/design.md §2, Eq 7).
 
 A class is (agent, kind): ``agent`` is ``main`` or ``sub``; ``kind`` is ``task``
 (task-driving), ``summary`` (a compaction summary) or ``side`` (anything else, e.g. a

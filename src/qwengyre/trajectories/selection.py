@@ -1,4 +1,4 @@
-"""Trajectory admission from an execution's trajectory tree (DESIGN.md §2, Eq 7).
+"""Trajectory admission from an execution's trajectory tree (docs/design.md §2, Eq 7).
 
 Candidates are the tree's leaves; a leaf's trajectory is its root-to-leaf path. The
 provenance mask makes only engine-sampled tokens (``output_ids``) trainable; injected

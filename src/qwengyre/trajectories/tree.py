@@ -1,4 +1,4 @@
-"""The trajectory tree of one execution (DESIGN.md §1; PAPER: TITO, the trajectory tree).
+"""The trajectory tree of one execution (docs/design.md §1; the paper: TITO, the trajectory tree).
 
 Nodes are model calls. A node's *context* is everything the engine saw and produced on
 the path from the root: for each node on it, its incremental ``input_ids`` followed by
