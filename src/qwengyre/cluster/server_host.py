@@ -159,6 +159,11 @@ class ServerHost(Generic[C]):
             raise RuntimeError(f"{self.name}: the {self.backend.api} server is not running")
         return self._client
 
+    def _exit_code(self) -> int | None:
+        """The exit code of a server process that ended by itself (a crash); None while
+        it runs, and for a server stopped on purpose (it has no process)."""
+        return None if self._process is None else self._process.poll()
+
     def _launch(self) -> None:
         place = self.placement(str(self._weights))
         self._process = start_server(self.backend.spec(place))
@@ -210,7 +215,7 @@ class ServerHost(Generic[C]):
         crashed is not called: the proxy drains it once a call fails, and :meth:`revive`
         starts it again with the newest weights (a publication racing that revival is
         no run failure)."""
-        if self._process is not None and (code := self._process.poll()) is not None:
+        if (code := self._exit_code()) is not None:
             log.warning(
                 "%s: the %s server exited (code %s); it takes version %d when started again",
                 self.name,
@@ -226,7 +231,7 @@ class ServerHost(Generic[C]):
         """Free the device once the proxy drained the server; ``"asleep"`` or
         ``"stopped"`` (see the module docstring)."""
         start = time.monotonic()
-        crashed = self._process is not None and self._process.poll() is not None
+        crashed = self._exit_code() is not None
         if crashed or not self.backend.sleep_frees(self.device):
             self._stop()  # a crashed one has nothing to free; resume starts it again
             state = "stopped"
@@ -254,7 +259,7 @@ class ServerHost(Generic[C]):
     def resume(self, boards: BoardShards) -> int:
         """Serve again with the boards' newest weights; returns their version."""
         start = time.monotonic()
-        if self._process is None or self._process.poll() is not None:  # stopped, or crashed
+        if self._process is None or self._exit_code() is not None:  # stopped, or crashed
             self._stop()
             self._launch()  # from the newest weights directory: already at self.version
             state = "started"
@@ -267,7 +272,7 @@ class ServerHost(Generic[C]):
     def revive(self, boards: BoardShards) -> bool:
         """Start the server again if its process exited (a crash; a server stopped on
         purpose has no process) and load the boards' newest weights; True if it did."""
-        if self._process is None or (code := self._process.poll()) is None:
+        if (code := self._exit_code()) is None:
             return False
         log.warning(
             "%s: the %s server exited (code %s); starting it again",
