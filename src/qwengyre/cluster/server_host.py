@@ -54,9 +54,9 @@ from qwengyre.cluster.net import advertised, free_port
 from qwengyre.cluster.weights import BoardShards
 from qwengyre.engines.base import WeightsOnDisk
 from qwengyre.engines.launch import (
-    Placement,
     ServerBackend,
     ServerClient,
+    ServerPlacement,
     start_server,
     stop_server,
     wait_until_healthy,
@@ -137,9 +137,9 @@ class ServerHost(Generic[C]):
         """The server's base URL, at an address others reach."""
         return f"http://{advertised(self.host)}:{self.port}"
 
-    def placement(self, model: str | None = None) -> Placement:
+    def placement(self, model: str | None = None) -> ServerPlacement:
         """Where the server starts, on the weights in ``model`` (default: the base model)."""
-        return Placement(
+        return ServerPlacement(
             model=model or str(self.model_dir),
             host=self.host,
             port=self.port,

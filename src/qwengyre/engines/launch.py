@@ -4,7 +4,7 @@ uses (vLLM's, SGLang's; docs/design.md §3).
 A backend says only what is its own, in its module: its command line and environment
 (a :class:`ServerSpec`: the ``python -m`` module, its flags, how it takes its API key)
 and, for a server that serves a cell's devices, a :class:`ServerBackend`: the spec for a
-:class:`Placement`, its client, what it does once healthy, whether its sleep frees the
+:class:`ServerPlacement`, its client, what it does once healthy, whether its sleep frees the
 device and whether it takes weights from memory. The rest is here:
 
 - :func:`launch`: checks that the server's ``python`` can import the server's package
@@ -39,10 +39,10 @@ from qwengyre.engines.base import WeightsByName, WeightSource
 
 __all__ = [
     "HealthChecked",
-    "Placement",
     "ServerBackend",
     "ServerClient",
     "ServerNotInstalled",
+    "ServerPlacement",
     "ServerSpec",
     "importable",
     "launch",
@@ -220,7 +220,7 @@ async def wait_until_healthy(
 
 
 @dataclass(kw_only=True, frozen=True)
-class Placement:
+class ServerPlacement:
     """Where a host starts its server: on the weights in directory ``model``, bound to
     ``host``:``port``, guarded by ``api_key``, on ``device`` and the physical GPUs
     ``gpus`` (tensor parallel over all of them; none on the CPU), each call capped at
@@ -275,14 +275,14 @@ class ServerBackend(ABC, Generic[C]):
     api: ClassVar[str]  # the HTTP API it speaks, and engine.backend's name for it
 
     @abstractmethod
-    def spec(self, place: Placement) -> ServerSpec:
+    def spec(self, place: ServerPlacement) -> ServerSpec:
         """How the server starts at ``place``."""
 
     @abstractmethod
     def client(self, url: str, *, name: str, capacity: int, api_key: str, version: int) -> C:
         """A client of the server at ``url``, whose tokens default to ``version``."""
 
-    def host_client(self, url: str, name: str, place: Placement) -> C:
+    def host_client(self, url: str, name: str, place: ServerPlacement) -> C:
         """The client its host drives it with (one request at a time: weights, memory)."""
         return self.client(url, name=name, capacity=1, api_key=place.api_key, version=place.version)
 

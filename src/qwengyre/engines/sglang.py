@@ -91,9 +91,9 @@ from qwengyre.engines.base import (
 )
 from qwengyre.engines.http_client import HTTPEngineClient, error_message, sse_data
 from qwengyre.engines.launch import (
-    Placement,
     ServerBackend,
     ServerNotInstalled,
+    ServerPlacement,
     ServerSpec,
 )
 
@@ -457,7 +457,7 @@ class SGLangBackend(ServerBackend[SGLangEngine]):
 
     api = "sglang"
 
-    def spec(self, place: Placement) -> SGLangServerSpec:
+    def spec(self, place: ServerPlacement) -> SGLangServerSpec:
         return SGLangServerSpec(
             model=place.model,
             host=place.host,
@@ -476,7 +476,7 @@ class SGLangBackend(ServerBackend[SGLangEngine]):
     ) -> SGLangEngine:
         return SGLangEngine(url, name, capacity=capacity, api_key=api_key, policy_version=version)
 
-    def host_client(self, url: str, name: str, place: Placement) -> SGLangEngine:
+    def host_client(self, url: str, name: str, place: ServerPlacement) -> SGLangEngine:
         client = super().host_client(url, name, place)
         if place.on_gpu:
             client.tensor_route = TensorRoute(place.device, place.tp_size)

@@ -94,9 +94,9 @@ from qwengyre.engines.base import (
 )
 from qwengyre.engines.http_client import HTTPEngineClient, error_message, sse_data
 from qwengyre.engines.launch import (
-    Placement,
     ServerBackend,
     ServerNotInstalled,
+    ServerPlacement,
     ServerSpec,
     importable,
 )
@@ -474,7 +474,7 @@ class VLLMBackend(ServerBackend[VLLMEngine]):
 
     api = "vllm"
 
-    def spec(self, place: Placement) -> VLLMServerSpec:
+    def spec(self, place: ServerPlacement) -> VLLMServerSpec:
         cpu = place.device == "cpu"
         return VLLMServerSpec(
             model=place.model,
