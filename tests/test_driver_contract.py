@@ -43,7 +43,7 @@ from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool
 from qwengyre.rollout.tasks import CommandEvaluator, Task
 from qwengyre.runtime.controller import Controller, RunOutputs
-from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.scheduler.core import Scheduler, SchedulerError, SchedulerParams
 from qwengyre.scheduler.events import (
     Action,
@@ -358,7 +358,7 @@ async def run_live(config: Config, run_dir: Path) -> DriverRun:
         run_dir=run_dir,
         metrics=MetricsWriter(run_dir / "metrics.jsonl"),
         traces=TraceWriter(run_dir / "traces.jsonl"),
-        ledger=Ledger(run_dir / "ledger.jsonl"),
+        ledger=Ledger(run_dir / LEDGER_DIR),
         assessments=AssessmentLog(run_dir / "assessments.jsonl"),
     )
     harness = HarnessSpec(command=("true",), deadline_s=60.0)  # the host starts none

@@ -28,7 +28,7 @@ from qwengyre.records.assessments import read_assessments
 from qwengyre.records.metrics import read_metrics
 from qwengyre.report.html import steady_staleness
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
-from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +119,7 @@ def test_every_accepted_setting_trains_live(
     assert [s.version for s in metrics.steps] == [1, 2]
     trained = [g.group_id for g in metrics.groups]
     assert len(trained) == 2 * 2 and len(set(trained)) == 4  # B groups a step, once each
-    assert set(trained) <= {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+    assert set(trained) <= {g.group_id for g in Ledger(run_dir / LEDGER_DIR).groups()}
     run_record = metrics.run
     assert run_record is not None  # the report describes the mode from it
     assert (run_record.policy, run_record.dispatch, run_record.streaming) == (

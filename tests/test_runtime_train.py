@@ -28,7 +28,7 @@ from qwengyre.proxy.store import Store
 from qwengyre.records.assessments import read_assessments
 from qwengyre.records.metrics import read_metrics
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
-from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.training.checkpoint import latest_checkpoint, list_checkpoints, read_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -90,7 +90,7 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     assert all(s.rewards >= 2 * 2 for s in metrics.steps)  # B=2 groups, >= 2 valid each
     trained = [g.group_id for g in metrics.groups]
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
-    ledger = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+    ledger = {g.group_id for g in Ledger(run_dir / LEDGER_DIR).groups()}
     assert set(trained) <= ledger  # a group is durable before it trains
     # Elastic: the core moved from rollout to training, with a measured switch time.
     assert [r.role for r in metrics.roles if r.cell == 0][:3] == [
@@ -178,7 +178,7 @@ def wait_for_checkpoint(process: subprocess.Popen[bytes], run_dir: Path, version
 def resume_and_check(run_dir: Path, steps: int) -> None:
     """Resume to ``steps``: nothing trained twice, nothing finished lost."""
     before = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
-    finished_before = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+    finished_before = {g.group_id for g in Ledger(run_dir / LEDGER_DIR).groups()}
 
     asyncio.run(train(TrainOptions(run_dir=run_dir, resume=True, display=False)))
 
@@ -270,7 +270,7 @@ def test_a_run_that_loses_a_cell_resumes_itself_with_restarts_left(
     run_dir = tmp_path / "run"
     process = start_train(tmp_path, tiny_model_dir, 4, "run.restarts=1")
     wait_for_checkpoint(process, run_dir, version=1)
-    finished_before = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+    finished_before = {g.group_id for g in Ledger(run_dir / LEDGER_DIR).groups()}
     cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
     os.kill(cells[0], signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=300)

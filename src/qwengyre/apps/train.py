@@ -5,7 +5,8 @@ Everything lives under the run directory::
     config.yaml        the resolved configuration (resume reads it back)
     warm_start/        the tiny model after its supervised warm start
     proxy.sqlite       every model call (TITO records) and execution
-    ledger.jsonl       every group that finished its rollout (admitted trajectories)
+    ledger/            every group that finished its rollout (admitted trajectories),
+                       one file each, written whole or not at all (qwengyre.runtime.ledger)
     assessments.jsonl  every assessment of every execution (final, intermediate, placeholder)
     metrics.jsonl      steps, roles, switches, load, groups (qwengyre.records.metrics)
     traces.jsonl       one line per execution, in the simulator's trace format
@@ -14,7 +15,8 @@ Everything lives under the run directory::
     report/            the HTML report, written at the end
 
 Resume (``--resume RUN_DIR``): the newest checkpoint gives the weights, the optimizer,
-the version and the groups it trained; the ledger's other groups are ready again; the
+the version and the groups it trained; the ledger's other groups are ready again (their
+tokens are read from the ledger when each is taken for training); the
 harnesses the killed run left behind are stopped. Executions that were running are
 lost and their slots refill: no finished group is lost and none is trained twice. A
 run that loses its core or a cell in training resumes itself so, up to ``run.restarts``
@@ -52,7 +54,7 @@ from qwengyre.rollout.sandbox import sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.runtime.controller import Controller, RunOutputs
 from qwengyre.runtime.display import show
-from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.runtime.lock import lock_run_dir
 from qwengyre.scheduler.core import Scheduler
 from qwengyre.scheduler.events import STANDALONE, Start
@@ -140,18 +142,22 @@ def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Pat
 
 
 def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
-    """The newest checkpoint plus the ledger's untrained groups (a fresh run: nothing)."""
+    """The newest checkpoint plus the ledger's untrained groups (a fresh run: nothing),
+    each still on disk: a group's tokens are read when it is taken for training."""
     trajectories = TrajectoryBuffer()
     ready = []
-    ledger = Ledger(run_dir / "ledger.jsonl").read()
+    ledger = Ledger(run_dir / LEDGER_DIR)
+    ledger.discard_partial()  # the caller holds the run directory's lock
+    stored = ledger.groups()
     path = latest_checkpoint(run_dir / "checkpoints")
     state = read_checkpoint(path).state if path is not None else {}
     trained = [int(g) for g in state.get("trained_groups", [])]
-    for group in ledger:
-        if group.group_id not in trained:
+    done = set(trained)
+    for group in stored:
+        if group.group_id not in done:
             trajectories.add(group)
             ready.append((group.group_id, group.version))
-    known = [group.group_id for group in ledger] + trained
+    known = [group.group_id for group in stored] + trained
     return Resumed(
         model_dir=model_dir,  # the architecture; the checkpoint's sharded weights go on top
         checkpoint=path,
@@ -384,7 +390,7 @@ async def _train_once(options: TrainOptions) -> Controller:
                 run_dir=run_dir,
                 metrics=metrics,
                 traces=traces,
-                ledger=Ledger(run_dir / "ledger.jsonl"),
+                ledger=Ledger(run_dir / LEDGER_DIR),
                 assessments=AssessmentLog(run_dir / ASSESSMENTS_FILE),
             ),
             hosts=hosts,

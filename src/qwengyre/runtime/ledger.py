@@ -1,53 +1,219 @@
 """The ready-group ledger: every rollout group that finished its rollout, durably.
 
-A group is appended (and fsynced) the moment it becomes ready, with its admitted
+A group is written (and fsynced) the moment it becomes ready, with its admitted
 trajectories and advantages, before it can be assigned to training. A checkpoint
 records which groups its version has trained; on resume, the ledger's groups minus
 those are the ready groups the scheduler gets back. So a crash loses no finished
 group and a resumed run trains none twice (docs/design.md §4: nothing recorded is lost).
+
+Layout: a directory with one file per group, ``group-000042.npz`` (numpy's uncompressed
+zip of arrays), written atomically (:func:`qwengyre.durable.write_atomic`): a crash
+leaves the whole group or none of it, never a file that later reads fail on. A file holds
+
+- ``group``: int64 ``[group_id, version]`` (the version at dispatch, v_d);
+- ``meta``: UTF-8 JSON of the executions (id, advantage) and their trajectories (leaf,
+  request class, tree nodes, execution id, advantage, token count), in order;
+- the trajectories' tokens, concatenated in that order: ``input_ids`` (int32),
+  ``behaviour_logprobs`` (float32: the trainer computes in fp32, so it trains on the same
+  numbers), ``target_mask`` (bits, :func:`numpy.packbits`), ``versions`` (run-length:
+  ``version_values`` and ``version_runs``).
+
+About 8 bytes a token. :meth:`Ledger.groups` lists the groups from their ``group`` arrays
+only; a group's tokens are read when it is taken for training (``StoredGroup.load``), so a
+resumed run holds one group's tokens at a time, whatever the ledger's size.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
+import zipfile
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
+from typing import IO
 
-from qwengyre.jsonl import JsonlError
-from qwengyre.training.buffers import GroupSample
+import numpy as np
 
-__all__ = ["Ledger", "LedgerError"]
+from qwengyre.durable import write_atomic
+from qwengyre.training.buffers import ExecutionSample, GroupSample, StoredGroup
+from qwengyre.trajectories.selection import AdmittedTrajectory
+
+__all__ = ["LEDGER_DIR", "Ledger", "LedgerError"]
+
+LEDGER_DIR = "ledger"
+_NAME = re.compile(r"group-(\d+)\.npz")
+_ARRAYS = (
+    "group",
+    "meta",
+    "input_ids",
+    "behaviour_logprobs",
+    "target_mask",
+    "version_values",
+    "version_runs",
+)
 
 
-class LedgerError(JsonlError):
-    """A ledger line that cannot be read (other than a truncated last line)."""
+class LedgerError(ValueError):
+    """A group file of the ledger that cannot be read (damaged after it was written)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"{path}: unreadable ready group ({reason}); the ledger writes a group whole "
+            "or not at all, so this file was damaged afterwards: move it out of the "
+            "ledger directory to resume without that group"
+        )
+        self.path = path
 
 
 class Ledger:
-    """Append-only JSONL of :class:`GroupSample`, one line per ready group."""
+    """A directory of ready groups, one file each (see the module docstring)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def path(self, group_id: int) -> Path:
+        return self.directory / f"group-{group_id:06d}.npz"
 
     def append(self, group: GroupSample) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(group.to_json(), separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Write ``group`` whole, durably; a full disk raises
+        :class:`~qwengyre.durable.DiskFullError` and leaves the ledger as it was."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        arrays = _encode(group)
+        write_atomic(
+            self.path(group.group_id),
+            partial(_save, arrays),
+            f"ready group {group.group_id} of the ledger",
+        )
 
-    def read(self) -> list[GroupSample]:
-        """Every recorded group; a truncated last line (a crash mid-write) is skipped."""
-        if not self.path.exists():
+    def discard_partial(self) -> None:
+        """Remove what a crash cut off (``.group-*.npz.tmp``: groups never completed).
+        Only while nothing writes to the ledger (the run directory's lock is held)."""
+        for path in self.directory.glob(".group-*.npz.tmp"):
+            path.unlink()
+
+    def groups(self) -> list[StoredGroup]:
+        """Every recorded group by id, its tokens left on disk until ``load()``; a group
+        file that cannot be opened raises :class:`LedgerError` naming it."""
+        if not self.directory.exists():
             return []
-        lines = self.path.read_text(encoding="utf-8").split("\n")
-        groups = []
-        for number, text in enumerate(lines, start=1):
-            if not text.strip():
+        found = []
+        for path in self.directory.iterdir():
+            match = _NAME.fullmatch(path.name)
+            if match is None:
                 continue
-            try:
-                groups.append(GroupSample.from_json(json.loads(text)))
-            except (ValueError, KeyError, TypeError) as exc:
-                if number == len(lines):  # no newline after it: cut off by a crash
-                    break
-                raise LedgerError(self.path, f"unreadable group record: {exc}", number) from None
-        return groups
+            group_id, version = (int(x) for x in _read(path, ["group"])["group"])
+            if group_id != int(match.group(1)):
+                raise LedgerError(path, f"it holds group {group_id}")
+            found.append(StoredGroup(group_id, version, partial(self.load, group_id)))
+        return sorted(found, key=lambda g: g.group_id)
+
+    def load(self, group_id: int) -> GroupSample:
+        """Group ``group_id`` with its tokens (a damaged file: :class:`LedgerError`)."""
+        path = self.path(group_id)
+        arrays = _read(path, _ARRAYS)
+        try:
+            return _decode(arrays)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LedgerError(path, str(exc)) from None
+
+
+def _read(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The arrays ``names`` of a group file (each checked against the zip's CRC-32)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in names}
+    except (ValueError, KeyError, EOFError, OSError, zipfile.BadZipFile) as exc:
+        raise LedgerError(path, f"{type(exc).__name__}: {exc}") from None
+
+
+def _save(arrays: dict[str, np.ndarray], f: IO[bytes]) -> None:
+    np.savez(f, allow_pickle=False, **arrays)
+
+
+def _encode(group: GroupSample) -> dict[str, np.ndarray]:
+    trajectories = [t for e in group.executions for t in e.trajectories]
+    meta = [
+        {
+            "execution_id": e.execution_id,
+            "advantage": e.advantage,
+            "trajectories": [
+                {
+                    "leaf": t.leaf,
+                    "request_class": t.request_class,
+                    "nodes": list(t.nodes),
+                    "execution_id": t.execution_id,
+                    "advantage": t.advantage,
+                    "length": len(t.input_ids),
+                }
+                for t in e.trajectories
+            ],
+        }
+        for e in group.executions
+    ]
+    values, runs = _run_lengths(
+        np.array([v for t in trajectories for v in t.versions], dtype=np.int32)
+    )
+    return {
+        "group": np.array([group.group_id, group.version], dtype=np.int64),
+        "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+        "input_ids": np.array([x for t in trajectories for x in t.input_ids], dtype=np.int32),
+        "behaviour_logprobs": np.array(
+            [x for t in trajectories for x in t.behaviour_logprobs], dtype=np.float32
+        ),
+        "target_mask": np.packbits(
+            np.array([x for t in trajectories for x in t.target_mask], dtype=bool)
+        ),
+        "version_values": values,
+        "version_runs": runs,
+    }
+
+
+def _run_lengths(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` as runs of equal values: each run's value and its length."""
+    if not len(values):
+        return values, np.zeros(0, dtype=np.int64)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(values)) + 1))
+    return values[starts], np.diff(np.append(starts, len(values)))
+
+
+def _decode(arrays: dict[str, np.ndarray]) -> GroupSample:
+    group_id, version = (int(x) for x in arrays["group"])
+    meta = json.loads(arrays["meta"].tobytes())
+    ids = arrays["input_ids"].tolist()
+    logprobs = arrays["behaviour_logprobs"].tolist()
+    mask = np.unpackbits(arrays["target_mask"], count=len(ids)).astype(bool).tolist()
+    versions = np.repeat(arrays["version_values"], arrays["version_runs"]).tolist()
+    if not len(ids) == len(logprobs) == len(versions):
+        raise ValueError(
+            f"{len(ids)} token ids, {len(logprobs)} log-probs, {len(versions)} versions"
+        )
+    executions, at = [], 0
+    for e in meta:
+        trajectories = []
+        for t in e["trajectories"]:
+            end = at + int(t["length"])
+            trajectories.append(
+                AdmittedTrajectory(
+                    leaf=int(t["leaf"]),
+                    request_class=str(t["request_class"]),
+                    nodes=tuple(int(x) for x in t["nodes"]),
+                    input_ids=tuple(ids[at:end]),
+                    target_mask=tuple(mask[at:end]),
+                    behaviour_logprobs=tuple(logprobs[at:end]),
+                    versions=tuple(versions[at:end]),
+                    execution_id=str(t["execution_id"]),
+                    advantage=float(t["advantage"]),
+                )
+            )
+            at = end
+        executions.append(
+            ExecutionSample(
+                execution_id=str(e["execution_id"]),
+                advantage=float(e["advantage"]),
+                trajectories=tuple(trajectories),
+            )
+        )
+    if at != len(ids):
+        raise ValueError(f"its trajectories cover {at} of {len(ids)} tokens")
+    return GroupSample(group_id=group_id, version=version, executions=tuple(executions))

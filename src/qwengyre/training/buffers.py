@@ -8,7 +8,9 @@ docs/design.md §3 (training) and the paper "streaming training". Three pieces, 
     the version at dispatch), then by group id. ``take`` removes a group; a group
     can be taken exactly once, ever: its id stays in ``taken`` and adding or taking
     it again raises. ``state_dict`` holds the pending groups' full samples and the
-    taken ids, so a resumed run neither trains a group twice nor loses one.
+    taken ids, so a resumed run neither trains a group twice nor loses one. A group
+    may wait as a ``StoredGroup`` (a resumed run's, on disk in the ledger): its
+    tokens are read when it is taken.
 
 ``PackingBuffer``
     Synchronous and pure (no asyncio, no I/O): the runtime owns concurrency.
@@ -54,7 +56,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,6 +71,7 @@ __all__ = [
     "MicroStep",
     "MicroStepQueue",
     "PackingBuffer",
+    "StoredGroup",
     "TrajectoryBuffer",
     "split_micro_step",
 ]
@@ -181,17 +184,27 @@ class GroupSample:
         )
 
 
+@dataclass(frozen=True)
+class StoredGroup:
+    """A ready group kept on disk: its id and version at dispatch at hand, its
+    executions read by ``load()`` (which returns the group of that id and version)."""
+
+    group_id: int
+    version: int
+    load: Callable[[], GroupSample]
+
+
 class TrajectoryBuffer:
     """Ready groups by id; each is taken exactly once, oldest version first."""
 
     def __init__(self) -> None:
-        self._ready: dict[int, GroupSample] = {}
+        self._ready: dict[int, GroupSample | StoredGroup] = {}
         self.taken: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._ready)
 
-    def add(self, group: GroupSample) -> None:
+    def add(self, group: GroupSample | StoredGroup) -> None:
         gid = group.group_id
         if gid in self._ready:
             raise ValueError(f"group {gid} is already in the trajectory buffer")
@@ -212,12 +225,14 @@ class TrajectoryBuffer:
 
     def take(self, group_id: int) -> GroupSample:
         self.check_ready(group_id)
+        group = _loaded(self._ready[group_id])
         self.taken.add(group_id)
-        return self._ready.pop(group_id)
+        del self._ready[group_id]
+        return group
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "ready": [self._ready[gid].to_json() for gid in self.ready_ids()],
+            "ready": [_loaded(self._ready[gid]).to_json() for gid in self.ready_ids()],
             "taken": sorted(self.taken),
         }
 
@@ -226,6 +241,18 @@ class TrajectoryBuffer:
         self.taken = {int(gid) for gid in state["taken"]}
         for group in state["ready"]:
             self.add(GroupSample.from_json(group))
+
+
+def _loaded(group: GroupSample | StoredGroup) -> GroupSample:
+    if isinstance(group, GroupSample):
+        return group
+    sample = group.load()
+    if (sample.group_id, sample.version) != (group.group_id, group.version):
+        raise ValueError(
+            f"stored group {group.group_id} (version {group.version}) loaded as group "
+            f"{sample.group_id} (version {sample.version})"
+        )
+    return sample
 
 
 @dataclass(kw_only=True, frozen=True)
