@@ -4,7 +4,8 @@
 built in a fresh (spawned) process, and method calls travel over a pipe one at a time,
 in order, like calls to a Ray actor. ``await actor.call("method", ...)`` does not block
 the caller's event loop. An exception inside the process comes back as
-:class:`ActorError` with the remote traceback; the process keeps serving.
+:class:`ActorError` with the remote traceback (a full disk as the process's
+:class:`~qwengyre.durable.DiskFullError` itself); the process keeps serving.
 :meth:`ProcessActor.check_alive` tells, at any time, whether the process is gone.
 """
 
@@ -17,6 +18,8 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
+
+from qwengyre.durable import DiskFullError
 
 __all__ = ["ActorDied", "ActorError", "ProcessActor"]
 
@@ -52,6 +55,8 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...])
         method, call_args, kwargs = message
         try:
             conn.send((True, getattr(obj, method)(*call_args, **kwargs)))
+        except DiskFullError as exc:  # one line that says it all: no traceback
+            conn.send((False, exc))
         except BaseException:
             conn.send((False, traceback.format_exc()))
 
@@ -81,7 +86,7 @@ class ProcessActor:
         except (EOFError, ConnectionError) as exc:
             raise self._died() from exc
         if not ok:
-            raise ActorError(f"{self.name}: {value}")
+            raise value if isinstance(value, DiskFullError) else ActorError(f"{self.name}: {value}")
         return value
 
     def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -6,7 +6,8 @@
 (:class:`~qwengyre.cluster.client.CellHandle`): ``await call(method, ...)``,
 ``call_sync``, ``check_alive``, ``close``. A Ray actor runs one call at a time, in
 order. An exception inside the actor comes back as
-:class:`~qwengyre.cluster.local.ActorError` with the remote traceback, a dead actor as
+:class:`~qwengyre.cluster.local.ActorError` with the remote traceback (a full disk as
+:class:`~qwengyre.durable.DiskFullError`), a dead actor as
 :class:`~qwengyre.cluster.local.ActorDied`, so callers handle both backends alike.
 
 :class:`RayCells` starts Ray when needed and reserves one placement-group bundle per
@@ -44,6 +45,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from qwengyre.cluster.local import ActorDied, ActorError
+from qwengyre.durable import DiskFullError
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray reads its settings
 
@@ -71,6 +73,8 @@ _MAX_TEMP_DIR = 40  # + "/session_<date>_<pid>/sockets/plasma_store" stays < 108
 
 
 def _reraise(name: str, exc: BaseException) -> BaseException:
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, DiskFullError):
+        return DiskFullError(*exc.cause.args)  # one line that says it all: no traceback
     if isinstance(exc, RayTaskError):
         return ActorError(f"{name}: {exc}")
     if isinstance(exc, RayActorError):

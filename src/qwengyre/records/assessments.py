@@ -21,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from qwengyre.durable import LineLog
 
 ASSESSMENTS_FILE = "assessments.jsonl"
 
@@ -176,7 +177,8 @@ class AssessmentRecord:
 
 
 class AssessmentLog:
-    """Appends every assessment of an execution to ``path`` (JSON lines, fsync'd).
+    """Appends every assessment of an execution to ``path`` (JSON lines, fsync'd, all
+    of one call or none: :class:`~qwengyre.durable.LineLog`).
 
     Safe to call from several tasks or threads (one lock); the file is opened for each
     write, so the log holds no descriptor between executions.
@@ -204,11 +206,13 @@ class AssessmentLog:
         ]
         if not records:
             return 0
-        data = "".join(json.dumps(r.to_json(), allow_nan=False) + "\n" for r in records)
-        with self._lock, self.path.open("a", encoding="utf-8") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
+        data = "\n".join(json.dumps(r.to_json(), allow_nan=False) for r in records)
+        with self._lock:
+            log = LineLog(self.path, "the assessments log", fsync=True)
+            try:
+                log.append(data)
+            finally:
+                log.close()
         return len(records)
 
 

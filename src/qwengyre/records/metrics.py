@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Protocol, Self, TypeAlias
 
+from qwengyre.durable import LineLog
 from qwengyre.jsonl import JsonlError
 from qwengyre.scheduler.events import Role
 
@@ -433,8 +433,11 @@ class MetricsSink(Protocol):
 
 
 class MetricsWriter:
-    """Appends records to a metrics log, one flushed line each, and hands every record
-    to its ``sinks`` (TensorBoard, W&B: :mod:`qwengyre.report.sinks`, whose
+    """Appends records to a metrics log, one whole line each
+    (:class:`~qwengyre.durable.LineLog`: a line a crash or a full disk cut short never
+    has the next one glued on; a full disk raises
+    :class:`~qwengyre.durable.DiskFullError` naming the log), and hands every record to
+    its ``sinks`` (TensorBoard, W&B: :mod:`qwengyre.report.sinks`, whose
     :func:`~qwengyre.report.sinks.open_metrics` opens a live run's). ``fsync``: also
     fsync after every line (durable across power loss). A sink that raises is reported
     once on stderr and dropped; the log itself stays complete.
@@ -444,9 +447,7 @@ class MetricsWriter:
         self, path: Path, *, fsync: bool = False, sinks: Sequence[MetricsSink] = ()
     ) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fsync = fsync
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = LineLog(self.path, "the metrics log", fsync=fsync)
         self._sinks: list[MetricsSink] = list(sinks)
 
     @property
@@ -461,12 +462,7 @@ class MetricsWriter:
     def write(self, record: Record) -> None:
         """Append ``record`` as one line and flush it (and fsync when asked), then hand
         it to every sink."""
-        if self._file.closed:
-            raise ValueError(f"metrics log {self.path} is closed")
-        self._file.write(record.to_json() + "\n")
-        self._file.flush()
-        if self._fsync:
-            os.fsync(self._file.fileno())
+        self._file.append(record.to_json())
         for sink in list(self._sinks):
             try:
                 sink.write(record)
@@ -485,8 +481,7 @@ class MetricsWriter:
             sink.close()
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self._file.close()
         sinks, self._sinks = self._sinks, []
         for sink in sinks:
             try:

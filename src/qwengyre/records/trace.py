@@ -30,7 +30,6 @@ first bad line, e.g. ``trace.jsonl:7: field 'end_s': end_s (3.0) < start_s (5.0)
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Self
@@ -46,6 +45,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from qwengyre.durable import LineLog
 from qwengyre.jsonl import JsonlError, parse_line
 from qwengyre.types import Outcome
 
@@ -149,29 +149,22 @@ def read_trace(path: Path | str, *, allow_empty: bool = False) -> list[TraceReco
     return records
 
 
-def _line(record: TraceRecord) -> str:
-    return record.model_dump_json() + "\n"
-
-
 class TraceWriter:
-    """Appends records to a trace, flushing each line (``fsync=True`` also syncs it).
+    """Appends records to a trace, one whole line each (``fsync=True`` also syncs it;
+    :class:`~qwengyre.durable.LineLog`: a line cut short is never glued to the next).
 
     Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(self, path: Path | str, *, fsync: bool = False) -> None:
         self.path = Path(path)
-        self._fsync = fsync
-        self._stream = self.path.open("a", encoding="utf-8")
+        self._log = LineLog(self.path, "the execution traces", fsync=fsync)
 
     def write(self, record: TraceRecord) -> None:
-        self._stream.write(_line(record))
-        self._stream.flush()
-        if self._fsync:
-            os.fsync(self._stream.fileno())
+        self._log.append(record.model_dump_json())
 
     def close(self) -> None:
-        self._stream.close()
+        self._log.close()
 
     def __enter__(self) -> Self:
         return self

@@ -24,7 +24,8 @@ replaces ``latest`` (written to a temporary file, fsynced, renamed), and only th
 older checkpoints. A crash at any point leaves either the previous ``latest`` checkpoint
 intact or the new one complete; stale ``.tmp-*`` entries are ignored by the loaders and
 removed by the next save. One writer per root is assumed (the core is the sole optimizer
-owner).
+owner). A full disk raises :class:`~qwengyre.durable.DiskFullError` naming the checkpoint
+(the partial one removed, the previous one intact), whatever the writer reported.
 
 Scheduler state. :class:`qwengyre.scheduler.core.Scheduler` has no JSON state API, so this
 module does not serialise it: the caller passes whatever JSON state it wants restored in
@@ -55,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import AutoConfig, AutoTokenizer
 
 from qwengyre import __version__
+from qwengyre.durable import disk_full, fsync_dir, guard_disk, is_disk_full
 from qwengyre.models.tiny import quiet_progress_bars
 
 if TYPE_CHECKING:
@@ -123,16 +125,6 @@ def checkpoint_dir_name(step: int) -> str:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable (best effort where unsupported)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _describe(path: str) -> str:
@@ -372,17 +364,23 @@ def save_checkpoint(
         }
         _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
         for directory in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
-            _fsync_dir(directory)
+            fsync_dir(directory)
         if final.exists():
             # Move the old copy aside (loaders ignore .tmp-*), then put the new one in place.
             trash = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}old-{name}-", dir=root))
             os.replace(final, trash / name)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
+        # Torch's writer loses the errno of a full disk: ask the filesystem, before the
+        # partial checkpoint's space is freed.
+        full = isinstance(exc, Exception) and is_disk_full(exc, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise disk_full(final, f"the checkpoint of step {step}") from exc
         raise
-    _fsync_dir(root)
-    _write_latest(root, name)
+    fsync_dir(root)
+    with guard_disk(root / LATEST_FILE, f"the pointer to the checkpoint of step {step}"):
+        _write_latest(root, name)
     _prune(root, step, keep)
     return final
 
@@ -449,7 +447,7 @@ def _write_latest(root: Path, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _remove_stale_tmp(root: Path) -> None:
