@@ -33,11 +33,12 @@ def meta(request_class: str = "main.task") -> NodeMeta:
 def add(
     tree: TrajectoryTree, parent: int | None, n_in: int, n_out: int, cls: str = "main.task"
 ) -> int:
-    """A node whose tokens, log-probs and versions encode (node id, offset)."""
+    """A node whose tokens, log-probs and versions encode (node id, offset); log-probs
+    in 1/1024ths: a node keeps them as float32, as engines compute them."""
     nid = len(tree.nodes)
     ins = tuple(10_000 * nid + k for k in range(n_in))
     outs = tuple(10_000 * nid + 5_000 + k for k in range(n_out))
-    logprobs = tuple(-(nid * 100 + k + 1) / 1000 for k in range(n_out))
+    logprobs = tuple(-(nid * 100 + k + 1) / 1024 for k in range(n_out))
     versions = tuple(nid + k for k in range(n_out))
     return tree.add(parent, ins, outs, logprobs, versions, meta(cls)).id
 
@@ -57,7 +58,7 @@ def test_a_chain_gives_one_trajectory_with_every_sampled_token_a_target():
     sampled = [tok for n in tree.nodes for tok in n.output_ids]
     assert target_ids(t) == sampled
     assert t.target_mask == (False, False, True, False, True, True, False, False, False, True)
-    assert t.behaviour_logprobs == (0.0, 0.0, -0.001, 0.0, -0.101, -0.102, 0.0, 0.0, 0.0, -0.201)
+    assert t.behaviour_logprobs == tuple(x / 1024 for x in (0, 0, -1, 0, -101, -102, 0, 0, 0, -201))
     assert t.versions == (-1, -1, 0, -1, 1, 2, -1, -1, -1, 2)
     assert t.num_targets == 4
 

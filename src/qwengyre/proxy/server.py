@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from qwengyre.durable import DiskFullError
 from qwengyre.engines.base import FinishReason, GenerateRequest, GenerateResult, TokenDelta
 from qwengyre.hangups import HangUps
 from qwengyre.proxy.admin import AdminApi
@@ -355,8 +356,11 @@ class ProxyServer:
             )
             try:
                 await asyncio.to_thread(self.store.add_call, state.id, recorded.node, recorded.turn)
-            except Exception:
-                log.exception("could not record a call of %s", state.id)
+            except Exception as exc:
+                if isinstance(exc, DiskFullError):  # one line that says it all
+                    log.error("could not record a call of %s: %s", state.id, exc)
+                else:
+                    log.exception("could not record a call of %s", state.id)
                 raise ApiError(
                     "api_error", "the call could not be recorded; nothing was recorded for it"
                 ) from None

@@ -5,26 +5,32 @@ the process (not necessarily of the machine's power). The proxy commits a call's
 before it answers the harness (marked undelivered until the answer was written), and a
 restarted proxy loads an execution's tree and tool-call cache from here when the
 execution is next used. A call stores its increment only: its new input ids, its
-output ids, log-probs and versions (int32 / float64 arrays) and the messages it added;
+output ids, log-probs and versions (int32 / float32 / int32 arrays: engines and the
+trainer compute log-probs in fp32, so nothing is lost; ~12 bytes a sampled token, 4 an
+injected one, before SQLite's pages) and the messages it added;
 tool definitions are stored once per distinct set (Claude Code sends ~64 KB of them
 with every call). Text is stored as JSON with ASCII escapes, so any string a client or
 the model produces (lone surrogates included) round-trips exactly.
 
 Loading never fails as a whole: an execution whose records are damaged raises
-:class:`DamagedRecord` for that execution only.
+:class:`DamagedRecord` for that execution only. A write that finds the disk full raises
+:class:`~qwengyre.durable.DiskFullError` naming the store; nothing of it is recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sqlite3
 import threading
 from array import array
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from qwengyre.durable import disk_full, is_disk_full
 from qwengyre.proxy.tito import Turn, toolset_json
 from qwengyre.proxy.types import Message, ToolCall, ToolSpec
 from qwengyre.trajectories.tree import Node, NodeMeta
@@ -96,6 +102,7 @@ class Store:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -110,15 +117,26 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def add_execution(self, execution_id: str, key_hash: str, created_s: float) -> None:
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """Hold the lock; a full disk inside raises :class:`DiskFullError`."""
         with self._lock:
+            try:
+                yield
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode == sqlite3.SQLITE_FULL or is_disk_full(exc, self.path):
+                    raise disk_full(self.path, what) from exc
+                raise
+
+    def add_execution(self, execution_id: str, key_hash: str, created_s: float) -> None:
+        with self._writing(f"execution {execution_id}"):
             self._db.execute(
                 "INSERT INTO executions (id, key_hash, created_s) VALUES (?, ?, ?)",
                 (execution_id, key_hash, created_s),
             )
 
     def revoke(self, execution_id: str) -> None:
-        with self._lock:
+        with self._writing(f"the revocation of execution {execution_id}"):
             self._db.execute("UPDATE executions SET revoked = 1 WHERE id = ?", (execution_id,))
 
     def add_call(self, execution_id: str, node: Node, turn: Turn) -> None:
@@ -135,14 +153,14 @@ class Store:
             node.parent,
             array("i", node.input_ids).tobytes(),
             array("i", node.output_ids).tobytes(),
-            array("d", node.logprobs).tobytes(),
+            array("f", node.logprobs).tobytes(),
             array("i", node.versions).tobytes(),
             json.dumps(meta),
             messages,
             toolset,
             int(delivered),
         )
-        with self._lock:
+        with self._writing(f"call {node.id} of execution {execution_id}"):
             self._db.execute("BEGIN")
             try:
                 if tools is not None:
@@ -163,7 +181,7 @@ class Store:
             self._toolsets.add(toolset)
 
     def set_delivered(self, execution_id: str, node_id: int, delivered: bool) -> None:
-        with self._lock:
+        with self._writing(f"the delivery of call {node_id} of execution {execution_id}"):
             self._db.execute(
                 "UPDATE nodes SET delivered = ? WHERE execution = ? AND node = ?",
                 (int(delivered), execution_id, node_id),
@@ -223,7 +241,7 @@ def _decode(
         parent=parent,
         input_ids=array("i", inp),
         output_ids=array("i", out),
-        logprobs=array("d", lps),
+        logprobs=array("f", lps),
         versions=array("i", vers),
         meta=NodeMeta(**json.loads(meta), delivered=bool(delivered)),
     )

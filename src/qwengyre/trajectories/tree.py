@@ -35,14 +35,16 @@ class NodeMeta:
     delivered: bool = True
 
 
-_TYPECODES = {"input_ids": "i", "output_ids": "i", "logprobs": "d", "versions": "i"}
+_TYPECODES = {"input_ids": "i", "output_ids": "i", "logprobs": "f", "versions": "i"}
 
 
 @dataclass(kw_only=True, frozen=True, eq=False)
 class Node:
     """One recorded model call. Its token fields are kept as compact arrays (int32 ids
-    and versions, float64 log-probs: 4-8 bytes a token instead of ~36 as a tuple of ints),
-    whatever sequence they are given as: an execution of a million tokens holds ~10 MB."""
+    and versions, float32 log-probs: 4 bytes a token instead of ~36 as a tuple of ints),
+    whatever sequence they are given as: an execution of a million tokens holds ~8 MB.
+    Log-probs are float32 because engines compute them so and the trainer's objective
+    uses them so: a tree reloaded from the proxy's store equals the one recorded."""
 
     id: int
     parent: int | None  # None: hangs from the root
