@@ -176,7 +176,8 @@ class Store:
                 )
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # SQLite rolled back itself on a full disk
+                    self._db.execute("ROLLBACK")
                 raise
             self._toolsets.add(toolset)
 
