@@ -24,8 +24,9 @@ from qwengyre.proxy.types import Message
 from qwengyre.records.metrics import MetricsWriter, StepRecord, read_metrics
 from qwengyre.runtime.ledger import Ledger
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint
-from qwengyre.trajectories.tree import Node, NodeMeta
+from qwengyre.trajectories.tree import Node
 from test_runtime_ledger import sample
+from test_trajectory_tree import META
 
 
 def test_a_torn_last_line_is_cut_before_the_next_append(tmp_path: Path) -> None:
@@ -143,15 +144,6 @@ def test_a_full_disk_under_a_checkpoint_is_one_error_and_keeps_the_previous_one(
 
 
 def call(i: int) -> tuple[Node, Turn]:
-    meta = NodeMeta(
-        request_class="main.task",
-        agent_id="main",
-        engine="e",
-        policy_version=0,
-        started_s=0.0,
-        finished_s=1.0,
-        finish_reason="stop",
-    )
     node = Node(
         id=i,
         parent=i - 1 if i else None,
@@ -159,7 +151,7 @@ def call(i: int) -> tuple[Node, Turn]:
         output_ids=list(range(100)),
         logprobs=[-0.5] * 100,
         versions=[0] * 100,
-        meta=meta,
+        meta=META,
     )
     messages = (Message(role="user", content="q" * 200), Message(role="assistant", content="a"))
     return node, Turn(
