@@ -44,14 +44,21 @@ def disk_full(path: str | Path, what: str) -> DiskFullError:
     )
 
 
-def is_disk_full(exc: BaseException, path: str | Path) -> bool:
-    """Whether ``exc`` (or an exception it came from) says no space is left, or the
-    filesystem holding ``path`` has less than :data:`NEARLY_FULL_BYTES` left."""
+def _says_full(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it came from, is ``ENOSPC`` or ``EDQUOT``."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in _FULL:
             return True
         seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def is_disk_full(exc: BaseException, path: str | Path) -> bool:
+    """Whether ``exc`` (or an exception it came from) says no space is left, or the
+    filesystem holding ``path`` has less than :data:`NEARLY_FULL_BYTES` left."""
+    if _says_full(exc):
+        return True
     for candidate in (Path(path), *Path(path).parents):
         with contextlib.suppress(OSError):
             return shutil.disk_usage(candidate).free < NEARLY_FULL_BYTES
@@ -65,8 +72,8 @@ def guard_disk(path: str | Path, what: str) -> Iterator[None]:
         yield
     except DiskFullError:
         raise
-    except OSError as exc:
-        if exc.errno in _FULL:
+    except Exception as exc:  # a writer may wrap the OSError (zipfile, torch)
+        if _says_full(exc):
             raise disk_full(path, what) from exc
         raise
 
