@@ -209,3 +209,17 @@ def test_a_local_actor_that_dies_is_seen_at_once_even_during_a_call() -> None:
         asyncio.run(watch())
     finally:
         sleeper.close()
+
+
+def test_a_full_disk_in_a_ray_actor_reaches_the_caller_as_itself() -> None:
+    pytest.importorskip("ray", reason="ray is not installed (pip install qwengyre[ray])")
+    from ray.exceptions import RayTaskError
+
+    from qwengyre.cluster.ray import _reraise
+    from qwengyre.durable import DiskFullError
+
+    full = DiskFullError("/run/checkpoints/step-000002: the disk is full")
+    raised = _reraise("core", RayTaskError("save_checkpoint", "Traceback ...", full))
+    assert type(raised) is DiskFullError and str(raised) == str(full)
+    other = _reraise("core", RayTaskError("save_checkpoint", "Traceback ...", ValueError("x")))
+    assert isinstance(other, ActorError)
