@@ -14,6 +14,8 @@ from typing import IO
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from qwengyre import durable
 from qwengyre.cluster.local import ProcessActor
@@ -118,10 +120,12 @@ def test_an_atomic_write_that_finds_the_disk_full_leaves_the_old_file(tmp_path: 
 
 
 def torch_write_failure(directory: Path) -> None:
-    """What torch's file writer raises when the disk fills (no errno anywhere)."""
+    """What torch's checkpoint writer raises when the disk fills: no errno anywhere, and
+    a BaseException."""
     (directory / "weights").mkdir()
     (directory / "weights" / "__0_0.distcp").write_bytes(b"\0" * 100)
-    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    failure = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    raise CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (failure, None)})
 
 
 def test_a_full_disk_under_a_checkpoint_is_one_error_and_keeps_the_previous_one(
@@ -130,7 +134,7 @@ def test_a_full_disk_under_a_checkpoint_is_one_error_and_keeps_the_previous_one(
     root = tmp_path / "checkpoints"
     save_checkpoint(root, step=1, write=lambda d: None, state={"version": 1})
     # With room on the disk, a failed write is what it is.
-    with pytest.raises(RuntimeError, match="inline_container"):
+    with pytest.raises(CheckpointException, match="ranks"):
         save_checkpoint(root, step=2, write=torch_write_failure, state={"version": 2})
     # With the disk (nearly) full, it is a full disk, named.
     usage = durable.shutil.disk_usage(tmp_path)
@@ -217,7 +221,7 @@ def test_a_real_full_disk_is_one_clear_error_everywhere(tiny_disk: Path) -> None
         save_checkpoint(
             tiny_disk / "checkpoints",
             step=1,
-            write=lambda d: torch.save(torch.zeros(1 << 16), d / "weights.pt"),
+            write=lambda d: dcp.save({"w": torch.zeros(1 << 16)}, checkpoint_id=d / "weights"),
             state={"version": 1},
         )
     log = LineLog(tiny_disk / "metrics.jsonl", "the metrics log")

@@ -35,7 +35,8 @@ class DiskFullError(OSError):
 def disk_full(path: str | Path, what: str) -> DiskFullError:
     """The error for a write of ``what`` to ``path`` that found the disk full."""
     try:
-        free = f"{shutil.disk_usage(Path(path).parent).free >> 20} MiB free"
+        left = shutil.disk_usage(Path(path).parent).free
+        free = f"{left >> 20} MiB free" if left >= 1 << 20 else f"{left >> 10} KiB free"
     except OSError:
         free = "free space unknown"
     return DiskFullError(
@@ -72,7 +73,7 @@ def guard_disk(path: str | Path, what: str) -> Iterator[None]:
         yield
     except DiskFullError:
         raise
-    except Exception as exc:  # a writer may wrap the OSError (zipfile, torch)
+    except BaseException as exc:  # a writer may wrap the OSError (zipfile, torch)
         if _says_full(exc):
             raise disk_full(path, what) from exc
         raise

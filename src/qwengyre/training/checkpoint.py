@@ -372,8 +372,9 @@ def save_checkpoint(
         os.replace(tmp, final)
     except BaseException as exc:
         # Torch's writer loses the errno of a full disk: ask the filesystem, before the
-        # partial checkpoint's space is freed.
-        full = isinstance(exc, Exception) and is_disk_full(exc, tmp)
+        # partial checkpoint's space is freed. (DCP's CheckpointException is a
+        # BaseException.)
+        full = not isinstance(exc, KeyboardInterrupt | SystemExit) and is_disk_full(exc, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise disk_full(final, f"the checkpoint of step {step}") from exc
