@@ -123,7 +123,7 @@ class LineLog:
         self._fsync = fsync
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with guard_disk(self.path, what):
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             _cut_torn_line(self._fd)
 
     @property
