@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from qwengyre.rollout import netns_relay
 from qwengyre.rollout.harness import HarnessSpec, run_harness
 from qwengyre.rollout.relay import PLACEHOLDER_KEY, SANDBOX_PORT, inside_base_url, relay
 from qwengyre.rollout.sandbox import Bubblewrap
@@ -183,3 +187,26 @@ def test_a_sandboxed_harness_streams_from_its_proxy_through_both_relays(tmp_path
     out = (logs / "stdout.log").read_text().strip().rsplit(" ", 1)
     assert out == ["b'data: first\\n\\ndata: second\\n\\n'", PLACEHOLDER_KEY]
     assert (workspace / "first").read_bytes() == b"data: first\n\n"
+
+
+def _inside(*argv: str, cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-I", "-S", netns_relay.__file__, "--listen", "127.0.0.1:0"]
+    return subprocess.Popen([*command, "--to", "/nonexistent.sock", "--", *argv], cwd=cwd)
+
+
+def test_the_inside_relay_exits_with_the_harness_status() -> None:
+    assert _inside("sh", "-c", "exit 3").wait() == 3
+    assert _inside("sh", "-c", "kill -KILL $$").wait() == 128 + signal.SIGKILL
+    assert _inside("no-such-harness-binary").wait() == 127
+    bad = [sys.executable, "-I", "-S", netns_relay.__file__, "--listen", "127.0.0.1:0"]
+    assert subprocess.run(bad, capture_output=True).returncode == 2
+
+
+def test_the_inside_relay_passes_a_sigterm_on_and_waits_for_the_harness(tmp_path: Path) -> None:
+    trap = 'trap "exit 5" TERM; touch ready; while :; do sleep 0.1; done'
+    relay = _inside("sh", "-c", trap, cwd=tmp_path)
+    while not (tmp_path / "ready").exists():
+        assert relay.poll() is None
+        time.sleep(0.02)
+    relay.send_signal(signal.SIGTERM)  # the relay alone, not its process group
+    assert relay.wait() == 5

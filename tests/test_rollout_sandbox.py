@@ -234,8 +234,8 @@ def test_wrapping_keeps_the_command_and_names_every_confinement(tmp_path: Path) 
     relayed = confined.wrap(["claude"], workspace=ws, home=home, hidden=[], proxy_socket=sock)
     assert f"--bind {sock} {SANDBOX_SOCKET}" in " ".join(relayed)
     relay = relayed[relayed.index("--") + 1 :]
-    assert relay[:3] == [sys.executable, "-I", netns_relay.__file__]
-    assert relay[3:] == [
+    assert relay[:4] == [sys.executable, "-I", "-S", netns_relay.__file__]
+    assert relay[4:] == [
         "--listen",
         f"127.0.0.1:{SANDBOX_PORT}",
         "--to",

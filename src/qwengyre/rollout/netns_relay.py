@@ -7,73 +7,84 @@ Unix socket ``SOCKET`` (bound in from outside), runs the harness as its child an
 with its status (128 + N when signal N killed it). A SIGTERM is passed on to the harness,
 and the relay keeps carrying bytes until the harness has exited.
 
-It runs by its file path with ``python -I`` and imports nothing but the standard
-library, so it works whatever the sandbox can import.
+It runs by its file path with ``python -I -S`` and imports only the standard library's
+lightest modules (threads, not asyncio; no argparse, no subprocess): it starts in every
+sandbox, so its start-up is on every execution's path.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
+import os
 import signal
+import socket
 import sys
+import threading
+
+USAGE = "usage: netns_relay.py --listen HOST:PORT --to UNIX_SOCKET -- HARNESS [ARG...]"
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    """Bytes from ``source`` to ``sink`` until ``source`` ends; then ``sink`` ends too."""
     try:
-        while chunk := await reader.read(65536):
-            writer.write(chunk)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
+        while chunk := source.recv(65536):
+            sink.sendall(chunk)
     except OSError:
-        writer.close()
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
 
 
-async def _carry(socket: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """One connection: its bytes to ``socket`` and back, until both sides are done."""
+def _carry(connection: socket.socket, path: str) -> None:
+    """One connection: its bytes to the Unix socket ``path`` and back."""
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        upstream_reader, upstream_writer = await asyncio.open_unix_connection(socket)
+        upstream.connect(path)
     except OSError:
-        writer.close()
+        connection.close()
+        upstream.close()
         return
-    await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
-    for w in (writer, upstream_writer):
-        w.close()
+    back = threading.Thread(target=_pipe, args=(upstream, connection), daemon=True)
+    back.start()
+    _pipe(connection, upstream)
+    back.join()
+    connection.close()
+    upstream.close()
 
 
-async def run(listen: str, socket: str, argv: list[str]) -> int:
+def _serve(listener: socket.socket, path: str) -> None:
+    while True:
+        connection, _ = listener.accept()
+        # as asyncio does: no Nagle delay on an answer written in pieces
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=_carry, args=(connection, path), daemon=True).start()
+
+
+def run(listen: str, path: str, argv: list[str]) -> int:
     """Relay while the harness ``argv`` runs; its exit status."""
     host, _, port = listen.rpartition(":")
-    server = await asyncio.start_server(
-        lambda r, w: _carry(socket, r, w), host=host, port=int(port)
-    )
+    listener = socket.create_server((host, int(port)))  # connections wait in its backlog
     try:
-        harness = await asyncio.create_subprocess_exec(*argv)
+        child = os.posix_spawnp(argv[0], argv, os.environ)
     except OSError as exc:
         print(f"qwengyre sandbox: cannot run {argv[0]!r}: {exc}", file=sys.stderr)
         return 127
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lambda: harness.send_signal(signal.SIGTERM))
-    code = await harness.wait()
-    server.close()
+    threading.Thread(target=_serve, args=(listener, path), daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
     return code if code >= 0 else 128 - code
 
 
-def main(args: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--listen", required=True, help="HOST:PORT inside the sandbox")
-    parser.add_argument("--to", required=True, help="the Unix socket of the outside relay")
-    parser.add_argument("argv", nargs=argparse.REMAINDER, help="-- the harness command")
-    parsed = parser.parse_args(args)
-    argv = parsed.argv[1:] if parsed.argv[:1] == ["--"] else parsed.argv
-    if not argv:
-        parser.error("no harness command after --")
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(run(parsed.listen, parsed.to, argv))
-    return 130
+def main(args: list[str]) -> int:
+    if len(args) < 6 or args[0] != "--listen" or args[2] != "--to" or args[4] != "--":
+        print(USAGE, file=sys.stderr)
+        return 2
+    return run(args[1], args[3], args[5:])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(code)  # threads carrying bytes of a harness that has ended end with it

@@ -201,7 +201,7 @@ class Bubblewrap:
         args += ["--setenv", "TMPDIR", "/tmp", "--chdir", str(workspace), "--"]
         if proxy_socket is not None:
             listen = f"127.0.0.1:{SANDBOX_PORT}"
-            relay = [sys.executable, "-I", netns_relay.__file__, "--listen", listen]
+            relay = [sys.executable, "-I", "-S", netns_relay.__file__, "--listen", listen]
             args += [*relay, "--to", str(SANDBOX_SOCKET), "--"]
         return [*args, *argv]
 
