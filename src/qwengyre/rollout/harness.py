@@ -310,6 +310,8 @@ async def run_harness(
             proxy_socket=socket,
         )
         env = harness_env(spec, values, api_key=api_key)
+        if confine.namespaced and "HOME" not in spec.env:
+            env["HOME"] = str(home)  # the operator's is hidden
         limits = enforce(execution_id, spec.limits, user_namespace=confine.namespaced)
         stack.callback(limits.close)
         return await _launch(spec, argv, env, limits.preexec(), workspace, logs_dir, cancel)

@@ -6,19 +6,22 @@ much; :func:`enforce` makes it so for one execution, with the strongest mechanis
 machine offers:
 
 - processes: ``pids.max`` of a cgroup of the execution's own (cgroup v1 ``pids`` or a v2
-  hierarchy with the ``pids`` controller), else ``RLIMIT_NPROC``;
+  hierarchy with the ``pids`` controller), else ``RLIMIT_NPROC`` in a sandbox's user
+  namespace (there it counts the harness's own processes);
 - memory: ``memory.limit_in_bytes`` (v1, and the memory+swap limit where swap is
   accounted) or ``memory.max`` (v2) of that cgroup, else ``RLIMIT_AS`` (per process and
   counting address space, not resident memory: too tight for Node's reservations);
 - open files: ``RLIMIT_NOFILE`` (per process; capped by qwengyre's own hard limit);
 - CPU time: ``RLIMIT_CPU`` (per process).
 
-Measured (Linux 6.18, as root, cgroup v1 writable): ``pids.max`` and the memory limit
-bind (fork fails with EAGAIN, an allocation past the limit is OOM-killed), and so does
-``RLIMIT_NPROC`` inside bubblewrap's user namespace for a non-root uid; for uid 0 it
-binds neither outside nor inside a user namespace bubblewrap made (100 of 100 forks past
-a limit of 20), so where qwengyre runs as root without a writable cgroup hierarchy
-processes are unbounded (:attr:`Enforcement.unbound` says so).
+Measured (Linux 6.18, cgroup v1 writable, as root): ``pids.max`` binds (fork fails with
+EAGAIN) and so does the memory limit (an allocation past it is OOM-killed).
+``RLIMIT_NPROC`` at 20 binds for a non-root uid in bubblewrap's user namespace (17
+forks; two sandboxes at once got 16 and 14: counted per namespace), but not for uid 0,
+outside a user namespace or inside one bubblewrap made (100 of 100 forks): so unsandboxed
+or as root without a writable cgroup hierarchy processes are unbounded
+(:attr:`Enforcement.unbound`, said once in the log). Outside a user namespace it would
+count every process and thread of qwengyre's user, so it is not set there.
 
 The cgroup is made under the one qwengyre itself is in (``/proc/self/cgroup``), named
 ``qwengyre-<execution id>``; the harness joins it between fork and exec, so no process of
@@ -28,6 +31,7 @@ its escapes it, and :meth:`Enforcement.close` kills whatever is left in it and r
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import resource
 import signal
@@ -42,6 +46,8 @@ __all__ = ["CGROUP_ROOT", "Enforcement", "Limits", "enforce"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _MB = 1024 * 1024
+log = logging.getLogger(__name__)
+_warned: set[str] = set()  # the limits said once to be unenforceable here
 
 
 @dataclass(frozen=True)
@@ -210,4 +216,11 @@ def enforce(
         enforcement.rlimits.append((resource.RLIMIT_NOFILE, most))
     if limits.cpu_s is not None:
         enforcement.rlimits.append((resource.RLIMIT_CPU, limits.cpu_s))
+    for limit in set(enforcement.unbound) - _warned:
+        _warned.add(limit)
+        log.warning(
+            "harness limit %s cannot be enforced here: no writable cgroup hierarchy with its"
+            " controller, and its rlimit does not bind (root, or no user namespace)",
+            limit,
+        )
     return enforcement
