@@ -214,6 +214,7 @@ def test_claude_code_as_the_rollout_harness_with_the_embedded_engine(
         "harness.deadline_s=120",
         "harness.budget_s=180",
         "engine.max_context=8192",
+        f"harness.sandbox_expose=[{claude_bin.parents[2]}]",  # npm's, under /tmp
     )
     rows = asyncio.run(rollout(options))
     assert [(outcome, reward) for _, _, outcome, reward in rows] == [("completed", 0.0)] * 2
