@@ -313,7 +313,7 @@ async def run_harness(
         if confine.namespaced and "HOME" not in spec.env:
             env["HOME"] = str(home)  # the operator's is hidden
         limits = enforce(execution_id, spec.limits, user_namespace=confine.namespaced)
-        stack.callback(limits.close)
+        stack.push_async_callback(asyncio.to_thread, limits.close)  # it may wait
         return await _launch(spec, argv, env, limits.preexec(), workspace, logs_dir, cancel)
     raise AssertionError("unreachable")  # mypy: the stack never swallows an exception
 
