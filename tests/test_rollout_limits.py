@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from qwengyre.rollout import limits as limits_module
-from qwengyre.rollout.harness import HarnessRun, HarnessSpec, run_harness
+from qwengyre.rollout.harness import HarnessRun, HarnessSpec, kill_orphaned_harness, run_harness
 from qwengyre.rollout.limits import CGROUP_ROOT, Limits, enforce
 
 needs_cgroups = pytest.mark.skipif(
@@ -99,3 +101,16 @@ def test_in_a_user_namespace_processes_fall_back_to_rlimit_nproc_unless_root(
     monkeypatch.setattr(limits_module.os, "geteuid", lambda: 0)
     root = enforce("ex_1", Limits(processes=50), user_namespace=True, cgroup_root=none_here)
     assert root.rlimits == [] and root.unbound == ["processes"]
+
+
+@needs_cgroups
+def test_a_resumed_run_kills_what_a_dead_runners_harness_left_in_its_cgroup(
+    tmp_path: Path,
+) -> None:
+    left = enforce("ex_orphan", Limits(processes=16), user_namespace=False)
+    assert left.cgroups
+    # a harness tool in a session of its own, its runner gone: no group to kill
+    orphan = subprocess.Popen(["sleep", "600"], preexec_fn=left.preexec(), start_new_session=True)
+    assert not kill_orphaned_harness(tmp_path, "ex_orphan")  # no process group recorded
+    assert orphan.wait() == -signal.SIGKILL
+    assert not any(cgroup.exists() for cgroup in left.cgroups)

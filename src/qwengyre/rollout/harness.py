@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from qwengyre.rollout import toy_harness
-from qwengyre.rollout.limits import Limits, enforce
+from qwengyre.rollout.limits import Limits, enforce, release
 from qwengyre.rollout.relay import PLACEHOLDER_KEY, inside_base_url, relay
 from qwengyre.rollout.sandbox import NoSandbox, Sandbox
 from qwengyre.rollout.toy_harness import CRITIQUE_ENV
@@ -216,8 +216,15 @@ def kill_orphaned_harness(logs_dir: Path, execution_id: str) -> bool:
 
     The group id comes from ``logs_dir/harness.pgid``; it is killed only if its leader
     still carries ``QWENGYRE_EXECUTION_ID=<execution_id>`` (Linux ``/proc``), so a
-    recycled pid is never hit.
+    recycled pid is never hit. The execution's cgroups go too, with whatever is in them
+    (:func:`~qwengyre.rollout.limits.release`).
     """
+    killed = _kill_orphaned_group(logs_dir, execution_id)
+    release(execution_id)
+    return killed
+
+
+def _kill_orphaned_group(logs_dir: Path, execution_id: str) -> bool:
     try:
         pgid = int((logs_dir / PGID_FILE).read_text())
         environ = Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from qwengyre.config import HarnessLimitsConfig
 
-__all__ = ["CGROUP_ROOT", "Enforcement", "Limits", "enforce"]
+__all__ = ["CGROUP_ROOT", "Enforcement", "Limits", "enforce", "release"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _MB = 1024 * 1024
@@ -224,3 +224,13 @@ def enforce(
             limit,
         )
     return enforcement
+
+
+def release(execution_id: str, *, cgroup_root: Path = CGROUP_ROOT) -> bool:
+    """Kill what the harness of ``execution_id`` left in its cgroups and remove them, for
+    a runner that died before it could; whether there were any."""
+    mine = {own / f"qwengyre-{execution_id}" for own in _own_cgroups(cgroup_root).values()}
+    left = Enforcement(cgroups=[cgroup for cgroup in mine if cgroup.is_dir()])
+    found = bool(left.cgroups)
+    left.close()
+    return found
