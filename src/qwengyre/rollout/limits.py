@@ -85,7 +85,10 @@ class Enforcement:
 
     def preexec(self) -> Callable[[], None] | None:
         """Run in the child between fork and exec: only ``open``/``write``/``setrlimit``
-        system calls on values prepared here (no locks, no allocation to speak of)."""
+        system calls on values prepared here. CPython calls ``preexec_fn`` unsafe when the
+        parent has threads (a lock another thread held at fork stays held); plain system
+        calls on prepared values take none, which is the accepted narrow use. Joining or
+        limiting the child after it started would race with its first forks."""
         if not self.cgroups and not self.rlimits:
             return None
         procs = [str(cgroup / "cgroup.procs") for cgroup in self.cgroups]
