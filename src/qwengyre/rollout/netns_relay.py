@@ -61,18 +61,34 @@ def _serve(listener: socket.socket, path: str) -> None:
         threading.Thread(target=_carry, args=(connection, path), daemon=True).start()
 
 
+def _forward(children: list[int]) -> bool:
+    """SIGTERM to the harness; False if it is not spawned yet."""
+    for child in children:
+        os.kill(child, signal.SIGTERM)
+    return bool(children)
+
+
 def run(listen: str, path: str, argv: list[str]) -> int:
     """Relay while the harness ``argv`` runs; its exit status."""
     host, _, port = listen.rpartition(":")
     listener = socket.create_server((host, int(port)))  # connections wait in its backlog
+    children: list[int] = []
+    terms: list[int] = []  # a SIGTERM before the harness was spawned, passed on after
+
+    def on_term(*_: object) -> None:
+        if not _forward(children):
+            terms.append(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
-        child = os.posix_spawnp(argv[0], argv, os.environ)
+        children.append(os.posix_spawnp(argv[0], argv, os.environ))
     except OSError as exc:
         print(f"qwengyre sandbox: cannot run {argv[0]!r}: {exc}", file=sys.stderr)
         return 127
+    if terms:
+        _forward(children)
     threading.Thread(target=_serve, args=(listener, path), daemon=True).start()
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
-    _, status = os.waitpid(child, 0)
+    _, status = os.waitpid(children[0], 0)
     code = os.waitstatus_to_exitcode(status)
     return code if code >= 0 else 128 - code
 
