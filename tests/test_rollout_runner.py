@@ -83,7 +83,8 @@ def test_a_runner_killed_with_sigkill_resumes_without_losing_or_double_counting(
     import sys
     import time
 
-    agent = tmp_path / "slow_agent.py"
+    agent = tmp_path / "agent" / "slow_agent.py"  # shown to the sandbox below
+    agent.parent.mkdir()
     agent.write_text("import sys, time\ntime.sleep(1.0)\nopen('answer.txt', 'w').write('82')\n")
     tasks = tmp_path / "tasks.jsonl"
     dump_tasks(tasks, load_tasks(example_tasks_path())[:3])  # add-01 expects 82
@@ -105,6 +106,7 @@ def test_a_runner_killed_with_sigkill_resumes_without_losing_or_double_counting(
         "cells.capacity=2",
         "harness.deadline_s=60",
         "harness.budget_s=90",
+        f"harness.sandbox_expose=[{agent.parent}]",
     ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db_path = run_dir / "proxy.sqlite"
@@ -214,6 +216,7 @@ def test_claude_code_as_the_rollout_harness_with_the_embedded_engine(
         "harness.deadline_s=120",
         "harness.budget_s=180",
         "engine.max_context=8192",
+        f"harness.sandbox_expose=[{claude_bin.parents[2]}]",  # npm's, under /tmp
     )
     rows = asyncio.run(rollout(options))
     assert [(outcome, reward) for _, _, outcome, reward in rows] == [("completed", 0.0)] * 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,7 +20,9 @@ from tests.test_rollout_runner import _options
 from qwengyre.apps.rollout import rollout
 from qwengyre.cli import main
 from qwengyre.records.trace import read_trace
+from qwengyre.rollout import netns_relay
 from qwengyre.rollout.harness import HarnessSpec, harness_spec, run_harness
+from qwengyre.rollout.relay import SANDBOX_PORT, SANDBOX_SOCKET
 from qwengyre.rollout.sandbox import Bubblewrap, NoSandbox, SandboxUnavailable, sandbox
 from qwengyre.rollout.tasks import dump_tasks, example_tasks_path, load_tasks
 
@@ -91,7 +94,7 @@ def test_a_sandboxed_harness_writes_only_its_workspace_and_home_and_sees_no_run_
         "hidden": "no",
         "hidden_file": "no",
         "proxy_key": "yes",
-        "pid": "2",  # bwrap's init is 1: a namespace of its own
+        "pid": "3",  # bwrap's init is 1, the proxy relay 2: a namespace of its own
     }
     run_dir = tmp_path / "run"
     assert not (run_dir / "planted.txt").exists()
@@ -163,7 +166,7 @@ def test_a_rollout_of_sandboxed_toy_harnesses_reaches_the_proxy_and_is_graded(
     assert [outcome for _, _, outcome, _ in rows] == ["completed", "completed"]
     assert all(reward is not None for *_, reward in rows)
     traces = read_trace(options.run_dir / "traces.jsonl")
-    assert len(traces) == 2 and all(t.calls for t in traces)  # through the shared network
+    assert len(traces) == 2 and all(t.calls for t in traces)  # through the proxy relay
 
 
 def test_the_config_names_the_sandbox_and_bad_settings_are_refused(tmp_path: Path) -> None:
@@ -172,12 +175,31 @@ def test_the_config_names_the_sandbox_and_bad_settings_are_refused(tmp_path: Pat
     assert sandbox("bwrap", [Path("~")]) == Bubblewrap((Path.home(),))
     with pytest.raises(ValueError, match=f"no such file or directory: {tmp_path / 'x'}"):
         sandbox("bwrap", [tmp_path / "x"])
-    with pytest.raises(ValueError, match=r"harness\.sandbox_hide needs a sandbox"):
+    with pytest.raises(ValueError, match=r"sandbox_expose need a sandbox"):
         sandbox("none", [tmp_path])
     assert harness_spec("toy", 10, Bubblewrap()).sandbox == Bubblewrap()
     assert harness_spec("toy", 10).sandbox == NoSandbox()
     with pytest.raises(SandboxUnavailable, match="no 'no-such-bwrap' on PATH"):
         Bubblewrap(binary="no-such-bwrap").check()
+    with pytest.raises(ValueError, match="unknown sandbox 'docker'; allowed: auto, none, bwrap"):
+        sandbox("docker")  # type: ignore[arg-type]
+
+
+@needs_bwrap
+def test_auto_is_bubblewrap_where_it_runs_and_else_none_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warnings: list[str] = []
+    assert sandbox("auto", [tmp_path], [tmp_path], warn=warnings.append) == Bubblewrap(
+        (tmp_path,), (tmp_path,)
+    )
+    assert warnings == []
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap here
+    assert sandbox("auto", [tmp_path], warn=warnings.append) == NoSandbox()
+    assert len(warnings) == 1
+    assert warnings[0].startswith("harness.sandbox=auto: no 'bwrap' on PATH")
+    for says in ("runs unconfined", "apt-get install bubblewrap", "harness.sandbox=none"):
+        assert says in warnings[0]
 
 
 def test_rollout_with_an_unavailable_sandbox_stops_in_one_line(
@@ -193,11 +215,32 @@ def test_rollout_with_an_unavailable_sandbox_stops_in_one_line(
 
 @needs_bwrap
 def test_wrapping_keeps_the_command_and_names_every_confinement(tmp_path: Path) -> None:
-    ws, home = tmp_path / "ws", tmp_path / "home"
-    argv = Bubblewrap().wrap(["claude", "-p", "hi"], workspace=ws, home=home, hidden=[tmp_path])
-    assert argv[0] == "bwrap" and argv[-4:] == ["--", "claude", "-p", "hi"]
-    joined = " ".join(argv)
-    assert f"--tmpfs {tmp_path} " in joined  # hidden first, then the writable binds in it
-    assert joined.index("--tmpfs") < joined.index(f"--bind {ws} {ws}")
+    ws, home, sock = tmp_path / "ws", tmp_path / "home", tmp_path / "relay.sock"
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    confined = Bubblewrap(expose=(tools,))
+    bare = confined.wrap(["claude", "-p", "hi"], workspace=ws, home=home, hidden=[tmp_path])
+    assert bare[0] == "bwrap" and bare[-4:] == ["--", "claude", "-p", "hi"]
+    joined = " ".join(bare)
+    for flag in ("--unshare-user", "--cap-drop ALL", "--disable-userns", "--unshare-net"):
+        assert flag in joined
+    for hidden in (tmp_path, Path.home(), Path("/root"), Path("/run")):
+        assert f"--tmpfs {hidden} " in joined
+    assert "--tmpfs /tmp " in joined and "--remount-ro /tmp " not in joined  # private
+    # hidden, then shown again inside it, then the writable binds
+    assert joined.index(f"--tmpfs {tmp_path} ") < joined.index(f"--ro-bind {tools} {tools}")
+    assert joined.index(f"--tmpfs {tmp_path} ") < joined.index(f"--bind {ws} {ws}")
     assert f"--bind {home} {home}" in joined and f"--chdir {ws}" in joined
+    relayed = confined.wrap(["claude"], workspace=ws, home=home, hidden=[], proxy_socket=sock)
+    assert f"--bind {sock} {SANDBOX_SOCKET}" in " ".join(relayed)
+    relay = relayed[relayed.index("--") + 1 :]
+    assert relay[:4] == [sys.executable, "-I", "-S", netns_relay.__file__]
+    assert relay[4:] == [
+        "--listen",
+        f"127.0.0.1:{SANDBOX_PORT}",
+        "--to",
+        str(SANDBOX_SOCKET),
+        "--",
+        "claude",
+    ]
     assert json.dumps(NoSandbox().wrap(["a"], workspace=ws, home=home, hidden=[])) == '["a"]'

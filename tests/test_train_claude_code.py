@@ -91,6 +91,8 @@ def test_one_step_of_rl_through_claude_code(
             "trainer.lr=1e-3",
             "trainer.micro_step_tokens=2304",
             "scheduler.tau_s=0.5",
+            # where npm installed it, under /tmp, which a sandboxed harness gets empty
+            f"harness.sandbox_expose=[{claude_bin.parents[2]}]",
         ],
     )
     assert config.harness.name == "claude-code-bare"

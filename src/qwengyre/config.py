@@ -35,7 +35,7 @@ Variant = Literal["default", "token_sum", "per_trajectory_clip"]
 """The execution-level objective's variants (:mod:`qwengyre.training.objective`)."""
 Placement = Literal["local", "ray"]
 """Where a run's processes live: local processes, or Ray actors (the 'ray' extra)."""
-SandboxKind = Literal["none", "bwrap"]
+SandboxKind = Literal["auto", "none", "bwrap"]
 """What confines a harness (:mod:`qwengyre.rollout.sandbox`)."""
 
 
@@ -295,6 +295,28 @@ class WarmStartConfig(_Section):
     )
 
 
+class HarnessLimitsConfig(_Section):
+    """What one harness, with everything it starts, may use; enforced by the kernel
+    (:mod:`qwengyre.rollout.limits`: a cgroup of its own where one can be made, else
+    rlimits). ``null``: no limit."""
+
+    max_processes: int | None = Field(
+        1024,
+        ge=1,
+        description="processes and threads at once (cgroup pids.max, else RLIMIT_NPROC"
+        " inside the sandbox's user namespace; unbound as root without a cgroup)",
+    )
+    max_memory_mb: int | None = Field(
+        8192,
+        ge=1,
+        description="memory in MiB (cgroup memory limit, swap included; else RLIMIT_AS per"
+        " process, which counts address space: raise it for Node-based harnesses)",
+    )
+    max_open_files: int | None = Field(
+        4096, ge=1, description="open files per process (RLIMIT_NOFILE)"
+    )
+
+
 class HarnessConfig(_Section):
     """What runs each execution (``train`` and ``rollout``): the agent harness, the tasks
     it is given, its time budgets, where it runs and what confines it."""
@@ -330,16 +352,25 @@ class HarnessConfig(_Section):
         " None = the run directory's path (the same directory on a shared filesystem)",
     )
     sandbox: SandboxKind = Field(
-        "none",
-        description="what confines each harness: none, or bwrap (bubblewrap: the file system"
-        " read-only but for its workspace and home, the run directory hidden, its own PID"
-        " namespace; qwengyre.rollout.sandbox)",
+        "auto",
+        description="what confines each harness: bwrap (bubblewrap: no capabilities, the"
+        " file system read-only but for its workspace and home, the run directories, the"
+        " operator's home and the machine's sockets hidden, its own PID namespace and a"
+        " network that reaches only its proxy; qwengyre.rollout.sandbox), none, or auto"
+        " (bwrap where it can run, else none with a warning)",
     )
     sandbox_hide: list[Path] = Field(
         default_factory=list,
-        description="directories a sandboxed harness must not see (e.g. ~/.ssh), besides the"
-        " run directory",
+        description="more directories or files a sandboxed harness must not see, besides"
+        " the run directory's parent, the operator's home, /root, /home, /run, /mnt,"
+        " /media, /srv and the password and host-key files",
     )
+    sandbox_expose: list[Path] = Field(
+        default_factory=list,
+        description="directories a sandboxed harness sees read-only even inside a hidden"
+        " one (e.g. where the harness is installed); the Python qwengyre runs on is",
+    )
+    limits: HarnessLimitsConfig = Field(default_factory=HarnessLimitsConfig)
 
     @model_validator(mode="after")
     def _budgets(self) -> HarnessConfig:

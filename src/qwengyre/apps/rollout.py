@@ -39,6 +39,7 @@ from qwengyre.records.trace import TraceWriter
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution, trace_record
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import harness_spec, kill_orphaned_harnesses
+from qwengyre.rollout.limits import Limits
 from qwengyre.rollout.sandbox import Sandbox, sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.rollout.toy_tasks import toy_tasks_path
@@ -136,7 +137,8 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     Resuming an empty one runs everything, as a new run does. A sandbox that cannot run
     here raises :class:`~qwengyre.rollout.sandbox.SandboxUnavailable` first."""
     config = options.config
-    confine = sandbox(config.harness.sandbox, config.harness.sandbox_hide)
+    harness = config.harness
+    confine = sandbox(harness.sandbox, harness.sandbox_hide, harness.sandbox_expose)
     confine.check()
     with lock_run_dir(options.run_dir, new=not options.resume):
         model = model_dir(config)
@@ -169,7 +171,7 @@ async def _rollout(
     config = options.config
     harness, groups = config.harness, config.groups
     tasks = load_tasks(harness.tasks or toy_tasks_path())
-    spec = harness_spec(harness.name, harness.deadline_s, confine)
+    spec = harness_spec(harness.name, harness.deadline_s, confine, Limits.of(harness.limits))
     budgets = Budgets(harness.deadline_s, harness.budget_s)
     run_dir = options.run_dir
     results = ResultStore(run_dir / "proxy.sqlite")

@@ -50,6 +50,7 @@ from qwengyre.records.trace import TraceWriter
 from qwengyre.report.sinks import check_metrics, open_metrics
 from qwengyre.rollout.harness import harness_spec
 from qwengyre.rollout.hosts import HostPool, LocalHarnessHost
+from qwengyre.rollout.limits import Limits
 from qwengyre.rollout.sandbox import sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.runtime.controller import Controller, RunOutputs
@@ -320,7 +321,10 @@ async def train(options: TrainOptions) -> Controller:
 async def _train_once(options: TrainOptions) -> Controller:
     config = prepare_run_dir(options)
     check_metrics(config)  # a sink that cannot work fails before the warm start
-    confine = sandbox(config.harness.sandbox, config.harness.sandbox_hide)
+    harness = config.harness
+    confine = sandbox(
+        harness.sandbox, harness.sandbox_hide, harness.sandbox_expose, warn=options.log
+    )
     confine.check()  # so does a sandbox
     if config.harness.hosts == "ray" and config.run.placement != "ray":
         from qwengyre.cluster.ray_harness import require_ray
@@ -385,7 +389,7 @@ async def _train_once(options: TrainOptions) -> Controller:
             proxy,
             engines.cells,
             load_task_set(config),
-            harness_spec(config.harness.name, config.harness.deadline_s, confine),
+            harness_spec(harness.name, harness.deadline_s, confine, Limits.of(harness.limits)),
             RunOutputs(
                 run_dir=run_dir,
                 metrics=metrics,

@@ -28,7 +28,7 @@ CPU of a node in their placement group.
   cancel reaches the actor only once the execution is registered there.
 - **Sandbox.** ``harness.sandbox`` confines the harnesses on every node; ``train`` checks
   on each node that it can run there (:meth:`RayHarnessHost.check_sandbox`) before
-  any execution starts.
+  any execution starts. A sandboxed harness's proxy relay runs in the node's actor.
 - **Failure.** A host whose actor dies fails its calls with
   :class:`~qwengyre.cluster.local.ActorDied`, which stops the run as a dead cell does.
   Its harnesses run in sessions of their own and outlive a killed actor; :meth:`close`

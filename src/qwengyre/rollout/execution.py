@@ -262,7 +262,7 @@ async def run_execution(
             api_key=api_key,
             instructions=task.instructions,
             cancel=cancel,
-            hidden=(run_dir,),
+            hidden=(run_dir, run_dir.parent),  # this run and its sibling runs
         )
     finally:
         if hub is not None:

@@ -33,13 +33,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from qwengyre.rollout import toy_harness
+from qwengyre.rollout.limits import Limits, enforce, release
+from qwengyre.rollout.relay import PLACEHOLDER_KEY, inside_base_url, relay
 from qwengyre.rollout.sandbox import NoSandbox, Sandbox
 from qwengyre.rollout.toy_harness import CRITIQUE_ENV
-
-try:  # POSIX only; resource limits are skipped where it is missing.
-    import resource as _resource
-except ImportError:  # pragma: no cover - non-POSIX
-    _resource = None  # type: ignore[assignment]
 
 __all__ = [
     "BASE_ENV_NAMES",
@@ -92,16 +90,16 @@ class HarnessSpec:
 
     ``command`` is an argv template; ``env`` holds extra variables whose values are
     templates too. ``deadline_s`` is the harness deadline (wall clock, from launch);
-    ``memory_limit_mb`` sets RLIMIT_AS and ``cpu_limit_s`` RLIMIT_CPU where the OS has
-    them; ``kill_grace_s`` is the SIGTERM-to-SIGKILL grace period; ``sandbox`` confines
-    the harness (:mod:`qwengyre.rollout.sandbox`; default: none).
+    ``limits`` bound its processes, memory, open files and CPU time
+    (:mod:`qwengyre.rollout.limits`; default: none); ``kill_grace_s`` is the
+    SIGTERM-to-SIGKILL grace period; ``sandbox`` confines the harness
+    (:mod:`qwengyre.rollout.sandbox`; default: none).
     """
 
     command: tuple[str, ...]
     deadline_s: float
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
-    memory_limit_mb: int | None = None
-    cpu_limit_s: int | None = None
+    limits: Limits = field(default_factory=Limits)
     kill_grace_s: float = DEFAULT_KILL_GRACE_S
     sandbox: Sandbox = field(default_factory=NoSandbox)
 
@@ -126,10 +124,6 @@ class HarnessSpec:
             raise ValueError(f"deadline_s must be > 0, got {self.deadline_s!r}")
         if not (math.isfinite(self.kill_grace_s) and self.kill_grace_s >= 0):
             raise ValueError(f"kill_grace_s must be >= 0, got {self.kill_grace_s!r}")
-        for name in ("memory_limit_mb", "cpu_limit_s"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -214,35 +208,6 @@ def harness_env(
     return env
 
 
-def _limits_preexec(spec: HarnessSpec) -> Callable[[], None] | None:
-    """A ``preexec_fn`` setting the spec's rlimits in the child, or None.
-
-    Caveat: ``preexec_fn`` runs between fork and exec, which CPython documents as unsafe
-    when the parent has threads (a lock held by another thread at fork time stays held
-    in the child). The function here only calls ``setrlimit`` (a plain syscall, no
-    Python-level locks, no allocation-heavy work), which is the accepted narrow use.
-    It is only passed when a limit is actually set. Setting the limits on the child
-    after start (``prlimit``) would race with the harness's first allocations.
-    """
-    if _resource is None or (spec.memory_limit_mb is None and spec.cpu_limit_s is None):
-        return None
-    res = _resource
-    limits: list[tuple[int, int]] = []
-    if spec.memory_limit_mb is not None and hasattr(res, "RLIMIT_AS"):
-        size = spec.memory_limit_mb * 1024 * 1024
-        limits.append((res.RLIMIT_AS, size))
-    if spec.cpu_limit_s is not None and hasattr(res, "RLIMIT_CPU"):
-        limits.append((res.RLIMIT_CPU, spec.cpu_limit_s))
-    if not limits:
-        return None
-
-    def preexec() -> None:
-        for which, value in limits:
-            res.setrlimit(which, (value, value))
-
-    return preexec
-
-
 PGID_FILE = "harness.pgid"
 
 
@@ -251,8 +216,15 @@ def kill_orphaned_harness(logs_dir: Path, execution_id: str) -> bool:
 
     The group id comes from ``logs_dir/harness.pgid``; it is killed only if its leader
     still carries ``QWENGYRE_EXECUTION_ID=<execution_id>`` (Linux ``/proc``), so a
-    recycled pid is never hit.
+    recycled pid is never hit. The execution's cgroups go too, with whatever is in them
+    (:func:`~qwengyre.rollout.limits.release`).
     """
+    killed = _kill_orphaned_group(logs_dir, execution_id)
+    release(execution_id)
+    return killed
+
+
+def _kill_orphaned_group(logs_dir: Path, execution_id: str) -> bool:
     try:
         pgid = int((logs_dir / PGID_FILE).read_text())
         environ = Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0")
@@ -307,7 +279,12 @@ async def run_harness(
 
     ``base_url`` is the proxy's per-execution prefix URL (``http://127.0.0.1:P/x/ex_1``);
     the harness sees it as ``ANTHROPIC_BASE_URL`` and, with ``/v1`` appended, as
-    ``OPENAI_BASE_URL``. stdout/stderr go to ``logs_dir/stdout.log`` / ``stderr.log``.
+    ``OPENAI_BASE_URL``, and ``api_key`` as the API keys. A sandbox with namespaces of its
+    own gets instead its in-sandbox relay's URL and a placeholder key: the proxy relay
+    (:mod:`qwengyre.rollout.relay`), started here for the harness's lifetime, adds the
+    key. The spec's limits hold for the harness and everything it starts
+    (:mod:`qwengyre.rollout.limits`; its cgroup is removed when it ends).
+    stdout/stderr go to ``logs_dir/stdout.log`` / ``stderr.log``.
     Returns when the harness exits, ``spec.deadline_s`` passes (``timed_out``) or
     ``cancel`` is set (``cancelled``); in the latter two cases the whole process group is
     killed. If the calling task itself is cancelled, the group is killed and reaped
@@ -319,23 +296,49 @@ async def run_harness(
     logs_dir.mkdir(parents=True, exist_ok=True)
     home = Path(home_dir) if home_dir is not None else logs_dir / "home"
     home.mkdir(parents=True, exist_ok=True)
+    confine = spec.sandbox
+    async with contextlib.AsyncExitStack() as stack:
+        socket = None
+        if confine.namespaced:
+            socket = await stack.enter_async_context(relay(base_url, api_key))
+            base_url, api_key = inside_base_url(base_url), PLACEHOLDER_KEY
+        values = _values(
+            instructions=instructions,
+            workspace=workspace,
+            base_url=base_url,
+            execution_id=execution_id,
+            home_dir=home,
+        )
+        argv = confine.wrap(
+            render_command(spec, values),
+            workspace=workspace,
+            home=home,
+            hidden=hidden,
+            proxy_socket=socket,
+        )
+        env = harness_env(spec, values, api_key=api_key)
+        if confine.namespaced and "HOME" not in spec.env:
+            env["HOME"] = str(home)  # the operator's is hidden
+        limits = enforce(execution_id, spec.limits, user_namespace=confine.namespaced)
+        stack.push_async_callback(asyncio.to_thread, limits.close)  # it may wait
+        return await _launch(spec, argv, env, limits.preexec(), workspace, logs_dir, cancel)
+    raise AssertionError("unreachable")  # mypy: the stack never swallows an exception
+
+
+async def _launch(
+    spec: HarnessSpec,
+    argv: list[str],
+    env: dict[str, str],
+    preexec: Callable[[], None] | None,
+    workspace: Path,
+    logs_dir: Path,
+    cancel: asyncio.Event | None,
+) -> HarnessRun:
+    """Start ``argv`` in a session of its own and wait (see :func:`run_harness`)."""
     stdout_path, stderr_path = logs_dir / "stdout.log", logs_dir / "stderr.log"
-    values = _values(
-        instructions=instructions,
-        workspace=workspace,
-        base_url=base_url,
-        execution_id=execution_id,
-        home_dir=home,
-    )
-    argv = spec.sandbox.wrap(
-        render_command(spec, values), workspace=workspace, home=home, hidden=hidden
-    )
-    env = harness_env(spec, values, api_key=api_key)
     kwargs: dict[str, Any] = {}
-    preexec = _limits_preexec(spec)
     if preexec is not None:
         kwargs["preexec_fn"] = preexec
-
     started = time.monotonic()
     with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
         try:
@@ -417,8 +420,7 @@ def claude_code_spec(
     *,
     deadline_s: float = 1800.0,
     model: str | None = None,
-    memory_limit_mb: int | None = None,
-    cpu_limit_s: int | None = None,
+    limits: Limits | None = None,
     extra_env: Mapping[str, str] | None = None,
 ) -> HarnessSpec:
     """Claude Code in print mode, as measured in docs/harnesses.md.
@@ -427,7 +429,6 @@ def claude_code_spec(
     HOME, CLAUDE_CONFIG_DIR and CLAUDE_CODE_TMPDIR live in the per-execution
     ``{home_dir}``; IS_SANDBOX=1 lets ``--dangerously-skip-permissions`` run as root.
     The proxy URL/key arrive as ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY.
-    No memory limit by default: RLIMIT_AS is a poor fit for Node's large reservations.
     """
     command: list[str] = [
         binary,
@@ -455,8 +456,7 @@ def claude_code_spec(
         command=tuple(command),
         env=env,
         deadline_s=deadline_s,
-        memory_limit_mb=memory_limit_mb,
-        cpu_limit_s=cpu_limit_s,
+        limits=limits or Limits(),
     )
 
 
@@ -466,8 +466,7 @@ def mini_swe_agent_spec(
     config: str = "mini.yaml",
     *,
     deadline_s: float = 1800.0,
-    memory_limit_mb: int | None = None,
-    cpu_limit_s: int | None = None,
+    limits: Limits | None = None,
     extra_env: Mapping[str, str] | None = None,
 ) -> HarnessSpec:
     """mini-swe-agent (litellm, OpenAI chat completions), as measured in docs/harnesses.md.
@@ -504,8 +503,7 @@ def mini_swe_agent_spec(
         command=command,
         env=env,
         deadline_s=deadline_s,
-        memory_limit_mb=memory_limit_mb,
-        cpu_limit_s=cpu_limit_s,
+        limits=limits or Limits(),
     )
 
 
@@ -518,9 +516,11 @@ def _escape(literal: str) -> str:
 CLAUDE_BIN_ENV = "QWENGYRE_CLAUDE_BIN"
 
 
-def harness_spec(name: str, deadline_s: float, sandbox: Sandbox | None = None) -> HarnessSpec:
+def harness_spec(
+    name: str, deadline_s: float, sandbox: Sandbox | None = None, limits: Limits | None = None
+) -> HarnessSpec:
     """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec),
-    confined by ``sandbox`` (default: none).
+    confined by ``sandbox`` and bounded by ``limits`` (default: none).
 
     ``toy-critique`` / ``toy-critique-assistant`` run the toy harness in critique mode
     (it asks for an intermediate assessment after each tool turn and feeds the critique
@@ -531,12 +531,14 @@ def harness_spec(name: str, deadline_s: float, sandbox: Sandbox | None = None) -
     that fits a tiny model's window). The binary is ``$QWENGYRE_CLAUDE_BIN`` if set, else
     ``claude`` looked up on the PATH the harness inherits.
     """
-    return replace(_named_spec(name, deadline_s), sandbox=sandbox or NoSandbox())
+    named = _named_spec(name, deadline_s)
+    return replace(named, sandbox=sandbox or NoSandbox(), limits=limits or Limits())
 
 
 def _named_spec(name: str, deadline_s: float) -> HarnessSpec:
     if name in ("toy", "toy-critique", "toy-critique-assistant"):
-        command = (sys.executable, "-m", "qwengyre.rollout.toy_harness", "{instructions}")
+        # by its path: it needs only aiohttp, whatever the harness's Python can import
+        command = (sys.executable, _escape(toy_harness.__file__), "{instructions}")
         role = {"toy-critique": "user", "toy-critique-assistant": "assistant"}.get(name)
         env = {CRITIQUE_ENV: role} if role else {}
         return HarnessSpec(command=command, deadline_s=deadline_s, env=env)

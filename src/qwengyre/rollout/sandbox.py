@@ -1,36 +1,82 @@
 """Sandboxes: what a harness may touch on the machine that runs it (``harness.sandbox``).
 
 A harness is a black-box agent that runs whatever shell commands the policy being
-trained writes, so a run must be able to keep it in its workspace. A :class:`Sandbox`
-turns the harness's command into one that runs it confined; :func:`run_harness
-<qwengyre.rollout.harness.run_harness>` launches what :meth:`Sandbox.wrap` returns,
-and a new kind (a container runtime, gVisor) is one more class here.
+trained writes, so it must not be able to read what other executions hold (their keys,
+the proxy's store, the checkpoints), write outside its workspace, reach the machine's
+other services, or undo its confinement. A :class:`Sandbox` turns the harness's command
+into one that runs it confined; :func:`run_harness <qwengyre.rollout.harness.run_harness>`
+launches what :meth:`Sandbox.wrap` returns (a pure function of its arguments and the
+Python qwengyre runs on), and a new kind (a container runtime, gVisor) is one more class
+here.
 
-- :class:`NoSandbox` (``none``, the default): the harness runs as qwengyre's own user
-  with the machine's view: only its process group and rlimits bound it.
-- :class:`Bubblewrap` (``bwrap``, Linux; Debian's ``bubblewrap`` package): the harness
-  sees the machine's file system read-only, with its workspace and its private home
-  writable, ``TMPDIR`` in that home, and the run directory (every other execution's
-  workspace and logs, the proxy's store and tokens) and each of ``harness.sandbox_hide``
-  (credentials, say) replaced by empty read-only directories. It gets a fresh ``/dev`` and
-  ``/proc``, its own PID, IPC and UTS namespaces, and dies with qwengyre's side: the
-  PID namespace ends when its first process does, so a tool the agent started in a
-  session of its own (``setsid``), which escapes a process-group kill, dies too.
-  The network is shared: the harness must reach the proxy; keep egress away with the
-  machine's firewall.
+- :class:`NoSandbox` (``none``): the harness runs as qwengyre's own user with the
+  machine's view; only its process group and :mod:`~qwengyre.rollout.limits` bound it.
+  It can read the run directory, other executions' keys (``/proc/*/environ``), the
+  operator's credentials, and reach any address.
+- :class:`Bubblewrap` (``bwrap``, Linux; Debian's ``bubblewrap`` package):
+
+  * **no privilege**: a user namespace of its own (uid 65534 inside when qwengyre runs as
+    root), every capability dropped and no further user namespace, so nothing can be
+    mounted, remounted or unmounted. The processes keep qwengyre's uid on the machine
+    (bubblewrap maps only the caller's), so what that uid owns stays readable where it
+    is visible: hence the hiding below;
+  * **file system**: the machine read-only, with its workspace and private home writable
+    and a private ``/tmp``, ``/var/tmp`` and ``/dev`` (``/dev/shm`` too: not the weight
+    boards'); hidden (empty, read-only) are the run directory's parent (this run's and
+    its sibling runs' stores, workspaces, logs and checkpoints), the operator's home
+    (agent credentials such as ``~/.claude``), ``/root``, ``/home``, ``/run`` (the
+    machine's sockets), ``/mnt``, ``/media``, ``/srv``, the password and host-key
+    files, and each of ``harness.sandbox_hide``. Shown again read-only inside them: the
+    Python environment qwengyre runs on (its harnesses and relay run on it) and each of
+    ``harness.sandbox_expose`` (a harness installed there). Mounts go shallow to deep,
+    so a hidden directory inside an exposed one stays hidden;
+  * **processes**: PID, IPC, UTS and cgroup namespaces of its own and a fresh ``/proc``:
+    no other process is visible or can be signalled; the sandbox dies with qwengyre's
+    side, and the PID namespace with its first process, so a tool started in a session
+    of its own (``setsid``) dies too;
+  * **network**: a namespace of its own with only loopback. The execution's proxy is
+    the one thing it reaches: :mod:`qwengyre.rollout.netns_relay` runs first and carries
+    ``127.0.0.1:SANDBOX_PORT`` to a Unix socket bound in, where
+    :mod:`qwengyre.rollout.relay` adds the execution's key.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
-from collections.abc import Sequence
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
 from qwengyre.config import SandboxKind
+from qwengyre.rollout import netns_relay
+from qwengyre.rollout.relay import SANDBOX_PORT, SANDBOX_SOCKET
 
 __all__ = ["Bubblewrap", "NoSandbox", "Sandbox", "SandboxUnavailable", "sandbox"]
+
+#: Directories every bubblewrap sandbox hides (besides the operator's home).
+HIDDEN: tuple[Path, ...] = tuple(
+    Path(p)
+    for p in (
+        "/root",
+        "/home",
+        "/run",
+        "/mnt",
+        "/media",
+        "/srv",
+        "/etc/shadow",
+        "/etc/gshadow",
+        "/etc/ssh",
+        "/etc/ssl/private",
+    )
+)
+#: Directories each sandbox gets empty, private and writable.
+SCRATCH: tuple[Path, ...] = (Path("/tmp"), Path("/var/tmp"))
+#: The uid and gid a sandbox shows when qwengyre runs as root.
+SANDBOX_UID = 65534
 
 
 class SandboxUnavailable(OSError):
@@ -45,12 +91,27 @@ class Sandbox(Protocol):
         """What ``harness.sandbox`` calls it."""
         ...
 
+    @property
+    def namespaced(self) -> bool:
+        """True when the harness runs in user, PID and network namespaces of its own: it
+        reaches the network only through the proxy relay (:func:`run_harness
+        <qwengyre.rollout.harness.run_harness>` then starts one), and ``RLIMIT_NPROC``
+        counts its processes only."""
+        ...
+
     def wrap(
-        self, argv: Sequence[str], *, workspace: Path, home: Path, hidden: Sequence[Path]
+        self,
+        argv: Sequence[str],
+        *,
+        workspace: Path,
+        home: Path,
+        hidden: Sequence[Path],
+        proxy_socket: Path | None = None,
     ) -> list[str]:
         """The command that runs ``argv`` confined: writing only to ``workspace`` (its
         working directory) and ``home``, not seeing ``hidden`` (directories, which
-        ``workspace`` and ``home`` may lie inside, or files)."""
+        ``workspace`` and ``home`` may lie inside, or files); with a private network,
+        ``proxy_socket`` is the relay's socket (None: no network at all)."""
         ...
 
     def check(self) -> None:
@@ -63,9 +124,16 @@ class NoSandbox:
     """The harness runs unconfined (``harness.sandbox=none``)."""
 
     name: ClassVar[str] = "none"
+    namespaced: ClassVar[bool] = False
 
     def wrap(
-        self, argv: Sequence[str], *, workspace: Path, home: Path, hidden: Sequence[Path]
+        self,
+        argv: Sequence[str],
+        *,
+        workspace: Path,
+        home: Path,
+        hidden: Sequence[Path],
+        proxy_socket: Path | None = None,
     ) -> list[str]:
         return list(argv)
 
@@ -73,63 +141,138 @@ class NoSandbox:
         return None
 
 
+def python_runtime() -> tuple[Path, ...]:
+    """The directories the Python qwengyre runs on needs: its prefixes and the
+    directories its packages are imported from."""
+    paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix)}
+    paths.update(Path(p) for p in sys.path if os.path.isabs(p) and os.path.isdir(p))
+    return tuple(sorted(paths))
+
+
 @dataclass(frozen=True)
 class Bubblewrap:
     """The harness under bubblewrap (``harness.sandbox=bwrap``; see the module docstring).
-    ``hide``: directories or files hidden besides the ones :meth:`wrap` is given."""
+    ``hide``: more directories or files to hide; ``expose``: directories shown read-only
+    even inside a hidden one."""
 
     hide: tuple[Path, ...] = ()
+    expose: tuple[Path, ...] = ()
     binary: str = "bwrap"
     name: ClassVar[str] = "bwrap"
+    namespaced: ClassVar[bool] = True
 
     def wrap(
-        self, argv: Sequence[str], *, workspace: Path, home: Path, hidden: Sequence[Path]
+        self,
+        argv: Sequence[str],
+        *,
+        workspace: Path,
+        home: Path,
+        hidden: Sequence[Path],
+        proxy_socket: Path | None = None,
     ) -> list[str]:
-        args = [self.binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        # a mount point must exist on the read-only root
-        present = [Path(p) for p in (*hidden, *self.hide) if Path(p).exists()]
-        covered = [str(p) for p in present if p.is_dir()]
-        for hide in covered:
-            args += ["--tmpfs", hide]
-        for hide in (str(p) for p in present if not p.is_dir()):  # a file reads as empty
-            args += ["--ro-bind", "/dev/null", hide]
+        uid = SANDBOX_UID if os.geteuid() == 0 else os.geteuid()
+        gid = SANDBOX_UID if os.geteuid() == 0 else os.getegid()
+        args = [self.binary, "--unshare-user", "--uid", str(uid), "--gid", str(gid)]
+        args += ["--cap-drop", "ALL", "--disable-userns"]
+        args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        args += ["--unshare-net", "--die-with-parent"]
+        args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        for scratch in SCRATCH:
+            args += ["--tmpfs", str(scratch)]
+        # a mount point must exist on the read-only root; mounts go shallow to deep
+        hide = {Path(p) for p in (*HIDDEN, Path.home(), *hidden, *self.hide) if p.exists()}
+        hide = {p for p in hide if p not in SCRATCH and p != Path("/")}
+        covered = hide | set(SCRATCH)
+        show = {p for p in (*python_runtime(), *self.expose) if _under(p, covered)}
+        for path in sorted(hide | show, key=lambda p: len(p.parts)):
+            if path in show:
+                args += ["--ro-bind", str(path), str(path)]
+            elif path.is_dir():
+                args += ["--tmpfs", str(path)]
+            else:  # a file reads as empty
+                args += ["--ro-bind", "/dev/null", str(path)]
         for keep in (str(workspace), str(home)):
             args += ["--bind", keep, keep]
-        for hide in covered:  # empty and read-only; the binds inside stay writable
-            args += ["--remount-ro", hide]
-        tmp = str(Path(home) / "tmp")
-        args += ["--dir", tmp, "--setenv", "TMPDIR", tmp]
-        args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
-        return [*args, "--chdir", str(workspace), "--", *argv]
+        if proxy_socket is not None:
+            args += ["--bind", str(proxy_socket), str(SANDBOX_SOCKET)]
+        for path in sorted(hide - show):  # empty and read-only; the binds inside stay
+            if path.is_dir():
+                args += ["--remount-ro", str(path)]
+        args += ["--setenv", "TMPDIR", "/tmp", "--chdir", str(workspace), "--"]
+        if proxy_socket is not None:
+            listen = f"127.0.0.1:{SANDBOX_PORT}"
+            relay = [sys.executable, "-I", "-S", netns_relay.__file__, "--listen", listen]
+            args += [*relay, "--to", str(SANDBOX_SOCKET), "--"]
+        return [*args, *argv]
 
     def check(self) -> None:
-        probe = [self.binary, "--ro-bind", "/", "/", "--unshare-pid", "--", "true"]
-        try:
-            done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
-        except FileNotFoundError:
-            raise SandboxUnavailable(
-                f"harness.sandbox=bwrap: no {self.binary!r} on PATH (Debian/Ubuntu: apt-get "
-                "install bubblewrap), or set harness.sandbox=none"
-            ) from None
+        with tempfile.TemporaryDirectory(prefix="qwengyre-sandbox-check-") as scratch:
+            probe = self.wrap(["true"], workspace=Path(scratch), home=Path(scratch), hidden=())
+            try:
+                done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+            except FileNotFoundError:
+                raise SandboxUnavailable(
+                    f"harness.sandbox=bwrap: no {self.binary!r} on PATH (Debian/Ubuntu: "
+                    "apt-get install bubblewrap), or set harness.sandbox=none"
+                ) from None
         if done.returncode != 0:
             raise SandboxUnavailable(
                 f"harness.sandbox=bwrap: {self.binary} cannot make a sandbox here (it needs "
-                f"user namespaces, or root): {done.stderr.strip() or done.returncode}"
+                f"user namespaces): {done.stderr.strip() or done.returncode}"
             )
 
 
-def sandbox(kind: SandboxKind, hide: Sequence[Path] = ()) -> Sandbox:
-    """The sandbox ``harness.sandbox`` names, hiding ``hide`` (``harness.sandbox_hide``: ``~``
-    expanded; each must exist, so that a misspelt path hides nothing silently)."""
-    if kind == "bwrap":
-        paths = tuple(Path(p).expanduser() for p in hide)
-        if missing := [str(p) for p in paths if not p.exists()]:
-            raise ValueError(
-                f"harness.sandbox_hide: no such file or directory: {', '.join(missing)}"
-            )
-        return Bubblewrap(paths)
+def _under(path: Path, directories: set[Path]) -> bool:
+    """Whether ``path`` lies strictly inside one of ``directories``."""
+    return any(path != d and path.is_relative_to(d) for d in directories)
+
+
+UNCONFINED = (
+    "every harness runs unconfined: it can read the run directory (the proxy's store,"
+    " other executions' workspaces, the checkpoints), other executions' keys in"
+    " /proc/*/environ, the operator's home and credentials, write the weight boards in"
+    " /dev/shm, signal qwengyre's processes and reach any address. Install bubblewrap"
+    " (Debian/Ubuntu: apt-get install bubblewrap), or set harness.sandbox=none to say"
+    " this is meant"
+)
+
+
+def _stderr(message: str) -> None:
+    print(f"qwengyre: warning: {message}", file=sys.stderr)
+
+
+def sandbox(
+    kind: SandboxKind,
+    hide: Sequence[Path] = (),
+    expose: Sequence[Path] = (),
+    *,
+    warn: Callable[[str], None] = _stderr,
+) -> Sandbox:
+    """The sandbox ``harness.sandbox`` names, hiding ``hide`` and showing ``expose``
+    (``harness.sandbox_hide`` / ``sandbox_expose``: ``~`` expanded; each must exist, so
+    that a misspelt path changes nothing silently). ``auto``: bubblewrap where it can run
+    here, else none, with one ``warn`` saying what that leaves open and how to fix it."""
     if kind == "none":
-        if hide:
-            raise ValueError("harness.sandbox_hide needs a sandbox: set harness.sandbox=bwrap")
+        if hide or expose:
+            raise ValueError(
+                "harness.sandbox_hide and harness.sandbox_expose need a sandbox: set"
+                " harness.sandbox=bwrap or auto"
+            )
         return NoSandbox()
-    raise ValueError(f"unknown sandbox {kind!r}; allowed: none, bwrap")
+    if kind not in ("bwrap", "auto"):
+        raise ValueError(f"unknown sandbox {kind!r}; allowed: auto, none, bwrap")
+    paths = {}
+    for key, given in (("sandbox_hide", hide), ("sandbox_expose", expose)):
+        paths[key] = tuple(Path(p).expanduser() for p in given)
+        if missing := [str(p) for p in paths[key] if not p.exists()]:
+            raise ValueError(f"harness.{key}: no such file or directory: {', '.join(missing)}")
+    confined = Bubblewrap(paths["sandbox_hide"], paths["sandbox_expose"])
+    if kind == "bwrap":
+        return confined
+    try:
+        confined.check()
+    except SandboxUnavailable as exc:
+        why = str(exc).removeprefix("harness.sandbox=bwrap: ")
+        warn(f"harness.sandbox=auto: {why}; {UNCONFINED}")
+        return NoSandbox()
+    return confined
