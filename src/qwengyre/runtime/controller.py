@@ -393,6 +393,8 @@ class Controller:
                 await self.supervisor.lose(cell, outcome)  # it died serving: others took over
             elif isinstance(outcome, BaseException):
                 raise outcome
+            elif outcome < version:  # its server crashed: started again before it serves
+                await self.proxy.router.fail(engine_name(cell))
         self.observer.publication(version, self.now() - start)
         self._emit(lambda t: PublicationDone(t, version))
 

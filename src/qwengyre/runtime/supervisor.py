@@ -6,7 +6,9 @@ engine servers started again.
 core) is lost: the proxy stops routing to it and the scheduler hears
 :class:`~qwengyre.scheduler.events.CellLost`, so the run goes on without it. Any other
 death stops the run. An engine the proxy drained for failing, on a rollout cell or the
-standalone pool, is asked to start its server again if it crashed.
+standalone pool, is asked to start its server again if it crashed (a publication that
+found its server dead drains it so: nothing calls a dead server, and it serves again
+with the newest weights).
 """
 
 from __future__ import annotations
