@@ -328,6 +328,44 @@ def test_a_run_goes_on_without_a_rollout_cell_that_died(
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
 
 
+def wait_for_role(process: subprocess.Popen[bytes], run_dir: Path, cell: int, role: str) -> None:
+    """Until cell ``cell`` entered ``role``."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        metrics = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else None
+        if metrics and any(r.cell == cell and r.role == role for r in metrics.roles):
+            return
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        time.sleep(0.05)
+    pytest.fail(f"cell {cell} was not in {role} within 240 s")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
+def test_the_only_rollout_cell_dies_and_the_core_comes_back_to_serve_and_train(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two cells: cell 1 serves alone while the core trains, and dies. The core leaves
+    its step for rollout (its micro-steps go back on the queue), serves the executions
+    cell 1 had, and trains again when rollout allows: every step, no restart."""
+    run_dir = tmp_path / "run"
+    process = start_train(tmp_path, tiny_model_dir, 3, "cells.count=2")
+    wait_for_role(process, run_dir, 0, "training")
+    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
+    os.kill(cells[1], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    assert f"cell-1 (pid {cells[1]}) died (exit code -9); the run goes on without it" in (
+        stderr.decode()
+    )
+    metrics = read_metrics(run_dir)
+    assert len(metrics.runs) == 1 and [s.version for s in metrics.steps] == [1, 2, 3]
+    assert all(s.cells == 1 for s in metrics.steps)  # the core alone
+    roles = {cell: [r.role for r in metrics.roles if r.cell == cell] for cell in range(2)}
+    assert roles[1][-1] == "lost" and "to_rollout" in roles[0]
+    trained = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state["trained_groups"]  # type: ignore[arg-type]
+    assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
+
+
 def served_calls(run_dir: Path) -> list[tuple[str, int]]:
     """(engine, newest policy version in its output) of every recorded model call."""
     store = Store(run_dir / "proxy.sqlite")
