@@ -366,6 +366,32 @@ def test_the_only_rollout_cell_dies_and_the_core_comes_back_to_serve_and_train(
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
+def test_a_training_satellite_that_dies_leaves_its_step_to_the_core(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Cell 1 dies once it trains: the micro-steps it claimed go back to the core, cell 2
+    serves rollout for good, and the run trains every step without a restart."""
+    run_dir = tmp_path / "run"
+    process = start_train(tmp_path, tiny_model_dir, 4)
+    wait_for_role(process, run_dir, 1, "training")
+    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
+    os.kill(cells[1], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    assert f"cell-1 (pid {cells[1]}) died (exit code -9); the run goes on without it" in (
+        stderr.decode()
+    )
+    metrics = read_metrics(run_dir)
+    assert len(metrics.runs) == 1 and [s.version for s in metrics.steps] == [1, 2, 3, 4]
+    lost = next(r.time_s for r in metrics.roles if r.cell == 1 and r.role == "lost")
+    assert all(s.cells == 1 for s in metrics.steps if s.time_s > lost)
+    trained = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state["trained_groups"]  # type: ignore[arg-type]
+    assert len(trained) == 4 * 2 and len(set(trained)) == len(trained)
+    counts = Counter(g.group_id for g in metrics.groups)
+    assert set(counts) == set(trained) and set(counts.values()) == {1}
+
+
 def served_calls(run_dir: Path) -> list[tuple[str, int]]:
     """(engine, newest policy version in its output) of every recorded model call."""
     store = Store(run_dir / "proxy.sqlite")
