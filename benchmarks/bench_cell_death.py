@@ -4,7 +4,7 @@ Each case starts ``qwengyre train`` (the embedded preset, the tiny test model, a
 that flips a coin), waits until the run has trained a step and the victim is in the
 role the case names, SIGKILLs the victim's process, and measures on this process's
 clock the time from the kill to the next step record in ``metrics.jsonl``, against the
-run's cadence (the median time between the step records seen before the kill):
+run's cadence (the mean time between the step records seen before the kill):
 
 - ``rollout cell``: cell 2 serves rollout while cell 1 serves too (3 cells);
 - ``only rollout cell``: cell 1 serves alone while the core trains (2 cells);
@@ -107,13 +107,8 @@ def run_case(case: Case, model: Path, work: Path, steps: int) -> tuple[float, fl
         f"model.path={model}",
         f"harness.tasks={tasks}",
         "warm_start.accuracy=null",
-        "harness.deadline_s=30",
-        "harness.budget_s=60",
-        "engine.max_context=1024",
         "groups.size=4",
         "groups.batch=2",
-        "trainer.micro_step_tokens=512",
-        "scheduler.tau_s=0.5",
         f"run.steps={steps}",
         f"cells.count={case.cells}",
         *case.extra,
@@ -141,7 +136,7 @@ def run_case(case: Case, model: Path, work: Path, steps: int) -> tuple[float, fl
             raise RuntimeError(f"{case.name}: the run ended before a step followed: {said}")
         assert killed_at is not None
         gaps = [b - a for a, b in itertools.pairwise(seen[:before])]
-        return seen[before] - killed_at, statistics.median(gaps) if gaps else float("nan")
+        return seen[before] - killed_at, statistics.mean(gaps) if gaps else float("nan")
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()

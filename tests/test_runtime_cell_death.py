@@ -14,28 +14,20 @@ from typing import Any
 import pytest
 from tests.test_driver_contract import (
     STEPS,
-    TASKS,
     Board,
     RecordingScheduler,
     ScriptedCell,
-    ScriptedHost,
-    ScriptedProxy,
+    drive,
     script_config,
 )
 
 from qwengyre.cluster.client import CellClient
 from qwengyre.cluster.local import ActorDied
 from qwengyre.config import Config
-from qwengyre.records.assessments import AssessmentLog
-from qwengyre.records.metrics import MetricsWriter
-from qwengyre.records.trace import TraceWriter
-from qwengyre.rollout.harness import HarnessSpec
-from qwengyre.rollout.hosts import HostPool
 from qwengyre.runtime import supervisor
-from qwengyre.runtime.controller import Controller, RunOutputs
-from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.controller import Controller
 from qwengyre.scheduler.core import Scheduler
-from qwengyre.scheduler.events import Role, Start
+from qwengyre.scheduler.events import Role
 from qwengyre.sim.simulator import SimCosts
 from qwengyre.training.backend import MicroStepResult, StepResult
 from qwengyre.training.buffers import BatchSummary, MicroStep
@@ -121,24 +113,9 @@ async def run(config: Config, run_dir: Path, cells: Cells) -> Controller:
     scheduler = RecordingScheduler(config.scheduler_params())
     cells.scheduler = scheduler
     costs, board = SimCosts.from_config(config), Board()
-    clients = [CellClient(MortalCell(i, costs, board, cells)) for i in range(config.cells.count)]
-    proxy = ScriptedProxy(config, scheduler.launches)
-    hosts = HostPool([ScriptedHost(proxy, capacity=config.cells.count * config.cells.capacity)])
-    outputs = RunOutputs(
-        run_dir=run_dir,
-        metrics=MetricsWriter(run_dir / "metrics.jsonl"),
-        traces=TraceWriter(run_dir / "traces.jsonl"),
-        ledger=Ledger(run_dir / "ledger.jsonl"),
-        assessments=AssessmentLog(run_dir / "assessments.jsonl"),
-    )
-    harness = HarnessSpec(command=("true",), deadline_s=60.0)
-    controller = Controller(config, scheduler, proxy, clients, TASKS, harness, outputs, hosts=hosts)
-    try:
-        await controller.run(Start(0.0))
-    finally:
-        await controller.shutdown()
-        outputs.metrics.close()
-        outputs.traces.close()
+    count = config.cells.count
+    clients = [CellClient(MortalCell(i, costs, board, cells)) for i in range(count)]
+    controller = await drive(config, run_dir, scheduler, clients)
     assert not scheduler.refused
     return controller
 
