@@ -6,6 +6,7 @@ cells that take part in its update (a cell that left gave its claims back)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from tests.test_driver_contract import (
     STEPS,
     Board,
     RecordingScheduler,
+    Script,
     ScriptedCell,
     drive,
     script_config,
@@ -29,6 +31,7 @@ from qwengyre.runtime.controller import Controller
 from qwengyre.scheduler.core import Scheduler
 from qwengyre.scheduler.events import Role
 from qwengyre.sim.simulator import SimCosts
+from qwengyre.sim.workload import ExecutionSpec
 from qwengyre.training.backend import MicroStepResult, StepResult
 from qwengyre.training.buffers import BatchSummary, MicroStep
 
@@ -54,6 +57,9 @@ class Cells:
         self.updates: dict[int, int] = {}  # step -> cells in its update
         self.dead: set[int] = set()
         self.kill: Kill | None = None
+        self.crash_server = False  # the next publication to a satellite finds it crashed
+        self.crashed: int | None = None  # that satellite
+        self.revived: list[int] = []  # cells asked to start their server again
         self.scheduler: Scheduler | None = None  # the run's: roles and loads
 
     def victim_ready(self, kill: Kill) -> bool:
@@ -99,6 +105,16 @@ class MortalCell(ScriptedCell):
         result = await super().train_micro_step(ms)
         self.cells.trained.append((self.index, ms.step, ms.index))
         return result
+
+    async def update_engine_weights(self) -> int:
+        if self.cells.crash_server and self.index != 0:
+            self.cells.crash_server, self.cells.crashed = False, self.index
+            return self.board.version - 1  # what a server host answers for a dead server
+        return await super().update_engine_weights()
+
+    async def revive_engine(self) -> bool:
+        self.cells.revived.append(self.index)
+        return True
 
     async def resume_engine(self) -> int:
         self.cells.drop_open(self.index)  # it leaves an open step: its gradient is dropped
@@ -157,15 +173,31 @@ def test_a_satellite_that_dies_mid_step_gives_its_micro_steps_to_the_cells_that_
 
 
 def test_the_only_rollout_cell_dying_brings_the_core_back_from_its_step(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    execution = Script.execution
+
+    def slow(self: Script, query_id: int, index: int) -> ExecutionSpec:
+        spec = execution(self, query_id, index)  # 10-40 ms: 0.2-0.8 s, so that some run
+        return dataclasses.replace(spec, duration_s=spec.duration_s * 20)  # while it trains
+
+    monkeypatch.setattr(Script, "execution", slow)
     config = script_config("elastic").model_copy(deep=True)
     config.cells.count = 2
     config.sim.train_tokens_per_cell_s = 500  # micro-steps of ~100 ms: a death is seen mid-step
     cells = Cells()
-    # As the core trains a micro-step after its first, while cell 1 serves alone.
-    cells.kill = Kill(victim=1, at=0, nth=2, victim_in=Role.ROLLOUT)
+    # As the core trains a micro-step while cell 1 serves executions alone.
+    cells.kill = Kill(victim=1, at=0, victim_in=Role.ROLLOUT)
     controller = asyncio.run(run(config, tmp_path, cells))
     assert set(controller.supervisor.lost) == {1} and cells.kill is None
     check_every_micro_step_trained_once(cells, controller)
     assert any(m.startswith("cell 0 left step ") for m in left(caplog)), left(caplog)
+
+
+def test_a_publication_that_finds_a_server_crashed_has_it_revived(tmp_path: Path) -> None:
+    cells = Cells()
+    cells.crash_server = True
+    # async: the satellites serve rollout for good and get every publication
+    controller = asyncio.run(run(script_config("async"), tmp_path, cells))
+    assert cells.crashed is not None and cells.crashed in cells.revived  # drained, revived
+    assert not controller.supervisor.lost
