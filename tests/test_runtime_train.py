@@ -77,6 +77,16 @@ def run(tmp_path: Path, model_dir: Path, *extra: str) -> Path:
     return run_dir
 
 
+def harness_summaries(run_dir: Path) -> list[str]:
+    """The summary line of every toy harness that finished (its calls and retries)."""
+    return [
+        line
+        for log in (run_dir / "logs").glob("*/stderr.log")
+        for line in log.read_text().splitlines()
+        if line.startswith("toy harness:")
+    ]
+
+
 def test_elastic_run_trains_every_group_once_and_moves_cells(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -115,12 +125,7 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     assert all(t["calls"] for t in traces if t["outcome"] == "completed")
     # No harness saw an error while cells moved (docs/design.md §4): every finished toy
     # harness says it sent no call twice.
-    summaries = [
-        line
-        for log in (run_dir / "logs").glob("*/stderr.log")
-        for line in log.read_text().splitlines()
-        if line.startswith("toy harness:")
-    ]
+    summaries = harness_summaries(run_dir)
     assert len(summaries) >= 3 * 2 * 4
     assert all(" retries=0 " in line + " " for line in summaries), summaries
     # `qwengyre plan` replays this run's trace with its own config and costs.
@@ -304,7 +309,9 @@ def lose_cell(
     process: subprocess.Popen[bytes], run_dir: Path, cell: int, steps: int
 ) -> tuple[RunMetrics, list[int]]:
     """SIGKILL cell ``cell``: the run goes on without it and trains its ``steps`` steps
-    with no restart, no group lost or trained twice; its metrics and the cells' pids."""
+    with no restart, no group lost or trained twice, and no harness saw an error (a
+    call at the dead engine went on elsewhere, or waited for an engine); its metrics
+    and the cells' pids."""
     cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
     os.kill(cells[cell], signal.SIGKILL)
     _, stderr = process.communicate(timeout=600)
@@ -318,6 +325,8 @@ def lose_cell(
     assert len(trained) == steps * 2 and len(set(trained)) == len(trained)
     counts = Counter(g.group_id for g in metrics.groups)
     assert set(counts) == set(trained) and set(counts.values()) == {1}
+    summaries = harness_summaries(run_dir)
+    assert summaries and all(" retries=0 " in line + " " for line in summaries), summaries
     return metrics, cells
 
 
