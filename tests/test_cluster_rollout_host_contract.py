@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,3 +165,20 @@ def test_a_crashed_server_is_revived_at_its_endpoint_with_the_newest(cell: Cell)
     # the proxy's client of the same endpoint (address and key) is served again
     assert generate(cell.endpoint).versions == (version,) * 6
     assert not cell.host.revive(cell.boards)
+
+
+@backends(embedded="the engine lives in the host's process: it has no server to crash")
+def test_a_server_that_dies_during_a_load_fails_no_publication(cell: Cell) -> None:
+    assert isinstance(cell.host, ServerHost) and cell.crash is not None
+    served = cell.host.version
+    process = cell.host._process
+    assert process is not None
+    os.killpg(process.pid, signal.SIGSTOP)  # the load's call hangs at a frozen server
+    version = cell.publish()
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(cell.host.load_newest, cell.boards)
+        time.sleep(1.0)  # most likely mid-call; the crash before the call answers alike
+        cell.crash()
+        assert load.result() == served < version  # the older version: revive it
+    assert cell.host.revive(cell.boards)
+    assert generate(cell.endpoint).versions == (version,) * 6

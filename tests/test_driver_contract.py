@@ -348,10 +348,11 @@ TASKS = [
 ]
 
 
-async def run_live(config: Config, run_dir: Path) -> DriverRun:
-    scheduler = RecordingScheduler(config.scheduler_params())
-    costs, board = SimCosts.from_config(config), Board()
-    cells = [CellClient(ScriptedCell(i, costs, board)) for i in range(config.cells.count)]
+async def drive(
+    config: Config, run_dir: Path, scheduler: RecordingScheduler, cells: list[CellClient]
+) -> Controller:
+    """The live controller's run of ``scheduler`` over scripted ``cells``, the proxy and
+    the harness host scripted too; the controller, once shut down."""
     proxy = ScriptedProxy(config, scheduler.launches)
     hosts = HostPool([ScriptedHost(proxy, capacity=config.cells.count * config.cells.capacity)])
     outputs = RunOutputs(
@@ -369,6 +370,14 @@ async def run_live(config: Config, run_dir: Path) -> DriverRun:
         await controller.shutdown()  # the executions still running end cancelled
         outputs.metrics.close()
         outputs.traces.close()
+    return controller
+
+
+async def run_live(config: Config, run_dir: Path) -> DriverRun:
+    scheduler = RecordingScheduler(config.scheduler_params())
+    costs, board = SimCosts.from_config(config), Board()
+    cells = [CellClient(ScriptedCell(i, costs, board)) for i in range(config.cells.count)]
+    controller = await drive(config, run_dir, scheduler, cells)
     # The Ticks asked for come at their times, after the run or not.
     wakes = [a.time for _, actions in scheduler.log for a in actions if isinstance(a, WakeAt)]
     await asyncio.sleep(max([0.0, *(t - controller.now() for t in wakes)]) + 0.001)

@@ -354,3 +354,25 @@ def test_no_handoff_for_a_call_that_produced_nothing() -> None:
 
     assert ids_of(asyncio.run(consume(router))) == [3]
     assert handoff.calls == [] and tuple(b.requests[0].input_ids) == PROMPT
+
+
+def test_a_call_waits_for_an_engine_to_accept_again_within_engine_wait_s() -> None:
+    async def main() -> None:
+        engine = FakeEngine("cell-1", [[((1,), None), WAIT], [((2,), "stop")]])
+        router = router_with(engine)
+        router.engine_wait_s = 3600.0  # a cell on its way back to rollout
+        call = asyncio.create_task(consume(router, after_first=lambda: router.drain("cell-1")))
+        while not engine.aborted:  # the only engine is drained mid-call
+            await asyncio.sleep(0)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not call.done() and len(engine.requests) == 1  # held, not answered 529
+        router.resume("cell-1")
+        out = await call
+        assert [d.output_ids for _, d in out] == [(1,), (2,)]  # continued after it
+        router.engine_wait_s = 0.0  # at once: 529
+        await router.drain("cell-1")
+        with pytest.raises(NoEngineAvailable, match="no inference engine is accepting"):
+            await consume(router)
+
+    asyncio.run(main())

@@ -26,7 +26,7 @@ from qwengyre.config import Config, load_config
 from qwengyre.presets import preset_path
 from qwengyre.proxy.store import Store
 from qwengyre.records.assessments import read_assessments
-from qwengyre.records.metrics import read_metrics
+from qwengyre.records.metrics import RunMetrics, read_metrics
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.training.checkpoint import latest_checkpoint, list_checkpoints, read_checkpoint
@@ -77,6 +77,16 @@ def run(tmp_path: Path, model_dir: Path, *extra: str) -> Path:
     return run_dir
 
 
+def harness_summaries(run_dir: Path) -> list[str]:
+    """The summary line of every toy harness that finished (its calls and retries)."""
+    return [
+        line
+        for log in (run_dir / "logs").glob("*/stderr.log")
+        for line in log.read_text().splitlines()
+        if line.startswith("toy harness:")
+    ]
+
+
 def test_elastic_run_trains_every_group_once_and_moves_cells(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -115,12 +125,7 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     assert all(t["calls"] for t in traces if t["outcome"] == "completed")
     # No harness saw an error while cells moved (docs/design.md §4): every finished toy
     # harness says it sent no call twice.
-    summaries = [
-        line
-        for log in (run_dir / "logs").glob("*/stderr.log")
-        for line in log.read_text().splitlines()
-        if line.startswith("toy harness:")
-    ]
+    summaries = harness_summaries(run_dir)
     assert len(summaries) >= 3 * 2 * 4
     assert all(" retries=0 " in line + " " for line in summaries), summaries
     # `qwengyre plan` replays this run's trace with its own config and costs.
@@ -300,6 +305,31 @@ def wait_for_rollout(process: subprocess.Popen[bytes], run_dir: Path) -> None:
     pytest.fail("no execution ran within 240 s")
 
 
+def lose_cell(
+    process: subprocess.Popen[bytes], run_dir: Path, cell: int, steps: int
+) -> tuple[RunMetrics, list[int]]:
+    """SIGKILL cell ``cell``: the run goes on without it and trains its ``steps`` steps
+    with no restart, no group lost or trained twice, and no harness saw an error (a
+    call at the dead engine went on elsewhere, or waited for an engine); its metrics
+    and the cells' pids."""
+    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
+    os.kill(cells[cell], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    said = f"cell-{cell} (pid {cells[cell]}) died (exit code -9); the run goes on without it"
+    assert said in stderr.decode()
+    metrics = read_metrics(run_dir)
+    assert len(metrics.runs) == 1
+    assert [s.version for s in metrics.steps] == list(range(1, steps + 1))
+    trained = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state["trained_groups"]  # type: ignore[arg-type]
+    assert len(trained) == steps * 2 and len(set(trained)) == len(trained)
+    counts = Counter(g.group_id for g in metrics.groups)
+    assert set(counts) == set(trained) and set(counts.values()) == {1}
+    summaries = harness_summaries(run_dir)
+    assert summaries and all(" retries=0 " in line + " " for line in summaries), summaries
+    return metrics, cells
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
 def test_a_run_goes_on_without_a_rollout_cell_that_died(
     tiny_model_dir: Path, tmp_path: Path
@@ -310,22 +340,54 @@ def test_a_run_goes_on_without_a_rollout_cell_that_died(
     run_dir = tmp_path / "run"
     process = start_train(tmp_path, tiny_model_dir, 3)
     wait_for_rollout(process, run_dir)
-    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
-    os.kill(cells[1], signal.SIGKILL)
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr.decode()[-2000:]
-    assert f"cell-1 (pid {cells[1]}) died (exit code -9); the run goes on without it" in (
-        stderr.decode()
-    )
-    metrics = read_metrics(run_dir)
-    assert len(metrics.runs) == 1 and [s.version for s in metrics.steps] == [1, 2, 3]
+    metrics, cells = lose_cell(process, run_dir, 1, 3)
     assert all(s.cells == 1 for s in metrics.steps)  # the core alone
     roles = {cell: [r.role for r in metrics.roles if r.cell == cell] for cell in range(3)}
     assert roles[1] == ["rollout", "lost"] and set(roles[2]) == {"rollout"}
     assert "training" in roles[0]
     assert not running(cells[1])
-    trained = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state["trained_groups"]  # type: ignore[arg-type]
-    assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
+
+
+def wait_for_role(process: subprocess.Popen[bytes], run_dir: Path, cell: int, role: str) -> None:
+    """Until cell ``cell`` entered ``role``."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        metrics = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else None
+        if metrics and any(r.cell == cell and r.role == role for r in metrics.roles):
+            return
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        time.sleep(0.05)
+    pytest.fail(f"cell {cell} was not in {role} within 240 s")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
+def test_the_only_rollout_cell_dies_and_the_core_comes_back_to_serve_and_train(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two cells: cell 1 serves alone while the core trains, and dies. The core leaves
+    its step for rollout (its micro-steps go back on the queue), serves the executions
+    cell 1 had, and trains again when rollout allows: every step, no restart."""
+    run_dir = tmp_path / "run"
+    process = start_train(tmp_path, tiny_model_dir, 3, "cells.count=2")
+    wait_for_role(process, run_dir, 0, "training")
+    metrics, _ = lose_cell(process, run_dir, 1, 3)
+    assert all(s.cells == 1 for s in metrics.steps)  # the core alone
+    roles = {cell: [r.role for r in metrics.roles if r.cell == cell] for cell in range(2)}
+    assert roles[1][-1] == "lost" and "to_rollout" in roles[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
+def test_a_training_satellite_that_dies_leaves_its_step_to_the_core(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Cell 1 dies once it trains: the micro-steps it claimed go back to the core, cell 2
+    serves rollout for good, and the run trains every step without a restart."""
+    run_dir = tmp_path / "run"
+    process = start_train(tmp_path, tiny_model_dir, 4)
+    wait_for_role(process, run_dir, 1, "training")
+    metrics, _ = lose_cell(process, run_dir, 1, 4)
+    lost = next(r.time_s for r in metrics.roles if r.cell == 1 and r.role == "lost")
+    assert all(s.cells == 1 for s in metrics.steps if s.time_s > lost)
 
 
 def served_calls(run_dir: Path) -> list[tuple[str, int]]:

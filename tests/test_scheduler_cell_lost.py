@@ -108,19 +108,104 @@ def test_the_core_or_a_cell_that_does_not_exist_cannot_be_lost(cell: int, why: s
     assert s.roles == roles and s.running_on(1) == running  # nothing changed
 
 
-def test_a_training_or_lost_cell_cannot_be_lost_and_the_last_engine_cannot_go():
-    s = three_cells(phi=0, cells=2, cell_capacity=1)  # two groups: cell 1 and cell 0
+def two_training_one_serving() -> Scheduler:
+    """Cells 0 and 1 train (step 0 open), cell 2 serves executions 2 and 3."""
+    s = three_cells()
+    s.handle(Start(0.0))  # executions 0-1 on cell 2, 2-3 on cell 1
+    finish(s, 1.0, 0)
+    s.handle(CellMoved(2.0, 0))
+    s.handle(PullGroups(2.0, 0, 1))
+    assert of(MoveCell, finish(s, 3.0, 1)) == [MoveCell(1, Role.TRAINING)]  # 2-3 to cell 2
+    s.handle(CellMoved(4.0, 1))
+    assert s.training_cells == (0, 1) and s.running_on(2) == frozenset({2, 3})
+    return s
+
+
+def test_the_last_rollout_cell_lost_brings_the_newest_satellite_back_to_serve_its_executions():
+    s = two_training_one_serving()
+    out = s.handle(CellLost(5.0, 2))
+    assert out == [MoveCell(1, Role.ROLLOUT)]  # the newest in training; nothing serves yet
+    assert s.running_on(2) == frozenset() and s.counters.running == 2  # parked, not lost
+    out = s.handle(CellMoved(6.0, 1))
+    assert of(Reroute, out) == [Reroute(2, 2, 1), Reroute(3, 2, 1)]
+    assert s.training_cells == (0,) and s.units == [(0,), (1,)]
+    assert not of(MoveCell, finish(s, 7.0, 2))  # a later join must wait for Eq 5 again
+
+
+def test_the_last_rollout_cell_lost_with_only_the_core_training_brings_the_core_back():
+    s = three_cells(cells=2, phi=0, cell_capacity=1)  # two groups: cell 1 and cell 0
     s.handle(Start(0.0))
-    assert of(MoveCell, finish(s, 1.0, 0)) == [MoveCell(0, Role.TRAINING)]
-    with pytest.raises(SchedulerError, match="cell 1 cannot be lost: no other engine serves"):
-        s.handle(CellLost(2.0, 1))  # the core is switching: cell 1 is the only engine
+    assert of(MoveCell, finish(s, 1.0, 0)) == [MoveCell(0, Role.TRAINING)]  # 1 to cell 1
+    s.handle(CellMoved(2.0, 0))
+    assert s.handle(CellLost(3.0, 1)) == [MoveCell(0, Role.ROLLOUT)]
+    assert of(Reroute, s.handle(CellMoved(4.0, 0))) == [Reroute(1, 1, 0)]
+    assert s.units == [(0,)]
+    out = finish(s, 5.0, 1)  # rollout done (w = 0): the core alone trains, as a pool would
+    assert of(MoveCell, out) == [MoveCell(0, Role.TRAINING)]
+
+
+def test_a_cell_lost_while_moving_to_training_returns_the_core_after_its_own_move():
+    s = three_cells(cells=2, phi=0, cell_capacity=1)
+    s.handle(Start(0.0))
+    finish(s, 1.0, 0)  # the core is on its way to training; cell 1 is the only engine
+    assert s.handle(CellLost(2.0, 1)) == []  # ordered back: it finishes its move first
+    assert s.handle(CellMoved(3.0, 0)) == [MoveCell(0, Role.ROLLOUT)]
+    assert of(Reroute, s.handle(CellMoved(4.0, 0))) == [Reroute(1, 1, 0)]
+
+
+def test_with_a_standalone_pool_the_last_rollout_cell_goes_and_no_cell_returns():
+    s = three_cells(cells=2, phi=0, cell_capacity=1, standalone_capacity=1)
+    out = s.handle(Start(0.0))
+    assert [a.engine for a in of(Launch, out)] == [STANDALONE, 1]
+    finish(s, 1.0, 0)
+    assert s.roles[0] is Role.TO_TRAINING
+    out = s.handle(CellLost(2.0, 1))
+    assert out == [Reroute(1, 1, STANDALONE)]  # over its capacity until 1 ends
+    assert s.handle(CellMoved(3.0, 0)) == []  # the core trains on
+
+
+def test_a_satellite_lost_in_training_cuts_the_prefix_and_the_cells_past_it_return():
+    s = two_training_one_serving()
+    s.handle(CellLost(5.0, 1))
+    assert s.training_cells == (0,) and s.units == [(0,)]
+    pool = three_cells(standalone_capacity=8)  # everything runs on the pool: all join
+    pool.handle(Start(0.0))
+    finish(pool, 1.0, 0)
+    for t, cell in enumerate(range(3), start=2):
+        pool.handle(CellMoved(float(t), cell))
+    assert pool.training_cells == (0, 1, 2)
+    assert pool.handle(CellLost(5.0, 1)) == [MoveCell(2, Role.ROLLOUT)]  # past it: it leaves
+    assert pool.training_cells == (0,) and pool.units == [(0,)]
+    pool.handle(CellMoved(6.0, 2))
+    assert not of(MoveCell, pool.handle(Tick(7.0)))  # units joined: the core's alone
+
+
+def test_the_core_a_lost_cell_and_a_loss_that_could_never_train_again_are_refused():
+    s = three_cells(cells=2, phi=0, cell_capacity=1)
+    s.handle(Start(0.0))
+    with pytest.raises(SchedulerError, match=r"cell 0 \(rollout\) cannot be lost"):
+        s.handle(CellLost(1.0, 0))
     async_run = Scheduler(make_params(policy="async", cells=3, async_training_cells=1))
     async_run.handle(Start(0.0))
-    with pytest.raises(SchedulerError, match=r"cell 0 \(training\) cannot be lost"):
-        async_run.handle(CellLost(1.0, 0))
     async_run.handle(CellLost(1.0, 2))
     with pytest.raises(SchedulerError, match=r"cell 2 \(lost\) cannot be lost"):
         async_run.handle(CellLost(2.0, 2))
+    with pytest.raises(SchedulerError, match="under async the core trains for good"):
+        async_run.handle(CellLost(2.0, 1))
+    params = dict(cells=3, dispatch="continuous", phi=0, mu=1, batch=1, group_size=2)
+    continuous = Scheduler(make_params(**params, oversample=0, cell_capacity=1))
+    continuous.handle(Start(0.0))  # 2 outstanding: they fit on cells 1 and 2, not on one
+    with pytest.raises(SchedulerError, match="continuous dispatch keeps 2 executions"):
+        continuous.handle(CellLost(1.0, 2))
+
+
+def test_async_whose_rollout_cell_is_lost_gives_up_a_training_cell_for_good():
+    s = Scheduler(make_params(policy="async", cells=3, async_training_cells=2))
+    s.handle(Start(0.0))
+    assert s.handle(CellLost(1.0, 2)) == [MoveCell(1, Role.ROLLOUT)]
+    s.handle(CellMoved(2.0, 1))
+    assert s.roles == [Role.TRAINING, Role.ROLLOUT, Role.LOST]
+    assert s.capacity == s.params.cell_capacity
 
 
 def test_colocate_moves_only_the_cells_before_the_lost_one_and_counts_the_rest_as_room():

@@ -510,3 +510,24 @@ def test_queue_refuses_a_new_step_before_the_open_one_drains():
             )
 
     asyncio.run(main())
+
+
+def test_a_cell_that_leaves_gives_its_claims_back_in_order_and_the_step_is_not_drained():
+    micro_steps, summary = _micro_steps(0, 4)
+
+    async def main() -> None:
+        queue = MicroStepQueue()
+        queue.open(0)
+        for ms in micro_steps:
+            await queue.put(ms)
+        await queue.close(summary)
+        assert [(await queue.claim(c)).index for c in (0, 1, 1, 0)] == [0, 1, 2, 3]  # type: ignore[union-attr]
+        assert queue.drained
+        assert await queue.give_back(1) == 2
+        assert not queue.drained and queue.claims == {0: 0, 3: 0}
+        assert await queue.give_back(1) == 0  # nothing claimed any more
+        waiting = asyncio.create_task(queue.wait_drained())
+        assert [(await queue.claim(0)).index for _ in range(2)] == [1, 2]  # type: ignore[union-attr]
+        assert await waiting == summary and queue.claims == dict.fromkeys(range(4), 0)
+
+    asyncio.run(main())

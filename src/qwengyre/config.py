@@ -442,6 +442,13 @@ class ProxyConfig(_Section):
     ping_s: float = Field(
         5.0, gt=0.0, description="a streamed answer pings after this long without output"
     )
+    engine_wait_s: float = Field(
+        120.0,
+        ge=0.0,
+        description="a call that finds no engine accepting waits this long for one (a cell"
+        " on its way back to rollout, a crashed server starting again) before it is"
+        " answered 529 overloaded; 0: at once",
+    )
 
 
 class EngineConfig(_Section):

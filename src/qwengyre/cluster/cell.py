@@ -225,8 +225,11 @@ class Cell:
         return how
 
     def resume_engine(self) -> int:
-        """Serve rollout again with the newest weights; returns their version. On an
-        accelerator the trainer state leaves the device first."""
+        """Serve rollout again with the newest weights; returns their version. The
+        gradient of a step the cell left before its update is dropped (the cells that
+        stay train its micro-steps again); on an accelerator the trainer state leaves
+        the device first."""
+        self._trainer().discard_gradient()
         self._make_room()
         if not self._serves:
             return self._trainer().version

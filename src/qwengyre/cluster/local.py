@@ -61,6 +61,12 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...])
             conn.send((False, traceback.format_exc()))
 
 
+CLOSE_TIMEOUT_S = 60.0
+"""How long a polite stop may take: longer than a server's SIGTERM grace
+(:func:`qwengyre.engines.launch.stop_server`), so that a server that ignores SIGTERM is
+still killed by its host rather than left running when the actor is killed."""
+
+
 class ProcessActor:
     """``factory(*args)`` built in its own process; call its methods with :meth:`call`."""
 
@@ -118,14 +124,17 @@ class ProcessActor:
         suffix = "" if code is None else f" (exit code {code})"
         return ActorDied(f"{self.name} (pid {self.pid}) died{suffix}")
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the process (politely, then by force)."""
-        if self._process.is_alive():
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the process: politely (the object closes what it holds, e.g. stops its
+        server, SIGKILL included), then by force. A call still running after
+        ``timeout_s`` (a hung one) does not hold the stop back."""
+        if self._process.is_alive() and self._lock.acquire(timeout=timeout_s):
             try:
-                with self._lock:
-                    self._conn.send(None)
+                self._conn.send(None)
             except (BrokenPipeError, ConnectionError, OSError):
                 pass
+            finally:
+                self._lock.release()
             self._process.join(timeout_s)
         if self._process.is_alive():
             self._process.kill()

@@ -34,6 +34,7 @@ happened and how long it took.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import logging
 import secrets
@@ -70,6 +71,10 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
 """How long a server may take to become healthy (vLLM on a busy CPU: ~20-60 s)."""
+
+_EXIT_GRACE_S = 10.0
+"""How long a server whose call just failed may take to exit before the failure is
+taken for the call's own (a crash is seen by its exit, not guessed from the error)."""
 
 _MODEL_FILES = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")
 """The base model's files a weights directory copies: config, tokenizer, template (not
@@ -212,20 +217,33 @@ class ServerHost(Generic[C]):
 
     def load_newest(self, boards: BoardShards) -> int:
         """Load the boards' weights if newer; returns the version served. A server that
-        crashed is not called: the proxy drains it once a call fails, and :meth:`revive`
-        starts it again with the newest weights (a publication racing that revival is
-        no run failure)."""
-        if (code := self._exit_code()) is not None:
-            log.warning(
-                "%s: the %s server exited (code %s); it takes version %d when started again",
-                self.name,
-                self.backend.api,
-                code,
-                boards.version,
-            )
-            return self.version
-        self.version = boards.load_newest(self.version, partial(self._load, boards))
+        crashed, before the load or during it, fails nothing: the answer is the older
+        version it held, which tells the caller to have it revived (:meth:`revive`
+        starts it again with the newest weights)."""
+        if self._exit_code() is None:
+            try:
+                self.version = boards.load_newest(self.version, partial(self._load, boards))
+                return self.version
+            except Exception:
+                if self._exited_within(_EXIT_GRACE_S) is None:
+                    raise  # it still runs: the load itself failed
+        log.warning(
+            "%s: the %s server exited (code %s); it takes version %d when started again",
+            self.name,
+            self.backend.api,
+            self._exit_code(),
+            boards.version,
+        )
         return self.version
+
+    def _exited_within(self, seconds: float) -> int | None:
+        """The exit code of a server process that ends by itself within ``seconds`` (a
+        call to it just failed: a crashed server may take a moment to be reaped)."""
+        if self._process is None:
+            return None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(seconds)
+        return self._exit_code()
 
     def release(self, timeout_s: float = 60.0) -> str:
         """Free the device once the proxy drained the server; ``"asleep"`` or

@@ -43,7 +43,7 @@ def build_proxy(
         from transformers import AutoConfig
 
         max_context = int(AutoConfig.from_pretrained(model).max_position_embeddings)
-    router = Router()
+    router = Router(engine_wait_s=settings.engine_wait_s)
     for preference, engine in enumerate(engines):
         router.register(engine, preference=preference)
     return ProxyServer(

@@ -9,7 +9,11 @@ engine, so the harness sees one successful answer and the tree gets one record.
 An engine that fails outright is drained the same way (:meth:`Router.fail`), and taken
 back once its health check passes again (:meth:`Router.recover`, which the proxy runs
 every :data:`RECOVER_S`): a timeout or a restarted server does not cost an engine for
-the rest of the run. An engine drained for a move is never taken back that way.
+the rest of the run. An engine drained for a move is never taken back that way. A call
+that finds no engine accepting waits up to ``engine_wait_s`` for one to accept again (a
+cell on its way back to rollout after the last serving one was lost, a crashed server
+starting again) before it is answered :class:`NoEngineAvailable` (529, which clients
+retry).
 
 A call streams (:meth:`Router.stream`): tokens reach the harness as they are sampled,
 so a call moved after it produced some continues at its new engine from where it
@@ -24,6 +28,7 @@ handle to the continued request) and touches nothing else here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -98,9 +103,13 @@ class _Slot:
 class Router:
     """Routes every call of an execution to one engine, and moves them when asked."""
 
-    def __init__(self, max_attempts: int = 5, handoff: Handoff | None = None) -> None:
+    def __init__(
+        self, max_attempts: int = 5, handoff: Handoff | None = None, engine_wait_s: float = 0.0
+    ) -> None:
         self.max_attempts = max_attempts
         self.handoff: Handoff = handoff or Recompute()
+        self.engine_wait_s = engine_wait_s
+        self._accepting_again = asyncio.Event()  # replaced once set: one per wake-up
         self._slots: dict[str, _Slot] = {}
         self._routes: dict[str, str] = {}
         self._ids = itertools.count()
@@ -201,6 +210,7 @@ class Router:
             attempt = GenerateRequest(request_id, request.input_ids, sampling, request.tags)
             if produced and moved is not None:
                 attempt = await self.handoff.continuation(*moved, attempt, tuple(produced))
+            await self._until_one_accepts()
             # No await from choosing the engine to registering the request: a drain
             # then either sees the request (and aborts it) or has already moved the route.
             engine = self.route(execution_id)
@@ -259,6 +269,23 @@ class Router:
         """The engine accepts again (a cell back from training)."""
         slot = self._slots[name]
         slot.accepting, slot.failed = True, False
+        self._wake_waiting()
+
+    def _wake_waiting(self) -> None:
+        """An engine accepts again: calls waiting for one go on."""
+        self._accepting_again.set()
+        self._accepting_again = asyncio.Event()
+
+    async def _until_one_accepts(self) -> None:
+        """Return once some engine accepts, waiting up to ``engine_wait_s`` for one
+        (then the call's :meth:`route` answers :class:`NoEngineAvailable`)."""
+        deadline = asyncio.get_running_loop().time() + self.engine_wait_s
+        while not any(slot.accepting for slot in self._slots.values()):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._accepting_again.wait(), left)
 
     async def fail(self, name: str) -> None:
         """``name`` failed a call: drain it without waiting. If it was serving (not
@@ -287,6 +314,7 @@ class Router:
                 slot.accepting, slot.failed = True, False
                 log.info("engine %s is healthy again: it accepts calls", name)
                 back.append(name)
+                self._wake_waiting()
         return back
 
     async def keep_recovering(self, every_s: float = RECOVER_S) -> None:

@@ -21,10 +21,16 @@ scheduler assigns ready groups to the open step; the packing buffer turns them i
 micro-steps on the queue; every cell in training claims micro-steps; once the batch is
 closed and drained, the participating prefix of cells reduces and the core updates.
 
-A cell that dies while it serves rollout or switches (not the core) is lost, and the
-run goes on without it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends
-its calls elsewhere, its harnesses keep running, and training keeps to the cells before
-it. Any other death stops the run (``run.restarts`` may resume it from its checkpoint).
+A cell other than the core that dies, in any role, is lost, and the run goes on without
+it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends its calls elsewhere
+(or holds them until an engine serves), its harnesses keep running, and training keeps
+to the cells before it. A cell that leaves the open step before its update (it died, a
+cell before it died, or the scheduler sent it back to rollout because no engine was
+left) gives the micro-steps it claimed back to the queue, and the cells that stay train
+them (:meth:`Controller._leave_step`): the update sums whole micro-steps, so it is the
+same as if the cell had never joined. The core's death stops the run (``run.restarts``
+may resume it from its checkpoint), and so does a satellite's death during the update's
+collectives, whose survivors could not tell how far the reduction got.
 Watching the cells is the :class:`~qwengyre.runtime.supervisor.Supervisor`'s part; what
 the run records (roles, switches, load, usage, steps) is the
 :class:`~qwengyre.runtime.observer.Observer`'s.
@@ -129,6 +135,7 @@ class _Step:
     step: int
     workers: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     window_open: bool = True  # cells may still join this batch
+    updating: bool = False  # the update's collectives began: no cell can leave any more
     results: list[MicroStepResult] = field(default_factory=list)
     started_s: float = 0.0
     micro_step_s: float = 0.0  # summed over cells
@@ -183,7 +190,13 @@ class Controller:
         self.failure: BaseException | None = None
         self.observer = Observer(outputs.metrics, scheduler, self.now)
         self.supervisor = Supervisor(
-            self.cells, standalone, scheduler, proxy.router, spawn=self._spawn, emit=self._emit
+            self.cells,
+            standalone,
+            scheduler,
+            proxy.router,
+            spawn=self._spawn,
+            emit=self._emit,
+            leave=self._leave_step,
         )
 
     # ------------------------------------------------------------------ clock
@@ -261,6 +274,8 @@ class Controller:
                 proxy_id = self._executions[action.execution_id].proxy_id
                 self.proxy.router.assign(proxy_id, engine_name(action.destination))
             case MoveCell():
+                if action.role is Role.ROLLOUT:  # mid-step: no engine was left to serve
+                    await self._leave_step(action.cell)
                 self._spawn(self._move(action.cell, action.role))
             case AssignGroups():
                 await self._assign(action)
@@ -371,7 +386,7 @@ class Controller:
         it, since a step's update reduces over a prefix of cells."""
         prefix: list[int] = []
         for cell in self.scheduler.training_cells:  # in index order
-            if cell != len(prefix):
+            if cell != len(prefix) or cell in self.supervisor.lost:  # not heard of yet
                 break
             prefix.append(cell)
         return prefix
@@ -393,6 +408,8 @@ class Controller:
                 await self.supervisor.lose(cell, outcome)  # it died serving: others took over
             elif isinstance(outcome, BaseException):
                 raise outcome
+            elif outcome < version:  # its server crashed: started again before it serves
+                await self.proxy.router.fail(engine_name(cell))
         self.observer.publication(version, self.now() - start)
         self._emit(lambda t: PublicationDone(t, version))
 
@@ -411,20 +428,62 @@ class Controller:
             await self.queue.close(self.packing.summary(action.step))
 
     def _start_worker(self, cell: int) -> None:
+        """``cell`` claims micro-steps of the open step; again once micro-steps a cell
+        gave back wait and its worker had ended."""
         step = self._step
-        if step is None or not step.window_open or cell in step.workers:
+        if step is None or not step.window_open:
+            return
+        if cell in step.workers and not step.workers[cell].done():
             return
         step.workers[cell] = self._spawn(self._work(cell, step))
 
     async def _work(self, cell: int, step: _Step) -> None:
-        """A cell in training claims micro-steps until the batch is drained."""
-        if cell not in self._synced:
-            await self.cells[cell].join_training()  # the core's current weights
-        while (ms := await self.queue.claim(cell)) is not None:
-            self._maybe_pull()  # packing the next group overlaps this micro-step
-            result, seconds = await self.observer.timed(cell, self.cells[cell].train_micro_step(ms))
-            step.results.append(result)
-            step.micro_step_s += seconds
+        """A cell in training claims micro-steps until the batch is drained. A cell that
+        dies is lost (:meth:`Supervisor.lose`; the core's death stops the run)."""
+        try:
+            if cell not in self._synced:
+                await self.cells[cell].join_training()  # the core's current weights
+                self._synced.add(cell)
+            while (ms := await self.queue.claim(cell)) is not None:
+                self._maybe_pull()  # packing the next group overlaps this micro-step
+                call = self.cells[cell].train_micro_step(ms)
+                result, seconds = await self.observer.timed(cell, call)
+                step.results.append(result)
+                step.micro_step_s += seconds
+        except ActorDied as died:
+            await self.supervisor.lose(cell, died)
+
+    async def _leave_step(self, cell: int) -> None:
+        """``cell`` and the cells past it leave the open step, if its update has not
+        begun: their workers stop, the micro-steps they claimed go back to the queue
+        for the cells that stay (what they computed is dropped: a cell moving to
+        rollout discards its gradient), and a satellite takes the core's weights again
+        when it rejoins."""
+        step = self._step
+        if step is None or step.updating:
+            return
+        for past in sorted(c for c in step.workers if c >= cell):
+            worker = step.workers.pop(past)
+            if worker is not asyncio.current_task():
+                worker.cancel()
+            returned = await self.queue.give_back(past)
+            step.results = [r for r in step.results if r.cell != past]
+            if past != 0:
+                self._synced.discard(past)
+            log.warning(
+                "cell %d left step %d: %d micro-steps go to others", past, step.step, returned
+            )
+
+    async def _lost_any(self, step: _Step) -> bool:
+        """A cell of ``step`` that died is lost now (it leaves the step), before the
+        update's collectives would wait for it; whether one was."""
+        for cell in sorted(step.workers):
+            try:
+                await self.cells[cell].check_alive()
+            except ActorDied as died:
+                await self.supervisor.lose(cell, died)
+                return True
+        return False
 
     def _maybe_pull(self) -> None:
         """Fewer micro-steps wait than cells train: ask for one more ready group."""
@@ -434,12 +493,21 @@ class Controller:
             self._emit(lambda t: PullGroups(t, s.version, 1))
 
     async def _finish_step(self, step: _Step) -> None:
-        summary = await self.queue.wait_drained()
-        step.window_open = False  # the joining window closes before the update
-        await asyncio.gather(*step.workers.values())
+        while True:
+            summary = await self.queue.wait_drained()
+            step.window_open = False  # the joining window closes before the update
+            if step.workers:
+                await asyncio.wait([*step.workers.values()])
+            if self.queue.drained and not await self._lost_any(step):
+                break
+            # A cell left after the last claim: the others train what it gave back.
+            step.window_open = True
+            for cell in self._training_prefix():
+                self._start_worker(cell)
         k = len(step.workers)
         if sorted(step.workers) != list(range(k)):
             raise RuntimeError(f"step {step.step}: cells {sorted(step.workers)} are not a prefix")
+        step.updating = True
         updates = await asyncio.gather(
             *(self.observer.timed(c, self.cells[c].finish_batch(summary, k)) for c in range(k))
         )

@@ -2,18 +2,22 @@
 engine servers started again.
 
 :class:`Supervisor` checks every cell (and the standalone pool) each
-:data:`CELL_WATCH_S`. A cell that died while it serves rollout or switches (not the
-core) is lost: the proxy stops routing to it and the scheduler hears
-:class:`~qwengyre.scheduler.events.CellLost`, so the run goes on without it. Any other
-death stops the run. An engine the proxy drained for failing, on a rollout cell or the
-standalone pool, is asked to start its server again if it crashed.
+:data:`CELL_WATCH_S`. A cell other than the core that died, in any role, is lost: the
+proxy stops routing to it, the open training step goes on without it (``leave``: the
+micro-steps it claimed go back to the cells that stay) and the scheduler hears
+:class:`~qwengyre.scheduler.events.CellLost`, so the run goes on without it. The core's
+death, or one the scheduler refuses (:meth:`~qwengyre.scheduler.core.Scheduler.why_not_lose`),
+stops the run. An engine the proxy drained for failing, on a rollout cell or the
+standalone pool, is asked to start its server again if it crashed (a publication that
+found its server dead drains it so: nothing calls a dead server, and it serves again
+with the newest weights).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from qwengyre.cluster.client import CellClient, EngineClient
@@ -44,6 +48,7 @@ class Supervisor:
         *,
         spawn: Callable[[Coroutine[Any, Any, Any]], object],
         emit: Callable[[Callable[[float], Event]], None],
+        leave: Callable[[int], Awaitable[None]],
     ) -> None:
         self.cells = list(cells)
         self.standalone = standalone
@@ -51,14 +56,14 @@ class Supervisor:
         self.router = router
         self._spawn = spawn
         self._emit = emit
+        self._leave = leave  # the cell leaves the open training step, at once
         self.lost: dict[int, ActorDied] = {}  # cells given up for dead: why
         self._reviving: set[int] = set()  # cells starting a crashed engine again
 
     async def watch(self) -> None:
         """A cell that dies is seen at once, not at the next call it gets (a rollout
         cell gets none from the controller until its next move or publication): a cell
-        other than the core that serves rollout or switches is lost, any other death
-        stops the run (this raises)."""
+        other than the core is lost, the core's death stops the run (this raises)."""
         while True:
             for cell, actor in self._watched():
                 try:
@@ -110,6 +115,7 @@ class Supervisor:
             raise died
         self.lost[cell] = died
         log.warning("%s; the run goes on without it", died)
+        await self._leave(cell)
         await self.router.drain(engine_name(cell), wait=False)
         await asyncio.to_thread(self.cells[cell].close)  # its other ranks, if any
         self._emit(lambda t: CellLost(t, cell))

@@ -59,12 +59,21 @@ Policies share everything but the grouping of cells into *units* that move toget
   still running fits on the standalone engines, which keep those harnesses running;
 - ``async``: no unit moves; cells 0..T-1 train for the whole run.
 
-A cell other than the core that serves rollout or is switching may be lost
-(:class:`CellLost`): the units are cut to the cells before it (a prefix), the cells past
-it serve rollout for the rest of the run (a Colocate pool's return at once), a switch it
-was making never ends, and its executions move to the engines that serve, to ones with
-room first: a loss is not planned by Eq 5, so an engine may hold more than its capacity
-until its executions end (nothing new launches there meanwhile).
+Any cell other than the core may be lost (:class:`CellLost`), whatever its role: the
+units are cut to the cells before it (a prefix), the cells past it serve rollout for the
+rest of the run (those in training, or on their way, return at once), a switch it was
+making never ends, and its executions move to the engines that serve, to ones with room
+first: a loss is not planned by Eq 5, so an engine may hold more than its capacity until
+its executions end (nothing new launches there meanwhile). A cell lost in training
+leaves the step: the driver gives the micro-steps it claimed to the cells that stay.
+
+No engine left to serve: when no cell serves rollout or is on its way back and there is
+no standalone pool, while executions wait for an engine (the lost cell's, or queued
+ones), the newest unit in training returns to rollout (under ``async``, the highest
+training cell other than the core, for good). Until it serves, the lost cell's
+executions wait *parked* (on no engine; their harnesses keep running and the proxy holds
+their calls) and are rerouted as soon as an engine serves. Only a run that could never
+serve and train again refuses the loss (:meth:`Scheduler.why_not_lose`).
 """
 
 from __future__ import annotations
@@ -101,9 +110,6 @@ from qwengyre.scheduler.events import (
     WakeAt,
 )
 from qwengyre.types import Outcome
-
-_LOSABLE = (Role.ROLLOUT, Role.TO_TRAINING, Role.TO_ROLLOUT)
-"""A cell in these roles holds no part of a training step: the run can go on without it."""
 
 
 class SchedulerError(ValueError):
@@ -300,12 +306,15 @@ class Scheduler:
         self._leads: set[int] = set()  # each unit's first cell
         self._cells_from: list[int] = []  # cells in units[n:], by n
         self._spare = 0  # cells that serve rollout for good: in no unit, not lost
+        # async: cells 0.._fixed_training-1 train for good (fewer after a loss)
+        self._fixed_training = params.async_training_cells if params.policy == "async" else 0
         self._cut_units(k)
         # Rollout cells that may have room, as a heap of -cell (the highest index first);
         # every rollout cell with room is in it, stale entries are dropped when met.
         self._room = [-cell for cell in reversed(range(k))]
         self._in_room = set(range(k))
         self._return_after_move: set[int] = set()  # ordered back while moving to training
+        self._parked: dict[int, int] = {}  # execution -> the lost cell it ran on: no engine
         self.groups: dict[int, Group] = {}
         self.executions: dict[int, Execution] = {}
         self._queue: deque[int] = deque()
@@ -463,9 +472,8 @@ class Scheduler:
         if self._started:
             raise SchedulerError("Start received twice")
         self._started = True
-        if self.params.policy == "async":
-            for cell in range(self.params.async_training_cells):
-                self._set_role(cell, Role.TRAINING)
+        for cell in range(self._fixed_training):
+            self._set_role(cell, Role.TRAINING)
         self._boundary()
 
     def _on_finished(self, event: ExecutionFinished) -> None:
@@ -479,6 +487,7 @@ class Scheduler:
         ex.finished = True
         self._f += 1
         self._load[ex.engine].discard(ex.id)
+        self._parked.pop(ex.id, None)
         if ex.engine != STANDALONE:
             self._offer_room(ex.engine)
         group = self.groups[ex.group]
@@ -513,22 +522,32 @@ class Scheduler:
 
     def why_not_lose(self, cell: int) -> str | None:
         """Why :class:`CellLost` for ``cell`` would be refused now, or None if the run
-        can go on without it."""
+        can go on without it: the core (it holds the optimizer), a lost cell, and a loss
+        after which no cell could serve rollout while the core trains (``async``, or
+        continuous dispatch whose outstanding executions no longer fit) are refused."""
+        p = self.params
         if not 0 <= cell < len(self.roles):
             return f"cell {cell} does not exist (0..{len(self.roles) - 1})"
-        if cell == 0 or self.roles[cell] not in _LOSABLE:
+        if cell == 0 or self.roles[cell] is Role.LOST:
             return (
                 f"cell {cell} ({self.roles[cell]}) cannot be lost: only a cell other than the"
-                " core that serves rollout or is switching can (the run stops for any other)"
+                " core that is not lost yet can (the run stops for the core)"
             )
-        if self.params.standalone_capacity:
-            return None
-        serving = [c for c, r in enumerate(self.roles) if r is Role.ROLLOUT and c != cell]
-        if self._load[cell] and not serving:
-            return f"cell {cell} cannot be lost: no other engine serves its executions"
-        fixed = self.params.async_training_cells if self.params.policy == "async" else 0
-        if all(r is Role.LOST or c in (cell, *range(fixed)) for c, r in enumerate(self.roles)):
-            return f"cell {cell} cannot be lost: no engine would be left to serve rollout"
+        alive = (c for c, r in enumerate(self.roles) if r is not Role.LOST)
+        others = sum(1 for c in alive if c not in (0, cell))
+        room = others * p.cell_capacity + p.standalone_capacity
+        if p.policy == "async" and room == 0:
+            return (
+                f"cell {cell} cannot be lost: no engine would be left to serve rollout"
+                " (under async the core trains for good)"
+            )
+        outstanding = p.queue_depth * p.executions_per_group
+        if p.dispatch == "continuous" and outstanding > room:
+            return (
+                f"cell {cell} cannot be lost: continuous dispatch keeps {outstanding}"
+                f" executions outstanding, more than the {room} that would fit with the core"
+                " in training (Eq 5): it could never train again"
+            )
         return None
 
     def _on_cell_lost(self, cell: int) -> None:
@@ -536,13 +555,49 @@ class Scheduler:
             raise SchedulerError(why)
         self._set_role(cell, Role.LOST)  # a switch it was making never ends
         self._return_after_move.discard(cell)
-        self._cut_units(cell)
-        for past in range(cell + 1, len(self.roles)):  # a Colocate pool's other cells
+        self._fixed_training = min(self._fixed_training, cell)
+        for past in range(cell + 1, len(self.roles)):  # (still in their units: counted out)
             if self.roles[past] in (Role.TO_TRAINING, Role.TRAINING):
                 self._move(past, Role.ROLLOUT)  # no prefix without ``cell`` reaches them
-        for eid in sorted(self._load[cell]):
+        self._cut_units(cell)
+        self._parked.update({eid: cell for eid in self._load[cell]})
+        self._load[cell].clear()
+
+    def _serving_soon(self) -> bool:
+        """An engine serves rollout, or a cell is on its way back to rollout."""
+        counts = self._role_counts
+        return bool(
+            self.params.standalone_capacity
+            or counts[Role.ROLLOUT]
+            or counts[Role.TO_ROLLOUT]
+            or self._return_after_move
+        )
+
+    def _keep_an_engine(self) -> None:
+        """No engine serves or is on its way while executions wait for one (after a
+        loss): the newest unit in training returns to rollout (under ``async``, the
+        highest training cell other than the core, for good)."""
+        if self._serving_soon() or not (self._parked or self._queue):
+            return
+        moving_in = (Role.TRAINING, Role.TO_TRAINING)
+        newest = max((c for c, r in enumerate(self.roles) if r in moving_in), default=0)
+        if self.params.policy == "async":
+            self._fixed_training = newest  # why_not_lose kept a cell other than the core
+            self._cut_units(len(self.roles))
+            self._move(newest, Role.ROLLOUT)
+            return
+        for cell in next(unit for unit in self.units if newest in unit):
+            self._move(cell, Role.ROLLOUT)
+
+    def _unpark(self) -> None:
+        """Executions of lost cells go to the engines that serve, ones with room first."""
+        for eid in sorted(self._parked):
             destination = self._free_engine()
-            self._reroute(eid, cell, self._least_loaded() if destination is None else destination)
+            if destination is None:
+                destination = self._least_loaded()
+            if destination is None:
+                return  # nothing serves yet: they wait
+            self._reroute(eid, self._parked.pop(eid), destination)
 
     def _cut_units(self, end: int) -> None:
         """Units hold only cells before ``end`` (training stays a prefix); the cells in
@@ -555,9 +610,7 @@ class Scheduler:
         self._spare = sum(
             1
             for c, role in enumerate(self.roles)
-            if c not in in_units
-            and role is not Role.LOST
-            and not (self.params.policy == "async" and c < self.params.async_training_cells)
+            if c not in in_units and role is not Role.LOST and c >= self._fixed_training
         )
 
     def _on_step_done(self, step: int) -> None:
@@ -601,7 +654,9 @@ class Scheduler:
         launch (Eqs 4-5)."""
         self._assign_ready()
         self._unstall()
+        self._keep_an_engine()
         self._maybe_join()
+        self._unpark()
         self._launch()
 
     def _boundary(self) -> None:
@@ -841,13 +896,14 @@ class Scheduler:
         self.executions[eid].engine = destination
         self._out.append(Reroute(eid, source, destination))
 
-    def _least_loaded(self) -> int:
+    def _least_loaded(self) -> int | None:
         """The serving engine with the fewest executions for its capacity (for a lost
-        cell's executions when no engine has room; :meth:`_on_cell_lost` made sure one
-        serves)."""
+        cell's executions when no engine has room); None when none serves."""
         engines = [c for c, role in enumerate(self.roles) if role is Role.ROLLOUT]
         if self.params.standalone_capacity:
             engines.append(STANDALONE)
+        if not engines:
+            return None
 
         def fill(engine: int) -> float:
             room = self.params.standalone_capacity if engine == STANDALONE else None

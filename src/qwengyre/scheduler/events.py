@@ -57,15 +57,16 @@ class CellMoved:
 
 @dataclass(frozen=True)
 class CellLost:
-    """Cell ``cell`` is gone for good (its process died) while it served rollout or
-    switched roles.
+    """Cell ``cell`` (not the core) is gone for good (its process died), in any role.
 
     The run goes on without it: its executions move to engines that serve (their
-    harnesses keep running; the proxy already sent their calls elsewhere), rollout
-    capacity shrinks by one cell, a switch it was making never ends, and no cell at or
-    past it trains again (cells join training as a prefix, core first, and the prefix
-    now ends before it). The core and a cell in training cannot be lost: the driver
-    stops the run (the optimizer, or a step's micro-steps, die with them).
+    harnesses keep running; the proxy already sent their calls elsewhere), or wait
+    parked until one does; a switch it was making never ends; no cell at or past it
+    trains again (cells join training as a prefix, core first, and the prefix now ends
+    before it), so those in training return to rollout, and the driver gives the
+    micro-steps they claimed in the open step to the cells that stay. If no engine is
+    left to serve, the newest unit in training returns to rollout. The core cannot be
+    lost: the driver stops the run (its optimizer dies with it).
     """
 
     time: float

@@ -120,6 +120,11 @@ class TrainerBackend(Protocol):
         """The core writes its current weights to its board (e.g. at start-up)."""
         ...
 
+    def discard_gradient(self) -> None:
+        """Drop the gradient accumulated since the last update: the cell left the step
+        before it (its micro-steps are trained again by the cells that stay)."""
+        ...
+
     @property
     def offloaded(self) -> bool: ...
 

@@ -582,6 +582,7 @@ class MicroStepQueue:
         self._items: deque[MicroStep] = deque()
         self._num_put = 0
         self.claims: dict[int, int] = {}
+        self._claimed: dict[int, list[MicroStep]] = {}  # cell -> its claims, in order
         self.summary: BatchSummary | None = None
 
     def open(self, step: int) -> None:
@@ -594,6 +595,7 @@ class MicroStepQueue:
         self._items.clear()
         self._num_put = 0
         self.claims = {}
+        self._claimed = {}
         self.summary = None
 
     @property
@@ -640,9 +642,23 @@ class MicroStepQueue:
                 return None
             micro_step = self._items.popleft()
             self.claims[micro_step.index] = cell
+            self._claimed.setdefault(cell, []).append(micro_step)
             if self.drained:
                 self._cond.notify_all()
             return micro_step
+
+    async def give_back(self, cell: int) -> int:
+        """``cell`` left the open step before its update: every micro-step it claimed
+        goes back to the front of the queue, in order, for the cells that stay; how
+        many. (The update sums whole micro-steps, so one trained again elsewhere gives
+        the same result as if ``cell`` had never claimed it.)"""
+        returned = self._claimed.pop(cell, [])
+        async with self._cond:
+            self._items.extendleft(reversed(returned))
+            for micro_step in returned:
+                del self.claims[micro_step.index]
+            self._cond.notify_all()
+        return len(returned)
 
     async def wait_drained(self) -> BatchSummary:
         """Wait until the open step is closed and every micro-step claimed."""

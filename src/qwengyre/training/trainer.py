@@ -231,6 +231,10 @@ class Trainer:
         for p in self.params:
             p.grad = None
 
+    def discard_gradient(self) -> None:
+        """Drop the gradient accumulated since the last update (the cell left the step)."""
+        self._zero_grads()
+
     # ----------------------------------------------------------------- joining
 
     def publish_weights(self) -> None:

@@ -1,0 +1,166 @@
+"""Time from a cell's death to the next training step, per kind of cell, on live runs.
+
+Each case starts ``qwengyre train`` (the embedded preset, the tiny test model, a grader
+that flips a coin, ``run.restarts=1``), waits until the run has trained
+:data:`STEPS_BEFORE` steps and the cells are in the roles the case names, SIGKILLs the
+victim's process, and measures on this process's clock the time from the kill to the
+next step record in ``metrics.jsonl``, against the run's cadence (the mean time between
+the step records seen before the kill):
+
+- ``rollout cell``: cell 2 serves rollout while cell 1 serves too (3 cells);
+- ``only rollout cell``: cell 1 serves alone while the core trains (2 cells);
+- ``training satellite``: cell 1 trains (3 cells);
+- ``core``: cell 0 trains; the run stops and resumes itself from its checkpoint, the
+  path the only rollout cell and a training satellite took before their death became a
+  scheduler event (run this script with an older qwengyre on ``PYTHONPATH`` to see it).
+
+    python benchmarks/bench_cell_death.py            # all four, about 2 min each
+    python benchmarks/bench_cell_death.py --cases core "only rollout cell"
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qwengyre.models import cached_tiny_model
+from qwengyre.presets import preset_path
+from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
+
+COIN = (
+    "import json, random; print(json.dumps({'score': float(random.random() < 0.5), 'valid': True}))"
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    cells: int
+    victim: int
+    roles: dict[int, str]  # the cells' roles (the victim's included) when it is killed
+
+
+CASES = [
+    Case("rollout cell", 3, 2, {1: "rollout", 2: "rollout"}),
+    Case("only rollout cell", 2, 1, {0: "training", 1: "rollout"}),
+    Case("training satellite", 3, 1, {1: "training"}),
+    Case("core", 3, 0, {0: "training"}),
+]
+STEPS_BEFORE = 3
+"""Steps trained before the kill (the cadence is measured over them)."""
+
+
+def records(run_dir: Path, kind: str) -> list[dict[str, object]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if record.get("kind") == kind:
+            found.append(record)
+    return found
+
+
+def roles_now(run_dir: Path) -> dict[int, str]:
+    now: dict[int, str] = {}
+    for record in records(run_dir, "role"):
+        now[int(record["cell"])] = str(record["role"])  # type: ignore[call-overload]
+    return now
+
+
+def cells_of(pid: int) -> list[int]:
+    """The run's cell processes (spawned in rank order)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def run_case(case: Case, model: Path, work: Path, steps: int) -> tuple[float, float]:
+    """(seconds from the kill to the next step, the cadence before it)."""
+    tasks = work / "tasks.jsonl"
+    evaluator = CommandEvaluator(command=[sys.executable, "-c", COIN], timeout_s=30)
+    dump_tasks(
+        tasks, [Task(id=f"t{i}", instructions=f"Say {i}.", evaluator=evaluator) for i in range(6)]
+    )
+    run_dir = work / "run"
+    command = [sys.executable, "-m", "qwengyre", "train", "--quiet", "--run-dir", str(run_dir)]
+    command += [str(preset_path("embedded"))]
+    command += [
+        f"model.path={model}",
+        f"harness.tasks={tasks}",
+        "warm_start.accuracy=null",
+        "groups.size=4",
+        "groups.batch=2",
+        f"run.steps={steps}",
+        f"cells.count={case.cells}",
+        "run.restarts=1",
+    ]
+    stderr = (work / "stderr.log").open("wb")
+    process = subprocess.Popen(
+        command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr
+    )
+    seen: list[float] = []  # when each step record appeared
+    try:
+        killed_at = None
+        while process.poll() is None:
+            count = len(records(run_dir, "step"))
+            now = time.monotonic()
+            seen += [now] * (count - len(seen))
+            roles = roles_now(run_dir)
+            due = len(seen) >= STEPS_BEFORE and killed_at is None
+            if due and all(roles.get(c) == r for c, r in case.roles.items()):
+                os.kill(cells_of(process.pid)[case.victim], signal.SIGKILL)
+                killed_at, before = now, len(seen)
+            if killed_at is not None and count > before:
+                break
+            time.sleep(0.02)
+        else:
+            said = (work / "stderr.log").read_text()[-2000:]
+            raise RuntimeError(f"{case.name}: the run ended before a step followed: {said}")
+        assert killed_at is not None
+        gaps = [b - a for a, b in itertools.pairwise(seen[:before])]
+        return seen[before] - killed_at, statistics.mean(gaps) if gaps else float("nan")
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        stderr.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=[c.name for c in CASES])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    model = cached_tiny_model("test")
+    print(f"{'cell that died':<20} {'death -> next step':>19} {'cadence':>8} {'ratio':>6}")
+    for case in CASES:
+        if case.name not in args.cases:
+            continue
+        with tempfile.TemporaryDirectory(prefix="qg-death-") as work:
+            gap, cadence = run_case(case, model, Path(work), args.steps)
+        print(f"{case.name:<20} {gap:>17.1f} s {cadence:>6.1f} s {gap / cadence:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()
