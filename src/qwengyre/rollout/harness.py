@@ -28,7 +28,7 @@ import signal
 import string
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,17 @@ except ImportError:  # pragma: no cover - non-POSIX
 __all__ = [
     "BASE_ENV_NAMES",
     "PLACEHOLDERS",
+    "HarnessLaunch",
     "HarnessRun",
+    "HarnessRunner",
     "HarnessSpec",
     "claude_code_spec",
     "harness_env",
     "mini_swe_agent_spec",
+    "prepare_harness",
     "render_command",
     "run_harness",
+    "supervise",
 ]
 
 #: Names a command or env template may use.
@@ -214,7 +218,7 @@ def harness_env(
     return env
 
 
-def _limits_preexec(spec: HarnessSpec) -> Callable[[], None] | None:
+def _limits_preexec(launch: HarnessLaunch) -> Callable[[], None] | None:
     """A ``preexec_fn`` setting the spec's rlimits in the child, or None.
 
     Caveat: ``preexec_fn`` runs between fork and exec, which CPython documents as unsafe
@@ -224,15 +228,15 @@ def _limits_preexec(spec: HarnessSpec) -> Callable[[], None] | None:
     It is only passed when a limit is actually set. Setting the limits on the child
     after start (``prlimit``) would race with the harness's first allocations.
     """
-    if _resource is None or (spec.memory_limit_mb is None and spec.cpu_limit_s is None):
+    if _resource is None or (launch.memory_limit_mb is None and launch.cpu_limit_s is None):
         return None
     res = _resource
     limits: list[tuple[int, int]] = []
-    if spec.memory_limit_mb is not None and hasattr(res, "RLIMIT_AS"):
-        size = spec.memory_limit_mb * 1024 * 1024
+    if launch.memory_limit_mb is not None and hasattr(res, "RLIMIT_AS"):
+        size = launch.memory_limit_mb * 1024 * 1024
         limits.append((res.RLIMIT_AS, size))
-    if spec.cpu_limit_s is not None and hasattr(res, "RLIMIT_CPU"):
-        limits.append((res.RLIMIT_CPU, spec.cpu_limit_s))
+    if launch.cpu_limit_s is not None and hasattr(res, "RLIMIT_CPU"):
+        limits.append((res.RLIMIT_CPU, launch.cpu_limit_s))
     if not limits:
         return None
 
@@ -287,6 +291,99 @@ async def _terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> 
     await proc.wait()
 
 
+@dataclass(kw_only=True, frozen=True)
+class HarnessLaunch:
+    """One harness process ready to start (:func:`prepare_harness`): what
+    :func:`supervise` starts, in this process or in a harness daemon
+    (:mod:`qwengyre.rollout.harnessd`). ``env`` holds the execution's key: it travels
+    to whoever starts the process and is never written to disk."""
+
+    execution_id: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    workspace: Path
+    logs_dir: Path
+    deadline_s: float
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S
+    memory_limit_mb: int | None = None
+    cpu_limit_s: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "execution_id": self.execution_id,
+            "argv": list(self.argv),
+            "env": dict(self.env),
+            "workspace": str(self.workspace),
+            "logs_dir": str(self.logs_dir),
+            "deadline_s": self.deadline_s,
+            "kill_grace_s": self.kill_grace_s,
+            "memory_limit_mb": self.memory_limit_mb,
+            "cpu_limit_s": self.cpu_limit_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> HarnessLaunch:
+        return cls(
+            execution_id=str(data["execution_id"]),
+            argv=tuple(str(a) for a in data["argv"]),
+            env={str(k): str(v) for k, v in data["env"].items()},
+            workspace=Path(data["workspace"]),
+            logs_dir=Path(data["logs_dir"]),
+            deadline_s=float(data["deadline_s"]),
+            kill_grace_s=float(data["kill_grace_s"]),
+            memory_limit_mb=data["memory_limit_mb"],
+            cpu_limit_s=data["cpu_limit_s"],
+        )
+
+
+HarnessRunner = Callable[[HarnessLaunch, "asyncio.Event | None"], Awaitable[HarnessRun]]
+"""Starts a prepared harness and waits until it ends (cancelled when the event is
+set): :func:`supervise` in this process, or a harness daemon's client."""
+
+
+def prepare_harness(
+    spec: HarnessSpec,
+    *,
+    workspace: Path,
+    logs_dir: Path,
+    execution_id: str,
+    base_url: str,
+    api_key: str,
+    instructions: str,
+    home_dir: Path | None = None,
+    hidden: Sequence[Path] = (),
+) -> HarnessLaunch:
+    """The launch of ``spec`` for one execution (:func:`run_harness` has the contract);
+    creates the logs directory and the private home."""
+    workspace = Path(workspace)
+    logs_dir = Path(logs_dir)
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    home = Path(home_dir) if home_dir is not None else logs_dir / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    values = _values(
+        instructions=instructions,
+        workspace=workspace,
+        base_url=base_url,
+        execution_id=execution_id,
+        home_dir=home,
+    )
+    argv = spec.sandbox.wrap(
+        render_command(spec, values), workspace=workspace, home=home, hidden=hidden
+    )
+    env = harness_env(spec, values, api_key=api_key)
+    return HarnessLaunch(
+        execution_id=execution_id,
+        argv=tuple(argv),
+        env=env,
+        workspace=workspace,
+        logs_dir=logs_dir,
+        deadline_s=spec.deadline_s,
+        kill_grace_s=spec.kill_grace_s,
+        memory_limit_mb=spec.memory_limit_mb,
+        cpu_limit_s=spec.cpu_limit_s,
+    )
+
+
 async def run_harness(
     spec: HarnessSpec,
     *,
@@ -314,25 +411,32 @@ async def run_harness(
     before the CancelledError propagates. After the harness ends, any process it left in
     its group is killed too, so no orphans survive a run.
     """
-    workspace = Path(workspace)
-    logs_dir = Path(logs_dir)
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    home = Path(home_dir) if home_dir is not None else logs_dir / "home"
-    home.mkdir(parents=True, exist_ok=True)
-    stdout_path, stderr_path = logs_dir / "stdout.log", logs_dir / "stderr.log"
-    values = _values(
-        instructions=instructions,
+    launch = prepare_harness(
+        spec,
         workspace=workspace,
-        base_url=base_url,
+        logs_dir=logs_dir,
         execution_id=execution_id,
-        home_dir=home,
+        base_url=base_url,
+        api_key=api_key,
+        instructions=instructions,
+        home_dir=home_dir,
+        hidden=hidden,
     )
-    argv = spec.sandbox.wrap(
-        render_command(spec, values), workspace=workspace, home=home, hidden=hidden
-    )
-    env = harness_env(spec, values, api_key=api_key)
+    return await supervise(launch, cancel)
+
+
+async def supervise(
+    launch: HarnessLaunch,
+    cancel: asyncio.Event | None = None,
+    on_spawn: Callable[[int], None] | None = None,
+) -> HarnessRun:
+    """Start ``launch`` and wait until it ends (:func:`run_harness` has the contract);
+    ``on_spawn`` is told the harness's pid (its process group) once it runs."""
+    logs_dir = launch.logs_dir
+    stdout_path, stderr_path = logs_dir / "stdout.log", logs_dir / "stderr.log"
+    argv = list(launch.argv)
     kwargs: dict[str, Any] = {}
-    preexec = _limits_preexec(spec)
+    preexec = _limits_preexec(launch)
     if preexec is not None:
         kwargs["preexec_fn"] = preexec
 
@@ -341,8 +445,8 @@ async def run_harness(
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
-                cwd=workspace,
-                env=env,
+                cwd=launch.workspace,
+                env=dict(launch.env),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
@@ -366,6 +470,8 @@ async def run_harness(
 
     # The process group's id, so a restarted runner can stop a harness it orphaned.
     (logs_dir / PGID_FILE).write_text(f"{proc.pid}\n")
+    if on_spawn is not None:
+        on_spawn(proc.pid)
     timed_out = cancelled = False
     wait_task: asyncio.Task[int] = asyncio.ensure_future(proc.wait())
     cancel_task: asyncio.Task[bool] | None = (
@@ -375,7 +481,7 @@ async def run_harness(
         waiting: set[asyncio.Future[Any]] = {wait_task}
         if cancel_task is not None:
             waiting.add(cancel_task)
-        remaining = spec.deadline_s - (time.monotonic() - started)
+        remaining = launch.deadline_s - (time.monotonic() - started)
         done, _ = await asyncio.wait(
             waiting, timeout=max(0.0, remaining), return_when=asyncio.FIRST_COMPLETED
         )
@@ -384,7 +490,7 @@ async def run_harness(
                 cancelled = True
             else:
                 timed_out = True
-            await _terminate_group(proc, spec.kill_grace_s)
+            await _terminate_group(proc, launch.kill_grace_s)
         else:
             kill_group(proc.pid, signal.SIGKILL)  # leftovers of a harness that exited
     except BaseException:
