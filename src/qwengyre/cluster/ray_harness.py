@@ -47,7 +47,7 @@ import asyncio
 import contextlib
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,16 +164,19 @@ class HarnessActor:
         self, name: str, harness_dir: str, capacity: int, proxy_url: str, admin_token: str
     ) -> None:
         self.hub = _NodeHub(proxy_url, admin_token)
-        self.host = LocalHarnessHost(Path(harness_dir), capacity=capacity, hub=self.hub, name=name)
+        self.host = LocalHarnessHost(
+            Path(harness_dir), capacity=capacity, hub=self.hub, name=name, daemon=True
+        )
         self._runs: dict[str, asyncio.Task[ExecutionResult]] = {}
 
     async def where(self) -> tuple[str, int]:
         """This node's Ray id and this process's id (the harnesses' parent)."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    async def start(self, request: ExecutionRequest) -> None:
-        """Begin the execution; a :meth:`cancel` sent after this returned reaches it."""
-        self._runs[request.execution_id] = self.host.start(request)
+    async def start(self, request: ExecutionRequest, adopted: bool = False) -> None:
+        """Begin the execution (``adopted``: re-adopt its running harness); a
+        :meth:`cancel` sent after this returned reaches it."""
+        self._runs[request.execution_id] = self.host.start(request, adopted=adopted)
 
     async def result(self, execution_id: str) -> ExecutionResult:
         """The outcome of an execution :meth:`start` began."""
@@ -189,8 +192,11 @@ class HarnessActor:
         """An intermediate assessment of the execution's workspace, now."""
         return await self.hub.assess(execution_id, branch)
 
-    async def stop_orphans(self) -> int:
-        return await self.host.stop_orphans()
+    async def survivors(self) -> list[str]:
+        return await self.host.survivors()
+
+    async def stop_orphans(self, keep: Collection[str] = ()) -> int:
+        return await self.host.stop_orphans(keep)
 
     async def check_sandbox(self, sandbox: Sandbox) -> None:
         await self.host.check_sandbox(sandbox)
@@ -229,12 +235,12 @@ class RayHarnessHost:
             self.name, str(harness_dir), capacity, proxy_url, admin_token
         )
 
-    async def run(self, request: ExecutionRequest) -> ExecutionResult:
+    async def run(self, request: ExecutionRequest, adopted: bool = False) -> ExecutionResult:
         execution_id = request.execution_id
         cancel = self._cancels[execution_id] = asyncio.Event()
         self._hub.register_assessor(execution_id, functools.partial(self._assess, execution_id))
         try:
-            await self._call("start", request)
+            await self._call("start", request, adopted)
             return await self._result(execution_id, cancel)
         finally:
             self._hub.unregister_assessor(execution_id)
@@ -263,9 +269,17 @@ class RayHarnessHost:
         node_id, pid = await self._call("where")
         return str(node_id), int(pid)
 
-    async def stop_orphans(self) -> int:
-        """Kill the harnesses a killed run left on the node (their actor died with it)."""
-        return int(await self._call("stop_orphans"))
+    async def adopt(self, request: ExecutionRequest) -> ExecutionResult:
+        """Re-adopt a harness the node's daemon kept running (:meth:`survivors`)."""
+        return await self.run(request, adopted=True)
+
+    async def survivors(self) -> list[str]:
+        """The node daemon's harnesses a resumed run can adopt."""
+        return [str(e) for e in await self._call("survivors")]
+
+    async def stop_orphans(self, keep: Collection[str] = ()) -> int:
+        """Kill the harnesses a killed run left on the node but ``keep``'s."""
+        return int(await self._call("stop_orphans", list(keep)))
 
     async def check_sandbox(self, sandbox: Sandbox) -> None:
         """Check ``sandbox`` on the node; its SandboxUnavailable names the node."""

@@ -28,7 +28,7 @@ import signal
 import string
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -268,11 +268,13 @@ def kill_orphaned_harness(logs_dir: Path, execution_id: str) -> bool:
     return True
 
 
-def kill_orphaned_harnesses(run_dir: Path) -> int:
+def kill_orphaned_harnesses(run_dir: Path, keep: Collection[str] = ()) -> int:
     """Kill every harness process group a dead runner left under ``run_dir/logs`` (one
-    directory per execution, as :func:`run_harness` writes them); how many."""
+    directory per execution, as :func:`run_harness` writes them) but those of the
+    executions in ``keep``; how many."""
     logs = run_dir / "logs"
-    return sum(kill_orphaned_harness(d, d.name) for d in logs.glob("*")) if logs.exists() else 0
+    found = [d for d in logs.glob("*") if d.name not in keep] if logs.exists() else []
+    return sum(kill_orphaned_harness(d, d.name) for d in found)
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
