@@ -13,8 +13,8 @@ from qwengyre.scheduler.core import (
     SchedulerError,
 )
 from qwengyre.scheduler.events import (
-    Adopt,
     STANDALONE,
+    Adopt,
     AssignGroups,
     Cancel,
     CellMoved,

@@ -266,7 +266,8 @@ async def run_execution(
             problem = problem or "the workspace cannot be read after setup"
             return result(Outcome.FAILED, 0.0, None, (placeholder(problem),), problem)
         logs.mkdir(parents=True, exist_ok=True)
-        launched = {"time": time.time() - (time.monotonic() - started), "setup_digest": setup_digest}
+        launched_at = time.time() - (time.monotonic() - started)
+        launched = {"time": launched_at, "setup_digest": setup_digest}
         (logs / LAUNCH_FILE).write_text(json.dumps(launched))
     assert setup_digest is not None
     versions = ArtifactVersions()

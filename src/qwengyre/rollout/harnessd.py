@@ -124,6 +124,7 @@ class Daemon:
         self.states: dict[str, HarnessState] = {}
         self._cancel: dict[str, asyncio.Event] = {}
         self._ended: dict[str, asyncio.Event] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # supervising each harness
         self._busy = 0  # requests being answered
         self._last = time.monotonic()
         self._stop = asyncio.Event()
@@ -219,7 +220,9 @@ class Daemon:
         self._cancel[state.execution_id] = asyncio.Event()
         self._ended[state.execution_id] = asyncio.Event()
         spawned = asyncio.Event()
-        asyncio.ensure_future(self._supervise(launch, state, spawned))
+        self._tasks[state.execution_id] = asyncio.ensure_future(
+            self._supervise(launch, state, spawned)
+        )
         await spawned.wait()
         return state
 

@@ -440,7 +440,9 @@ class Scheduler:
             raise SchedulerError("resume() needs non-negative version and ids")
         gids = [gid for gid, _ in ready] + [g.id for g in in_flight]
         if any(gid >= next_group for gid in gids) or len(set(gids)) != len(gids):
-            raise SchedulerError(f"resumed group ids must be distinct and below next_group={next_group}")
+            raise SchedulerError(
+                f"resumed group ids must be distinct and below next_group={next_group}"
+            )
         eids = [e.id for g in in_flight for e in g.executions]
         if any(eid >= next_execution for eid in eids) or len(set(eids)) != len(eids):
             raise SchedulerError(
@@ -753,7 +755,9 @@ class Scheduler:
         left = self._topups_left(group)
         ids = []
         for _ in range(n):
-            ex = Execution(id=self._next_execution, group=group.id, index=len(group.executions))
+            # past the last index (a resumed group may miss some: never launched)
+            last = self.executions[group.executions[-1]].index if group.executions else -1
+            ex = Execution(id=self._next_execution, group=group.id, index=last + 1)
             self._next_execution += 1
             self.executions[ex.id] = ex
             group.executions.append(ex.id)
