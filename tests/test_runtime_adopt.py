@@ -18,6 +18,7 @@ from tests.test_runtime_train import kill_group, start_train, wait_for_checkpoin
 from qwengyre.apps.train import TrainOptions, train
 from qwengyre.proxy.store import Store
 from qwengyre.records.metrics import read_metrics
+from qwengyre.rollout import paced_harness
 from qwengyre.rollout.harnessd import DAEMON_DIR
 from qwengyre.runtime.journal import JOURNAL_FILE, LaunchJournal
 from qwengyre.runtime.ledger import Ledger
@@ -25,38 +26,7 @@ from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 
 pytestmark = pytest.mark.slow
 
-CALLS = 4
-# A harness that makes CALLS model calls with a pause after each, retrying a call that
-# fails for want of a proxy or an engine (as real clients do) for up to 5 minutes. It
-# notes each start of its process and each answered call in its workspace.
-HARNESS = f"""
-import json, os, sys, time, urllib.error, urllib.request
-url = os.environ["OPENAI_BASE_URL"] + "/chat/completions"
-headers = {{"authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
-           "content-type": "application/json"}}
-with open("starts", "a") as f:
-    f.write(f"{{os.getpid()}}\\n")
-messages = [{{"role": "user", "content": sys.argv[1]}}]
-for turn in range({CALLS}):
-    body = json.dumps({{"model": "m", "messages": messages, "max_tokens": 8}}).encode()
-    give_up = time.time() + 300
-    while True:
-        try:
-            request = urllib.request.Request(url, body, headers)
-            with urllib.request.urlopen(request, timeout=120) as response:
-                reply = json.load(response)["choices"][0]["message"]
-            break
-        except OSError as exc:  # refused, reset, HTTP 5xx (HTTPError is an OSError)
-            code = getattr(exc, "code", 500)
-            if code < 500 and code != 429 or time.time() > give_up:
-                raise
-            time.sleep(0.5)
-    with open("calls", "a") as f:
-        f.write("x")
-    messages += [{{"role": "assistant", "content": reply.get("content") or ""}},
-                 {{"role": "user", "content": "Go on."}}]
-    time.sleep(1.0)
-"""
+CALLS = 4  # the paced harness's default: 4 calls, a second apart
 
 
 def harness_states(run_dir: Path) -> dict[str, dict]:  # type: ignore[type-arg]
@@ -77,8 +47,7 @@ def calls_made(run_dir: Path, execution_id: str) -> int:
 def test_a_killed_controller_s_running_executions_are_adopted_on_resume(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    script = tmp_path / "harness.py"
-    script.write_text(HARNESS)
+    script = paced_harness.__file__
     run_dir = tmp_path / "run"
     process = start_train(
         tmp_path,
