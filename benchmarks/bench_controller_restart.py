@@ -105,9 +105,9 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
     )
     while True:
         checkpoint = latest_checkpoint(run_dir / "checkpoints")
-        if checkpoint is not None and read_checkpoint(checkpoint).state["version"] >= 1:
-            if len(flying := in_flight(run_dir)) >= wanted:
-                break
+        trained = checkpoint is not None and read_checkpoint(checkpoint).state["version"] >= 1
+        if trained and len(flying := in_flight(run_dir)) >= wanted:
+            break
         if train.poll() is not None:
             raise RuntimeError(train.stderr.read().decode()[-2000:])  # type: ignore[union-attr]
         time.sleep(0.05)

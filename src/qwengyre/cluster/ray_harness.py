@@ -31,11 +31,12 @@ CPU of a node in their placement group.
   any execution starts.
 - **Failure.** A host whose actor dies fails its calls with
   :class:`~qwengyre.cluster.local.ActorDied`, which stops the run as a dead cell does.
-  Its harnesses run in sessions of their own and outlive a killed actor; :meth:`close`
-  stops them first. When the whole run was killed (and its actors with it), the resumed
-  run's new actor on each node stops the ones left there (:meth:`stop_orphans`: a
-  process group noted in an execution's logs whose leader still carries that
-  execution's id, so a recycled pid is never hit).
+  Its harnesses run under the node's harness daemon (:mod:`qwengyre.rollout.harnessd`,
+  started by the actor's host for ``harness.dir``), which outlives the actor and the
+  driver; :meth:`close` stops them first. When the whole run was killed (and its actors
+  with it), the resumed run's new actor on each node lists the daemon's harnesses
+  (:meth:`survivors`), re-adopts those of the executions still in rollout
+  (:meth:`adopt`) and stops the others (:meth:`stop_orphans`).
 
 The actor does not block its event loop: harnesses are subprocesses, evaluators run in
 subprocesses or threads, and the admin API is read with aiohttp.

@@ -25,6 +25,10 @@ A cell that dies while it serves rollout or switches (not the core) is lost, and
 run goes on without it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends
 its calls elsewhere, its harnesses keep running, and training keeps to the cells before
 it. Any other death stops the run (``run.restarts`` may resume it from its checkpoint).
+Every launch is journaled before its harness starts and every outcome before it counts
+(:mod:`qwengyre.runtime.journal`): a controller resumed after its predecessor was killed
+re-adopts the executions whose harnesses still run (the scheduler's :class:`Adopt`)
+and evaluates each when its harness ends, as if it had launched it.
 Watching the cells is the :class:`~qwengyre.runtime.supervisor.Supervisor`'s part; what
 the run records (roles, switches, load, usage, steps) is the
 :class:`~qwengyre.runtime.observer.Observer`'s.
