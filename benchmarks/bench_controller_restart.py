@@ -35,7 +35,9 @@ from qwengyre.rollout.harnessd import DAEMON_DIR
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 
-COIN = "import json, random; print(json.dumps({'score': float(random.random() < 0.5)}))"
+COIN = (
+    "import json, random; print(json.dumps({'score': float(random.random() < 0.5), 'valid': True}))"
+)
 
 
 def settings(root: Path, steps: int) -> list[str]:
@@ -47,6 +49,7 @@ def settings(root: Path, steps: int) -> list[str]:
     return [
         f"harness.tasks={tasks}",
         f"harness.name={sys.executable} {paced_harness.__file__} {{instructions}}",
+        "model.tiny_size=test",
         "warm_start.accuracy=null",
         "harness.deadline_s=400",
         "harness.budget_s=500",
