@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -199,7 +200,9 @@ async def _start_proxy(
     from transformers import AutoTokenizer
 
     saved = run_dir / PROXY_FILE
-    address = json.loads(saved.read_text()) if saved.exists() else {"port": 0, "token": None}
+    address: dict[str, Any] = (
+        json.loads(saved.read_text()) if saved.exists() else {"port": 0, "token": None}
+    )
     server = build_proxy(
         config.proxy,
         model_dir,

@@ -185,7 +185,7 @@ class Controller:
         self._wall0 = time.time()
         self._executions: dict[int, _Execution] = {}
         self._adoption = adoption or Adoption()
-        tasks = {task.id: task for task in self.tasks}
+        by_id = {task.id: task for task in self.tasks}
         for record in self._adoption.launches:  # a dead controller's in-flight groups
             self._executions[record.execution] = _Execution(
                 id=record.execution,
@@ -195,7 +195,7 @@ class Controller:
                 started_s=max(0.0, record.time - self._wall0),
                 version=record.version,
             )
-            self._group_task[record.group] = tasks[record.task]
+            self._group_task[record.group] = by_id[record.task]
         self._buffered: set[int] = {g for g in self.trajectories.ready_ids()}
         self._synced: set[int] = {0}  # cells whose parameters equal the core's
         self._step: _Step | None = None
