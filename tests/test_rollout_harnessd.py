@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.test_runtime_train import running as alive
 
 from qwengyre.rollout.harness import HarnessLaunch
 from qwengyre.rollout.harnessd import DAEMON_DIR, HarnessDaemon, HarnessDaemonError
@@ -37,14 +38,6 @@ def launch(root: Path, execution_id: str, script: str, deadline_s: float = 60) -
 def prepared(item: HarnessLaunch) -> HarnessLaunch:
     item.logs_dir.mkdir(parents=True, exist_ok=True)
     return item
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture
