@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,7 +119,8 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
     train.wait()
     if kill_daemon and (pid := daemon_pid(run_dir)) is not None:
         os.kill(pid, signal.SIGKILL)
-    steps_before = len(read_metrics(run_dir).steps)
+    before = read_metrics(run_dir)
+    steps_before, runs_before = len(before.steps), len(before.runs)
     store = Store(run_dir / "proxy.sqlite")
     calls_at_kill = {eid: len(store.calls(eid)) for eid in flying}
     store.close()
@@ -130,9 +132,12 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
         stderr=subprocess.PIPE,
         text=True,
     )
-    first_step = None
+    first_step = proxy_up = None
     while resume.poll() is None:
-        if first_step is None and len(read_metrics(run_dir).steps) > steps_before:
+        metrics = read_metrics(run_dir)
+        if proxy_up is None and len(metrics.runs) > runs_before:
+            proxy_up = time.monotonic() - started
+        if first_step is None and len(metrics.steps) > steps_before:
             first_step = time.monotonic() - started
         time.sleep(0.2)
     _, err = resume.communicate()
@@ -151,6 +156,7 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
         "in flight": len(flying),
         "thrown away": len(lost),
         "calls thrown away": sum(calls_at_kill[eid] for eid in lost),
+        "resume to proxy s": proxy_up if proxy_up is not None else float("nan"),
         "resume to step s": first_step if first_step is not None else float("nan"),
     }
 
@@ -159,12 +165,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--in-flight", type=int, default=4, help="executions in flight at the kill")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each scenario, interleaved")
     args = parser.parse_args()
-    rows = {}
-    for name, kill_daemon in (("adopt", False), ("lose all", True)):
-        with tempfile.TemporaryDirectory() as root:
-            rows[name] = scenario(Path(root), args.steps, args.in_flight, kill_daemon)
+    runs: dict[str, list[dict[str, float]]] = {"adopt": [], "lose all": []}
+    for _ in range(args.repeat):
+        for name, kill_daemon in (("adopt", False), ("lose all", True)):
+            with tempfile.TemporaryDirectory() as root:
+                runs[name].append(scenario(Path(root), args.steps, args.in_flight, kill_daemon))
+    rows = {
+        name: {c: statistics.median(r[c] for r in rs) for c in rs[0]} for name, rs in runs.items()
+    }
     columns = list(rows["adopt"])
+    print(f"medians of {args.repeat} run(s) each")
     print(f"{'':10}" + "".join(f"{c:>20}" for c in columns))
     for name, row in rows.items():
         print(f"{name:10}" + "".join(f"{row[c]:>20.1f}" for c in columns))
