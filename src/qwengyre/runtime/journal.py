@@ -16,7 +16,8 @@ On resume (:func:`adoption`), the groups the journal launched that are neither i
 ledger nor trained nor dropped were in rollout: each execution of theirs that counted
 keeps its reward, each whose harness a host still has (running, or ended with its exit
 status kept: :meth:`~qwengyre.rollout.hosts.HarnessHost.survivors`) is adopted and
-evaluated when it ends, and each other one is lost and replaced
+evaluated when it ends, and each other one is lost and replaced, as is one the stopping
+run cancelled (a group in rollout has none cancelled otherwise)
 (:meth:`~qwengyre.scheduler.core.Scheduler.resume`). No execution is started twice.
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from qwengyre.scheduler.core import InFlightExecution, InFlightGroup
+from qwengyre.types import Outcome
 
 __all__ = ["JOURNAL_FILE", "Adoption", "JournalState", "LaunchJournal", "LaunchRecord", "adoption"]
 
@@ -158,6 +160,8 @@ def adoption(
         executions = []
         for record in records:
             finish = journal.finishes.get(record.execution)
+            if finish is not None and finish.outcome == Outcome.CANCELLED:
+                finish = None  # a group in rollout cancels none: a stopping run did (lost)
             running = finish is None and record.proxy_id in survivors
             if running:
                 hosts[record.proxy_id] = survivors[record.proxy_id]
