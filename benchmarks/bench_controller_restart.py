@@ -105,7 +105,7 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
         [*command, "--run-dir", str(run_dir), *settings(root, steps)],
         start_new_session=True,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     while True:
         checkpoint = latest_checkpoint(run_dir / "checkpoints")
@@ -113,7 +113,7 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
         if trained and len(flying := in_flight(run_dir)) >= wanted:
             break
         if train.poll() is not None:
-            raise RuntimeError(train.stderr.read().decode()[-2000:])  # type: ignore[union-attr]
+            raise RuntimeError(f"qwengyre train ended early with {train.returncode}")
         time.sleep(0.05)
     os.killpg(train.pid, signal.SIGKILL)
     train.wait()
@@ -126,11 +126,9 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
     store.close()
 
     started = time.monotonic()
+    log = (root / "resume.log").open("w")  # a file: a pipe nobody reads would stall it
     resume = subprocess.Popen(
-        [*command, "--resume", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [*command, "--resume", str(run_dir)], stdout=log, stderr=subprocess.STDOUT
     )
     first_step = proxy_up = None
     while resume.poll() is None:
@@ -140,9 +138,9 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
         if first_step is None and len(metrics.steps) > steps_before:
             first_step = time.monotonic() - started
         time.sleep(0.2)
-    _, err = resume.communicate()
+    log.close()
     if resume.returncode != 0:
-        raise RuntimeError(err[-2000:])
+        raise RuntimeError((root / "resume.log").read_text()[-2000:])
     kept = [
         eid for eid, state in harness_states(run_dir).items() if eid in flying and not state["lost"]
     ]
