@@ -8,8 +8,8 @@ directory's path, which is the same directory on every node when the run directo
 on a shared filesystem, and otherwise a directory of that name on each node), the
 harnesses as process groups it kills on cancel and on close, the evaluation on the
 node, next to the workspace. The actor reserves no CPU (``num_cpus=0``): the harnesses
-are subprocesses of the node's harness daemon, outside Ray's accounting, and ``train``'s cells may hold every
-CPU of a node in their placement group.
+are subprocesses of the node's harness daemon, outside Ray's accounting, and
+``train``'s cells may hold every CPU of a node in their placement group.
 
 - **Proxy.** A harness calls the proxy at its execution's ``base_url``, which every
   node must reach: ``train`` binds the proxy to ``proxy.host`` with Ray hosts
