@@ -111,6 +111,7 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
         toys = [await request(proxy, task, critique) for task in tasks[:4]]
         done = await asyncio.gather(*(pool.run(r) for r in toys))
         parents = [(await pids(root, r.execution_id))[1] for r in done]
+        parents_are = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in set(parents)}
         crashed = await pool.run(await request(proxy, tasks[0], crash))
         sleeping = await request(proxy, tasks[0], sleeper)
         run = asyncio.ensure_future(pool.run(sleeping))
@@ -119,21 +120,24 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
         await pool.cancel(sleeping.execution_id)
         cancelled = await run
         await pool.close()
-        return where, stopped, done, parents, crashed, cancelled, (name, harness, parent)
+        sleeping_parent = (name, harness, parent)
+        return where, stopped, done, parents, parents_are, crashed, cancelled, sleeping_parent
 
     ran = in_loop(proxy, scenario())
-    where, stopped, done, parents, crashed, cancelled, (name, harness, parent) = ran
+    where, stopped, done, parents, parents_are, crashed, cancelled, (name, harness, parent) = ran
     assert {node for node, _ in where.values()} == {n.node_id for n in nodes}
     # The new actors stopped the harness the killed run left (both nodes share this disk).
     assert set(stopped) == set(where) and sum(stopped.values()) >= 1
     assert left.wait(10) == -9
     assert {host.name: host.node.node_id for host in hosts} == {h: n for h, (n, _) in where.items()}
-    # Two executions on each node (two slots each), every one a child of its node's host.
+    # Two executions on each node (two slots each), every one a child of the harness
+    # daemon of its host's directory (one here: both nodes are this machine and disk).
     assert sorted(r.host for r in done) == sorted(2 * list(where))
     for result, harness_parent in zip(done, parents, strict=True):
         assert result.outcome is Outcome.COMPLETED and result.reward == 1.0, result
         actor_pid = where[result.host][1]
-        assert harness_parent == actor_pid
+        command = parents_are[harness_parent].split(b"\0")
+        assert b"qwengyre.rollout.harnessd" in command and str(root).encode() in command
         # The toy harness asked the proxy for a critique; the node's host made it.
         intermediate = [a for a in result.assessments if a.kind == "intermediate"]
         assert intermediate and all(a.critique == f"by {actor_pid}" for a in intermediate)
@@ -141,7 +145,7 @@ def test_executions_spread_over_two_nodes_and_run_where_their_host_is(
     assert crashed.outcome is Outcome.FAILED and "made no model call" in crashed.detail
     # A cancel reached the node that ran the harness, and killed it there.
     assert cancelled.outcome is Outcome.CANCELLED and cancelled.host == name
-    assert parent == where[name][1] and gone(harness)
+    assert parent in parents_are and gone(harness)
 
 
 def test_ray_hosts_need_ray_and_a_proxy_every_node_reaches(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool
 from qwengyre.rollout.tasks import CommandEvaluator, Task
 from qwengyre.runtime.controller import Controller, RunOutputs
+from qwengyre.runtime.journal import LaunchJournal
 from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.scheduler.core import Scheduler, SchedulerError, SchedulerParams
 from qwengyre.scheduler.events import (
@@ -361,6 +362,7 @@ async def drive(
         traces=TraceWriter(run_dir / "traces.jsonl"),
         ledger=Ledger(run_dir / LEDGER_DIR),
         assessments=AssessmentLog(run_dir / "assessments.jsonl"),
+        journal=LaunchJournal(run_dir / "launches.jsonl"),
     )
     harness = HarnessSpec(command=("true",), deadline_s=60.0)  # the host starts none
     controller = Controller(config, scheduler, proxy, cells, TASKS, harness, outputs, hosts=hosts)

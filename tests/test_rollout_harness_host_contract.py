@@ -2,7 +2,8 @@
 asserted of every implementation, each a fresh host of two slots under a test's
 directory:
 
-- ``local``: :class:`~qwengyre.rollout.hosts.LocalHarnessHost`, in this process;
+- ``local``: :class:`~qwengyre.rollout.hosts.LocalHarnessHost`, in this process, its
+  harnesses under the directory's harness daemon (as ``train`` runs it);
 - ``ray``: :class:`~qwengyre.cluster.ray_harness.RayHarnessHost`, an actor on the one
   node of a local Ray (started once for the module).
 
@@ -57,7 +58,7 @@ def one_ray_node() -> Iterator[None]:
 
 @asynccontextmanager
 async def local(root: Path, request: pytest.FixtureRequest) -> AsyncIterator[HarnessHost]:
-    yield LocalHarnessHost(root, capacity=CAPACITY, name="here")
+    yield LocalHarnessHost(root, capacity=CAPACITY, name="here", daemon=True)
 
 
 @asynccontextmanager

@@ -214,3 +214,37 @@ def test_the_pool_stops_the_harnesses_a_killed_run_left_under_each_host(tmp_path
     pool = HostPool([LocalHarnessHost(tmp_path / d, capacity=1, name=d) for d in "abc"])
     assert asyncio.run(pool.stop_orphans()) == {"a": 2, "b": 0, "c": 1}
     assert [process.wait(10) for process in left] == [-9] * 3
+
+
+def test_a_resumed_host_adopts_the_harness_a_dead_one_left_and_stops_the_others(
+    tmp_path: Path,
+) -> None:
+    """Harnesses under the directory's daemon outlive their host (its controller died
+    without closing it): a new host on the directory lists them, adopts one (it is not
+    started again, and is evaluated when it ends) and stops the one it does not keep."""
+    wait_for_go = "echo $$ >> pid; while [ ! -e go ]; do sleep 0.05; done; echo 1 > a.txt"
+
+    async def go() -> tuple[ExecutionResult, list[str], int]:
+        dead = LocalHarnessHost(tmp_path, capacity=2, daemon=True)
+        first = dead.start(request("ex_a", "sh", "-c", wait_for_go))
+        other = dead.start(request("ex_b", "sh", "-c", "echo $$ > pid; exec sleep 60"))
+        pid_file = tmp_path / "workspaces" / "ex_b" / "pid"
+        while not pid_file.exists() or not (tmp_path / "workspaces" / "ex_a" / "pid").exists():
+            await asyncio.sleep(0.02)
+        for task in (first, other):
+            task.cancel()  # the controller's side is gone; its harnesses are not
+        resumed = LocalHarnessHost(tmp_path, capacity=2, daemon=True)
+        try:
+            survivors = sorted(await resumed.survivors())
+            assert await resumed.stop_orphans(keep={"ex_a"}) == 1
+            adopted = asyncio.ensure_future(resumed.adopt(request("ex_a", "false")))
+            (tmp_path / "workspaces" / "ex_a" / "go").touch()
+            return await adopted, survivors, int(pid_file.read_text())
+        finally:
+            await resumed.close()
+
+    result, survivors, stopped = asyncio.run(go())
+    assert survivors == ["ex_a", "ex_b"]
+    assert result.outcome is Outcome.COMPLETED and result.reward == 1.0
+    assert len((tmp_path / "workspaces" / "ex_a" / "pid").read_text().split()) == 1
+    assert gone(stopped)

@@ -20,7 +20,14 @@ from aiohttp import web
 
 from qwengyre.rollout import netns_relay
 from qwengyre.rollout.harness import HarnessSpec, run_harness
-from qwengyre.rollout.relay import PLACEHOLDER_KEY, SANDBOX_PORT, inside_base_url, relay
+from qwengyre.rollout.relay import (
+    PLACEHOLDER_KEY,
+    SANDBOX_PORT,
+    RelayTarget,
+    inside_base_url,
+    new_socket_path,
+    relay,
+)
 from qwengyre.rollout.sandbox import Bubblewrap
 
 needs_bwrap = pytest.mark.skipif(
@@ -80,9 +87,13 @@ def with_upstream(
     asyncio.run(main())
 
 
+def target(base_url: str) -> RelayTarget:
+    return RelayTarget(base_url=base_url, api_key="qg-real", socket=new_socket_path())
+
+
 def test_the_relay_puts_the_executions_key_in_place_of_any_the_harness_sends() -> None:
     async def scenario(upstream: Upstream) -> None:
-        async with relay(upstream.url, "qg-real") as socket:
+        async with relay(target(upstream.url)) as socket:
             assert socket.stat().st_mode & 0o777 == 0o600
             connector = aiohttp.UnixConnector(path=str(socket))
             async with aiohttp.ClientSession(connector=connector) as http:
@@ -107,7 +118,7 @@ def test_the_relay_puts_the_executions_key_in_place_of_any_the_harness_sends() -
 
 def test_an_answer_streams_through_the_relay_as_it_is_produced() -> None:
     async def scenario(upstream: Upstream) -> None:
-        async with relay(upstream.url, "qg-real") as socket:
+        async with relay(target(upstream.url)) as socket:
             connector = aiohttp.UnixConnector(path=str(socket))
             async with (
                 aiohttp.ClientSession(connector=connector) as http,
@@ -124,7 +135,7 @@ def test_an_answer_streams_through_the_relay_as_it_is_produced() -> None:
 def test_an_unreachable_proxy_is_a_502_in_the_error_shape() -> None:
     async def scenario() -> None:
         with_port = "http://127.0.0.1:9/x/ex_1"  # discard: nothing listens
-        async with relay(with_port, "qg-real") as socket:
+        async with relay(target(with_port)) as socket:
             connector = aiohttp.UnixConnector(path=str(socket))
             async with (
                 aiohttp.ClientSession(connector=connector) as http,

@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 from tests.params import make_params
 
-from qwengyre.scheduler.core import GroupState, Scheduler, SchedulerError
+from qwengyre.scheduler.core import (
+    GroupState,
+    InFlightExecution,
+    InFlightGroup,
+    Scheduler,
+    SchedulerError,
+)
 from qwengyre.scheduler.events import (
     STANDALONE,
+    Adopt,
     AssignGroups,
     Cancel,
     CellMoved,
@@ -644,3 +651,57 @@ def test_a_resumed_scheduler_trains_the_ready_groups_first_and_never_reuses_ids(
         s.resume(0, [], next_group=50, next_execution=50)
     with pytest.raises(SchedulerError, match="below next_group"):
         Scheduler(s.params).resume(0, [(5, 0)], next_group=5, next_execution=0)
+
+
+def test_a_resumed_scheduler_adopts_running_executions_and_replaces_lost_ones():
+    """In-flight groups come back: running executions are adopted (never launched
+    again), finished ones keep their rewards, lost ones are replaced by top-ups outside
+    the max_topups allowance, and new ids start past the old run's."""
+    s = Scheduler(
+        make_params(
+            policy="elastic",
+            batch=2,
+            group_size=3,
+            oversample=0,
+            max_topups=0,
+            cells=2,
+            cell_capacity=4,
+            phi=0,
+            mu=1,
+            reserve=0,
+        )
+    )
+    running = InFlightExecution(id=11, index=1, version=2, running=True)
+    group = InFlightGroup(
+        id=5,
+        v_d=2,
+        executions=(
+            InFlightExecution(id=10, index=0, version=2, finished=True, reward=1.0),
+            running,
+            InFlightExecution(id=12, index=2, version=2),  # lost with the driver
+        ),
+    )
+    done = InFlightGroup(  # everything counted before the restart: ready at once
+        id=6,
+        v_d=2,
+        executions=tuple(
+            InFlightExecution(id=13 + i, index=i, version=2, finished=True, reward=0.5)
+            for i in range(3)
+        ),
+    )
+    s.resume(3, [], next_group=7, next_execution=16, in_flight=[group, done])
+    out = s.handle(Start(0.0))
+    adopted = of(Adopt, out)
+    assert adopted == [Adopt(11, 5, 1, adopted[0].engine, 2)]
+    launched = of(Launch, out)
+    assert 11 not in [launch.execution_id for launch in launched]  # never started twice
+    topup = [d for d in of(Dispatch, out) if d.group_id == 5]
+    assert topup == [Dispatch(5, (16,), 3, topup=True)]  # the replacement, a new id
+    assert s.groups[6].state is GroupState.READY
+    assert s.counters.running == len(launched) + 1
+    s.handle(ExecutionFinished(1.0, 11, Outcome.COMPLETED, 0.0))
+    s.handle(ExecutionFinished(2.0, 16, Outcome.COMPLETED, 1.0))
+    assert s.groups[5].state is GroupState.READY
+    assert s.groups[5].valid == {10: 1.0, 11: 0.0, 16: 1.0}
+    with pytest.raises(SchedulerError, match="below next_execution"):
+        Scheduler(s.params).resume(0, [], next_group=9, next_execution=12, in_flight=[group])

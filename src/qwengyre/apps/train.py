@@ -5,6 +5,10 @@ Everything lives under the run directory::
     config.yaml        the resolved configuration (resume reads it back)
     warm_start/        the tiny model after its supervised warm start
     proxy.sqlite       every model call (TITO records) and execution
+    proxy.json         the proxy's port and admin token (0600): a resumed run's proxy
+                       comes back on the same address, so running harnesses reach it
+    launches.jsonl     every execution launched, finished, every group dropped
+    harnessd/          the harness daemon's socket, token, log and harness states
     ledger/            every group that finished its rollout (admitted trajectories),
                        one file each, written whole or not at all (qwengyre.runtime.ledger)
     assessments.jsonl  every assessment of every execution (final, intermediate, placeholder)
@@ -16,22 +20,30 @@ Everything lives under the run directory::
 
 Resume (``--resume RUN_DIR``): the newest checkpoint gives the weights, the optimizer,
 the version and the groups it trained; the ledger's other groups are ready again (their
-tokens are read from the ledger when each is taken for training); the
-harnesses the killed run left behind are stopped. Executions that were running are
-lost and their slots refill: no finished group is lost and none is trained twice. A
-run that loses its core or a cell in training resumes itself so, up to ``run.restarts``
-times; a rollout cell that dies is left behind and the run goes on without it
-(:mod:`qwengyre.runtime.controller`).
+tokens are read from the ledger when each is taken for training). The
+harnesses run under the run directory's harness daemon (:mod:`qwengyre.rollout.harnessd`),
+which outlives a killed controller, and retry their model calls until the proxy is back
+on the same address: the groups that were in rollout are taken over from the launch
+journal (:mod:`qwengyre.runtime.journal`), their running executions re-adopted (each is
+evaluated and counted once when its harness ends), those lost replaced, every other
+harness the killed run left behind stopped. No finished group is lost, none is trained
+twice, no execution is started twice. A run that loses its core (or a satellite during
+the update's collectives) resumes itself so, up to ``run.restarts`` times (its harnesses
+stopped first: that restart adopts none); any other cell that dies is left behind and
+the run goes on without it (:mod:`qwengyre.runtime.controller`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -55,6 +67,7 @@ from qwengyre.rollout.sandbox import sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.runtime.controller import Controller, RunOutputs
 from qwengyre.runtime.display import show
+from qwengyre.runtime.journal import JOURNAL_FILE, JournalState, LaunchJournal, adoption
 from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.runtime.lock import lock_run_dir
 from qwengyre.scheduler.core import Scheduler
@@ -66,6 +79,7 @@ from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 __all__ = ["Resumed", "TrainOptions", "train"]
 
 CONFIG_FILE = "config.yaml"
+PROXY_FILE = "proxy.json"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -89,6 +103,7 @@ class Resumed:
     ready: list[tuple[int, int]]  # (group id, v_d) of the ready, untrained groups
     next_group: int
     next_execution: int
+    journal: JournalState  # what the killed run launched (runtime.journal)
 
 
 def prepare_run_dir(options: TrainOptions) -> Config:
@@ -143,9 +158,11 @@ def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Pat
 
 
 def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
-    """The newest checkpoint plus the ledger's untrained groups (a fresh run: nothing),
-    each still on disk: a group's tokens are read when it is taken for training."""
+    """The newest checkpoint, the ledger's untrained groups (each still on disk: a
+    group's tokens are read when it is taken for training) and the launch journal (a
+    fresh run: nothing)."""
     trajectories = TrajectoryBuffer()
+    journal = LaunchJournal(run_dir / JOURNAL_FILE).read()
     ready = []
     ledger = Ledger(run_dir / LEDGER_DIR)
     ledger.discard_partial()  # the caller holds the run directory's lock
@@ -166,8 +183,11 @@ def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
         trained=trained,
         trajectories=trajectories,
         ready=ready,
-        next_group=max([int(state.get("next_group", 0)), *(g + 1 for g in known)]),
-        next_execution=int(state.get("next_execution", 0)),
+        next_group=max(
+            [int(state.get("next_group", 0)), journal.next_group, *(g + 1 for g in known)]
+        ),
+        next_execution=max(int(state.get("next_execution", 0)), journal.next_execution),
+        journal=journal,
     )
 
 
@@ -182,8 +202,14 @@ def load_task_set(config: Config) -> list[Task]:
 async def _start_proxy(
     config: Config, model_dir: Path, run_dir: Path
 ) -> tuple[ProxyServer, web.AppRunner]:
+    """The run's proxy; a resumed run's on the port and with the admin token of the run
+    it resumes (:data:`PROXY_FILE`), so the harnesses that outlived it reach it again."""
     from transformers import AutoTokenizer
 
+    saved = run_dir / PROXY_FILE
+    address: dict[str, Any] = (
+        json.loads(saved.read_text()) if saved.exists() else {"port": 0, "token": None}
+    )
     server = build_proxy(
         config.proxy,
         model_dir,
@@ -191,13 +217,26 @@ async def _start_proxy(
         run_dir,
         max_context=config.engine.max_context,
         temperature=config.trainer.temperature,
+        admin_token=address["token"],
     )
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     # Harnesses on other nodes reach the proxy at proxy.host; local ones on loopback.
     host = config.proxy.host if config.harness.hosts == "ray" else "127.0.0.1"
-    await web.TCPSite(runner, host, 0).start()
-    server.base_url = f"http://{advertised(host)}:{runner.addresses[0][1]}"
+    try:
+        await web.TCPSite(runner, host, address["port"]).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(
+            f"the run's proxy port {address['port']} ({saved}) is taken: {exc}; the harnesses"
+            " of the run resumed call it there; free the port and resume again"
+        ) from exc
+    port = runner.addresses[0][1]
+    server.base_url = f"http://{advertised(host)}:{port}"
+    if not saved.exists():
+        fd = os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"port": port, "token": server.admin.token}, f)
     return server, runner
 
 
@@ -207,7 +246,7 @@ def _harness_hosts(config: Config, run_dir: Path, proxy: ProxyServer) -> HostPoo
     rollout = config.cells.count * config.cells.capacity + config.cells.standalone_capacity
     if config.harness.hosts == "local":
         slots = config.harness.slots or rollout
-        return HostPool([LocalHarnessHost(run_dir, capacity=slots, hub=proxy)])
+        return HostPool([LocalHarnessHost(run_dir, capacity=slots, hub=proxy, daemon=True)])
     from qwengyre.cluster.ray_harness import harness_nodes, start_ray_hosts
 
     nodes = harness_nodes()
@@ -342,12 +381,6 @@ async def _train_once(options: TrainOptions) -> Controller:
         )
     scheduler = Scheduler(config.scheduler_params())
     if options.resume:
-        scheduler.resume(
-            resumed.version,
-            resumed.ready,
-            next_group=resumed.next_group,
-            next_execution=resumed.next_execution,
-        )
         log(
             f"resume: version {resumed.version}, {len(resumed.trained)} groups trained, "
             f"{len(resumed.trajectories)} ready groups back"
@@ -378,11 +411,25 @@ async def _train_once(options: TrainOptions) -> Controller:
         engines = await _start_engines(config, resumed, run_dir, proxy)
         hosts = _harness_hosts(config, run_dir, proxy)  # after the cells: Ray is up
         await hosts.check_sandbox(confine)  # on every node (a Ray node may lack bwrap)
+        taken_over = None
         if options.resume:
-            stopped = ", ".join(
-                f"{n} on {host}" for host, n in (await hosts.stop_orphans()).items()
+            settled = {g for g, _ in resumed.ready} | set(resumed.trained)
+            taken_over = adoption(resumed.journal, settled, await hosts.survivors())
+            scheduler.resume(
+                resumed.version,
+                resumed.ready,
+                next_group=resumed.next_group,
+                next_execution=resumed.next_execution,
+                in_flight=taken_over.groups,
             )
-            log(f"resume: stopped orphaned harness process groups: {stopped}")
+            stopped = ", ".join(
+                f"{n} on {host}" for host, n in (await hosts.stop_orphans(taken_over.hosts)).items()
+            )
+            log(
+                f"resume: {len(taken_over.groups)} groups in rollout taken over:"
+                f" {len(taken_over.hosts)} running executions re-adopted,"
+                f" {taken_over.lost} lost (replaced); stopped orphaned harnesses: {stopped}"
+            )
         controller = Controller(
             config,
             scheduler,
@@ -396,11 +443,13 @@ async def _train_once(options: TrainOptions) -> Controller:
                 traces=traces,
                 ledger=Ledger(run_dir / LEDGER_DIR),
                 assessments=AssessmentLog(run_dir / ASSESSMENTS_FILE),
+                journal=LaunchJournal(run_dir / JOURNAL_FILE),
             ),
             hosts=hosts,
             trajectories=resumed.trajectories,
             trained=resumed.trained,
             standalone=engines.standalone,
+            adoption=taken_over,
         )
         view = asyncio.create_task(show(controller)) if options.display else None
         try:

@@ -8,8 +8,8 @@ directory's path, which is the same directory on every node when the run directo
 on a shared filesystem, and otherwise a directory of that name on each node), the
 harnesses as process groups it kills on cancel and on close, the evaluation on the
 node, next to the workspace. The actor reserves no CPU (``num_cpus=0``): the harnesses
-are its subprocesses, outside Ray's accounting, and ``train``'s cells may hold every
-CPU of a node in their placement group.
+are subprocesses of the node's harness daemon, outside Ray's accounting, and
+``train``'s cells may hold every CPU of a node in their placement group.
 
 - **Proxy.** A harness calls the proxy at its execution's ``base_url``, which every
   node must reach: ``train`` binds the proxy to ``proxy.host`` with Ray hosts
@@ -31,11 +31,12 @@ CPU of a node in their placement group.
   any execution starts. A sandboxed harness's proxy relay runs in the node's actor.
 - **Failure.** A host whose actor dies fails its calls with
   :class:`~qwengyre.cluster.local.ActorDied`, which stops the run as a dead cell does.
-  Its harnesses run in sessions of their own and outlive a killed actor; :meth:`close`
-  stops them first. When the whole run was killed (and its actors with it), the resumed
-  run's new actor on each node stops the ones left there (:meth:`stop_orphans`: a
-  process group noted in an execution's logs whose leader still carries that
-  execution's id, so a recycled pid is never hit).
+  Its harnesses run under the node's harness daemon (:mod:`qwengyre.rollout.harnessd`,
+  started by the actor's host for ``harness.dir``), which outlives the actor and the
+  driver; :meth:`close` stops them first. When the whole run was killed (and its actors
+  with it), the resumed run's new actor on each node lists the daemon's harnesses
+  (:meth:`survivors`), re-adopts those of the executions still in rollout
+  (:meth:`adopt`) and stops the others (:meth:`stop_orphans`).
 
 The actor does not block its event loop: harnesses are subprocesses, evaluators run in
 subprocesses or threads, and the admin API is read with aiohttp.
@@ -47,7 +48,7 @@ import asyncio
 import contextlib
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,16 +165,19 @@ class HarnessActor:
         self, name: str, harness_dir: str, capacity: int, proxy_url: str, admin_token: str
     ) -> None:
         self.hub = _NodeHub(proxy_url, admin_token)
-        self.host = LocalHarnessHost(Path(harness_dir), capacity=capacity, hub=self.hub, name=name)
+        self.host = LocalHarnessHost(
+            Path(harness_dir), capacity=capacity, hub=self.hub, name=name, daemon=True
+        )
         self._runs: dict[str, asyncio.Task[ExecutionResult]] = {}
 
     async def where(self) -> tuple[str, int]:
         """This node's Ray id and this process's id (the harnesses' parent)."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    async def start(self, request: ExecutionRequest) -> None:
-        """Begin the execution; a :meth:`cancel` sent after this returned reaches it."""
-        self._runs[request.execution_id] = self.host.start(request)
+    async def start(self, request: ExecutionRequest, adopted: bool = False) -> None:
+        """Begin the execution (``adopted``: re-adopt its running harness); a
+        :meth:`cancel` sent after this returned reaches it."""
+        self._runs[request.execution_id] = self.host.start(request, adopted=adopted)
 
     async def result(self, execution_id: str) -> ExecutionResult:
         """The outcome of an execution :meth:`start` began."""
@@ -189,8 +193,11 @@ class HarnessActor:
         """An intermediate assessment of the execution's workspace, now."""
         return await self.hub.assess(execution_id, branch)
 
-    async def stop_orphans(self) -> int:
-        return await self.host.stop_orphans()
+    async def survivors(self) -> list[str]:
+        return await self.host.survivors()
+
+    async def stop_orphans(self, keep: Collection[str] = ()) -> int:
+        return await self.host.stop_orphans(keep)
 
     async def check_sandbox(self, sandbox: Sandbox) -> None:
         await self.host.check_sandbox(sandbox)
@@ -229,12 +236,12 @@ class RayHarnessHost:
             self.name, str(harness_dir), capacity, proxy_url, admin_token
         )
 
-    async def run(self, request: ExecutionRequest) -> ExecutionResult:
+    async def run(self, request: ExecutionRequest, adopted: bool = False) -> ExecutionResult:
         execution_id = request.execution_id
         cancel = self._cancels[execution_id] = asyncio.Event()
         self._hub.register_assessor(execution_id, functools.partial(self._assess, execution_id))
         try:
-            await self._call("start", request)
+            await self._call("start", request, adopted)
             return await self._result(execution_id, cancel)
         finally:
             self._hub.unregister_assessor(execution_id)
@@ -263,9 +270,17 @@ class RayHarnessHost:
         node_id, pid = await self._call("where")
         return str(node_id), int(pid)
 
-    async def stop_orphans(self) -> int:
-        """Kill the harnesses a killed run left on the node (their actor died with it)."""
-        return int(await self._call("stop_orphans"))
+    async def adopt(self, request: ExecutionRequest) -> ExecutionResult:
+        """Re-adopt a harness the node's daemon kept running (:meth:`survivors`)."""
+        return await self.run(request, adopted=True)
+
+    async def survivors(self) -> list[str]:
+        """The node daemon's harnesses a resumed run can adopt."""
+        return [str(e) for e in await self._call("survivors")]
+
+    async def stop_orphans(self, keep: Collection[str] = ()) -> int:
+        """Kill the harnesses a killed run left on the node but ``keep``'s."""
+        return int(await self._call("stop_orphans", list(keep)))
 
     async def check_sandbox(self, sandbox: Sandbox) -> None:
         """Check ``sandbox`` on the node; its SandboxUnavailable names the node."""

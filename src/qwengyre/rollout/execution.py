@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -51,11 +53,22 @@ from qwengyre.rollout.evaluation import (
     final,
     placeholder,
 )
-from qwengyre.rollout.harness import HarnessRun, HarnessSpec, run_harness
+from qwengyre.rollout.harness import (
+    HarnessRun,
+    HarnessRunner,
+    HarnessSpec,
+    prepare_harness,
+    supervise,
+)
 from qwengyre.rollout.tasks import Task
 from qwengyre.types import Outcome
 
 log = logging.getLogger(__name__)
+
+
+LAUNCH_FILE = "launch.json"
+"""In an execution's logs: when it was launched and its workspace's digest after setup,
+what evaluating an adopted execution needs (:func:`run_execution`)."""
 
 
 @dataclass(frozen=True)
@@ -197,8 +210,17 @@ async def run_execution(
     cancel: asyncio.Event | None = None,
     evaluation: EvaluationConfig | None = None,
     hub: AssessmentHub | None = None,
+    runner: HarnessRunner = supervise,
+    adopt: Callable[[asyncio.Event | None], Awaitable[HarnessRun]] | None = None,
 ) -> ExecutionResult:
     """Run ``task`` once with ``harness``; workspaces and logs go under ``run_dir``.
+
+    ``runner`` starts the harness and waits for it (in this process by default, or
+    under a harness daemon: :mod:`qwengyre.rollout.harnessd`). ``adopt``: the execution
+    was launched by a controller that died and its harness may still run; nothing is
+    prepared or started, ``adopt`` waits for that harness (``cancel`` kills it) and the
+    execution is evaluated as if it had been run here, its budgets counted from its
+    first launch (:data:`LAUNCH_FILE`).
 
     ``evaluation`` (the config's ``evaluation`` section) sets the retry pacing, the
     optional attempt cap and the intermediate schedule (default: retries until the overall
@@ -208,10 +230,14 @@ async def run_execution(
     (:func:`infrastructure_failure`, :func:`_model_calls`).
     """
     options = evaluation or EvaluationConfig()
-    started = time.monotonic()
-    overall_deadline = started + budgets.overall_s
     workspace = run_dir / "workspaces" / execution_id
     logs = run_dir / "logs" / execution_id
+    started = time.monotonic()
+    if adopt is not None:
+        launched = json.loads((logs / LAUNCH_FILE).read_text())
+        started -= time.time() - launched["time"]
+        setup_digest: str | None = launched["setup_digest"]
+    overall_deadline = started + budgets.overall_s
 
     def result(
         outcome: Outcome,
@@ -233,12 +259,17 @@ async def run_execution(
             detail=detail,
         )
 
-    problem = await _prepare_workspace(task, workspace, budgets.harness_s)
-    setup_digest = await _digest(workspace) if problem is None else None
-    if problem is not None or setup_digest is None:
-        problem = problem or "the workspace cannot be read after setup"
-        return result(Outcome.FAILED, 0.0, None, (placeholder(problem),), problem)
-    logs.mkdir(parents=True, exist_ok=True)
+    if adopt is None:
+        problem = await _prepare_workspace(task, workspace, budgets.harness_s)
+        setup_digest = await _digest(workspace) if problem is None else None
+        if problem is not None or setup_digest is None:
+            problem = problem or "the workspace cannot be read after setup"
+            return result(Outcome.FAILED, 0.0, None, (placeholder(problem),), problem)
+        logs.mkdir(parents=True, exist_ok=True)
+        launched_at = time.time() - (time.monotonic() - started)
+        launched = {"time": launched_at, "setup_digest": setup_digest}
+        (logs / LAUNCH_FILE).write_text(json.dumps(launched))
+    assert setup_digest is not None
     versions = ArtifactVersions()
     intermediate = IntermediateAssessor(
         task.evaluator,
@@ -253,17 +284,20 @@ async def run_execution(
     if options.intermediate_every_s is not None:
         schedule = asyncio.ensure_future(intermediate.periodic(options.intermediate_every_s))
     try:
-        run = await run_harness(
-            replace(harness, deadline_s=budgets.harness_s),
-            workspace=workspace,
-            logs_dir=logs,
-            execution_id=execution_id,
-            base_url=base_url,
-            api_key=api_key,
-            instructions=task.instructions,
-            cancel=cancel,
-            hidden=(run_dir, run_dir.parent),  # this run and its sibling runs
-        )
+        if adopt is not None:
+            run = await adopt(cancel)
+        else:
+            launch = prepare_harness(
+                replace(harness, deadline_s=budgets.harness_s),
+                workspace=workspace,
+                logs_dir=logs,
+                execution_id=execution_id,
+                base_url=base_url,
+                api_key=api_key,
+                instructions=task.instructions,
+                hidden=(run_dir, run_dir.parent),  # this run and its sibling runs
+            )
+            run = await runner(launch, cancel)
     finally:
         if hub is not None:
             hub.unregister_assessor(execution_id)

@@ -28,27 +28,37 @@ import signal
 import string
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from qwengyre.rollout import toy_harness
 from qwengyre.rollout.limits import Limits, enforce, release
-from qwengyre.rollout.relay import PLACEHOLDER_KEY, inside_base_url, relay
+from qwengyre.rollout.relay import (
+    PLACEHOLDER_KEY,
+    RelayTarget,
+    inside_base_url,
+    new_socket_path,
+    relay,
+)
 from qwengyre.rollout.sandbox import NoSandbox, Sandbox
 from qwengyre.rollout.toy_harness import CRITIQUE_ENV
 
 __all__ = [
     "BASE_ENV_NAMES",
     "PLACEHOLDERS",
+    "HarnessLaunch",
     "HarnessRun",
+    "HarnessRunner",
     "HarnessSpec",
     "claude_code_spec",
     "harness_env",
     "mini_swe_agent_spec",
+    "prepare_harness",
     "render_command",
     "run_harness",
+    "supervise",
 ]
 
 #: Names a command or env template may use.
@@ -236,11 +246,13 @@ def _kill_orphaned_group(logs_dir: Path, execution_id: str) -> bool:
     return True
 
 
-def kill_orphaned_harnesses(run_dir: Path) -> int:
+def kill_orphaned_harnesses(run_dir: Path, keep: Collection[str] = ()) -> int:
     """Kill every harness process group a dead runner left under ``run_dir/logs`` (one
-    directory per execution, as :func:`run_harness` writes them); how many."""
+    directory per execution, as :func:`run_harness` writes them) but those of the
+    executions in ``keep``; how many."""
     logs = run_dir / "logs"
-    return sum(kill_orphaned_harness(d, d.name) for d in logs.glob("*")) if logs.exists() else 0
+    found = [d for d in logs.glob("*") if d.name not in keep] if logs.exists() else []
+    return sum(kill_orphaned_harness(d, d.name) for d in found)
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
@@ -257,6 +269,114 @@ async def _terminate_group(proc: asyncio.subprocess.Process, grace_s: float) -> 
         await asyncio.wait_for(proc.wait(), timeout=grace_s)
     kill_group(pgid, signal.SIGKILL)  # stragglers in the group, or a leader ignoring TERM
     await proc.wait()
+
+
+@dataclass(kw_only=True, frozen=True)
+class HarnessLaunch:
+    """One harness process ready to start (:func:`prepare_harness`): what
+    :func:`supervise` starts, in this process or in a harness daemon
+    (:mod:`qwengyre.rollout.harnessd`). ``env`` holds the execution's key: it travels
+    to whoever starts the process and is never written to disk."""
+
+    execution_id: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    workspace: Path
+    logs_dir: Path
+    deadline_s: float
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S
+    limits: Limits = field(default_factory=Limits)
+    user_namespace: bool = False  # the sandbox gives the harness a user namespace
+    relay: RelayTarget | None = None  # the proxy relay its private network reaches
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "execution_id": self.execution_id,
+            "argv": list(self.argv),
+            "env": dict(self.env),
+            "workspace": str(self.workspace),
+            "logs_dir": str(self.logs_dir),
+            "deadline_s": self.deadline_s,
+            "kill_grace_s": self.kill_grace_s,
+            "limits": asdict(self.limits),
+            "user_namespace": self.user_namespace,
+            "relay": self.relay.to_json() if self.relay is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> HarnessLaunch:
+        return cls(
+            execution_id=str(data["execution_id"]),
+            argv=tuple(str(a) for a in data["argv"]),
+            env={str(k): str(v) for k, v in data["env"].items()},
+            workspace=Path(data["workspace"]),
+            logs_dir=Path(data["logs_dir"]),
+            deadline_s=float(data["deadline_s"]),
+            kill_grace_s=float(data["kill_grace_s"]),
+            limits=Limits(**data["limits"]),
+            user_namespace=bool(data["user_namespace"]),
+            relay=RelayTarget.from_json(data["relay"]) if data["relay"] is not None else None,
+        )
+
+
+HarnessRunner = Callable[[HarnessLaunch, "asyncio.Event | None"], Awaitable[HarnessRun]]
+"""Starts a prepared harness and waits until it ends (cancelled when the event is
+set): :func:`supervise` in this process, or a harness daemon's client."""
+
+
+def prepare_harness(
+    spec: HarnessSpec,
+    *,
+    workspace: Path,
+    logs_dir: Path,
+    execution_id: str,
+    base_url: str,
+    api_key: str,
+    instructions: str,
+    home_dir: Path | None = None,
+    hidden: Sequence[Path] = (),
+) -> HarnessLaunch:
+    """The launch of ``spec`` for one execution (:func:`run_harness` has the contract);
+    creates the logs directory and the private home."""
+    workspace = Path(workspace)
+    logs_dir = Path(logs_dir)
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    home = Path(home_dir) if home_dir is not None else logs_dir / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    confine = spec.sandbox
+    target = None
+    if confine.namespaced:  # the relay holds the key; the harness gets a placeholder
+        target = RelayTarget(base_url=base_url, api_key=api_key, socket=new_socket_path())
+        base_url, api_key = inside_base_url(base_url), PLACEHOLDER_KEY
+    values = _values(
+        instructions=instructions,
+        workspace=workspace,
+        base_url=base_url,
+        execution_id=execution_id,
+        home_dir=home,
+    )
+    argv = confine.wrap(
+        render_command(spec, values),
+        workspace=workspace,
+        home=home,
+        hidden=hidden,
+        proxy_socket=target.socket if target is not None else None,
+    )
+    env = harness_env(spec, values, api_key=api_key)
+    if confine.namespaced and "HOME" not in spec.env:
+        env["HOME"] = str(home)  # the operator's is hidden
+    return HarnessLaunch(
+        execution_id=execution_id,
+        argv=tuple(argv),
+        env=env,
+        workspace=workspace,
+        logs_dir=logs_dir,
+        deadline_s=spec.deadline_s,
+        kill_grace_s=spec.kill_grace_s,
+        limits=spec.limits,
+        user_namespace=confine.namespaced,
+        relay=target,
+    )
 
 
 async def run_harness(
@@ -291,51 +411,47 @@ async def run_harness(
     before the CancelledError propagates. After the harness ends, any process it left in
     its group is killed too, so no orphans survive a run.
     """
-    workspace = Path(workspace)
-    logs_dir = Path(logs_dir)
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    home = Path(home_dir) if home_dir is not None else logs_dir / "home"
-    home.mkdir(parents=True, exist_ok=True)
-    confine = spec.sandbox
+    launch = prepare_harness(
+        spec,
+        workspace=workspace,
+        logs_dir=logs_dir,
+        execution_id=execution_id,
+        base_url=base_url,
+        api_key=api_key,
+        instructions=instructions,
+        home_dir=home_dir,
+        hidden=hidden,
+    )
+    return await supervise(launch, cancel)
+
+
+async def supervise(
+    launch: HarnessLaunch,
+    cancel: asyncio.Event | None = None,
+    on_spawn: Callable[[int], None] | None = None,
+) -> HarnessRun:
+    """Start ``launch`` and wait until it ends (:func:`run_harness` has the contract),
+    serving its proxy relay meanwhile and holding it to its limits; ``on_spawn`` is told
+    the harness's pid (its process group) once it runs."""
     async with contextlib.AsyncExitStack() as stack:
-        socket = None
-        if confine.namespaced:
-            socket = await stack.enter_async_context(relay(base_url, api_key))
-            base_url, api_key = inside_base_url(base_url), PLACEHOLDER_KEY
-        values = _values(
-            instructions=instructions,
-            workspace=workspace,
-            base_url=base_url,
-            execution_id=execution_id,
-            home_dir=home,
-        )
-        argv = confine.wrap(
-            render_command(spec, values),
-            workspace=workspace,
-            home=home,
-            hidden=hidden,
-            proxy_socket=socket,
-        )
-        env = harness_env(spec, values, api_key=api_key)
-        if confine.namespaced and "HOME" not in spec.env:
-            env["HOME"] = str(home)  # the operator's is hidden
-        limits = enforce(execution_id, spec.limits, user_namespace=confine.namespaced)
+        if launch.relay is not None:
+            await stack.enter_async_context(relay(launch.relay))
+        limits = enforce(launch.execution_id, launch.limits, user_namespace=launch.user_namespace)
         stack.push_async_callback(asyncio.to_thread, limits.close)  # it may wait
-        return await _launch(spec, argv, env, limits.preexec(), workspace, logs_dir, cancel)
+        return await _run(launch, limits.preexec(), cancel, on_spawn)
     raise AssertionError("unreachable")  # mypy: the stack never swallows an exception
 
 
-async def _launch(
-    spec: HarnessSpec,
-    argv: list[str],
-    env: dict[str, str],
+async def _run(
+    launch: HarnessLaunch,
     preexec: Callable[[], None] | None,
-    workspace: Path,
-    logs_dir: Path,
     cancel: asyncio.Event | None,
+    on_spawn: Callable[[int], None] | None,
 ) -> HarnessRun:
-    """Start ``argv`` in a session of its own and wait (see :func:`run_harness`)."""
+    """Start the harness in a session of its own and wait (see :func:`run_harness`)."""
+    logs_dir = launch.logs_dir
     stdout_path, stderr_path = logs_dir / "stdout.log", logs_dir / "stderr.log"
+    argv = list(launch.argv)
     kwargs: dict[str, Any] = {}
     if preexec is not None:
         kwargs["preexec_fn"] = preexec
@@ -344,8 +460,8 @@ async def _launch(
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
-                cwd=workspace,
-                env=env,
+                cwd=launch.workspace,
+                env=dict(launch.env),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
@@ -369,6 +485,8 @@ async def _launch(
 
     # The process group's id, so a restarted runner can stop a harness it orphaned.
     (logs_dir / PGID_FILE).write_text(f"{proc.pid}\n")
+    if on_spawn is not None:
+        on_spawn(proc.pid)
     timed_out = cancelled = False
     wait_task: asyncio.Task[int] = asyncio.ensure_future(proc.wait())
     cancel_task: asyncio.Task[bool] | None = (
@@ -378,7 +496,7 @@ async def _launch(
         waiting: set[asyncio.Future[Any]] = {wait_task}
         if cancel_task is not None:
             waiting.add(cancel_task)
-        remaining = spec.deadline_s - (time.monotonic() - started)
+        remaining = launch.deadline_s - (time.monotonic() - started)
         done, _ = await asyncio.wait(
             waiting, timeout=max(0.0, remaining), return_when=asyncio.FIRST_COMPLETED
         )
@@ -387,7 +505,7 @@ async def _launch(
                 cancelled = True
             else:
                 timed_out = True
-            await _terminate_group(proc, spec.kill_grace_s)
+            await _terminate_group(proc, launch.kill_grace_s)
         else:
             kill_group(proc.pid, signal.SIGKILL)  # leftovers of a harness that exited
     except BaseException:

@@ -5,7 +5,11 @@ executions it is given, with their workspaces on its machine, and evaluates them
 (:func:`~qwengyre.rollout.execution.run_execution`). Kinds:
 
 - :class:`LocalHarnessHost`: in this process, workspaces and logs under one directory
-  (``train``'s run directory): what ``qwengyre train`` does by default;
+  (``train``'s run directory): what ``qwengyre train`` does by default. With
+  ``daemon=True`` (``train``) its harnesses run under that directory's harness daemon
+  (:mod:`qwengyre.rollout.harnessd`), so they outlive this process: a resumed run's
+  host lists them (:meth:`~LocalHarnessHost.survivors`) and re-adopts them
+  (:meth:`~LocalHarnessHost.adopt`);
 - :class:`~qwengyre.cluster.ray_harness.RayHarnessHost`: an async Ray actor pinned to
   one node (``harness.hosts=ray``), one per node.
 
@@ -14,13 +18,15 @@ goes to the host with the most free slots (then the fewest running, then the fir
 no host runs more than its ``capacity``; when every host is full the execution waits
 for a slot. The pool remembers which host runs which execution, so a cancel goes there.
 The controller talks only to the pool, so a new kind of host changes no controller code.
+An adopted execution goes back to the host that reported it, whatever its free slots.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -28,7 +34,8 @@ from typing import Protocol
 from qwengyre.config import EvaluationConfig
 from qwengyre.rollout.assessments import AssessmentHub
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution
-from qwengyre.rollout.harness import HarnessSpec, kill_orphaned_harnesses
+from qwengyre.rollout.harness import HarnessRunner, HarnessSpec, kill_orphaned_harnesses, supervise
+from qwengyre.rollout.harnessd import HarnessDaemon
 from qwengyre.rollout.sandbox import Sandbox
 from qwengyre.rollout.tasks import Task
 from qwengyre.types import Outcome
@@ -42,7 +49,8 @@ class ExecutionRequest:
 
     ``base_url`` and ``api_key`` are the proxy's for this execution
     (:meth:`~qwengyre.proxy.server.ProxyServer.create_execution`); the URL must be
-    reachable from the host's machine.
+    reachable from the host's machine. An adopted execution's harness already has
+    them: its request carries an empty key.
     """
 
     task: Task
@@ -73,9 +81,20 @@ class HarnessHost(Protocol):
         """Stop every execution here (harnesses killed) and release the host."""
         ...
 
-    async def stop_orphans(self) -> int:
+    async def adopt(self, request: ExecutionRequest) -> ExecutionResult:
+        """Wait for the harness a dead controller started for the execution (one of
+        :meth:`survivors`), then evaluate it: its one outcome, as :meth:`run`'s."""
+        ...
+
+    async def survivors(self) -> list[str]:
+        """The executions whose harnesses a dead controller left here that can be
+        adopted: still running, or ended with their exit status known."""
+        ...
+
+    async def stop_orphans(self, keep: Collection[str] = ()) -> int:
         """Kill the harnesses a killed run left on this host's machine, under its
-        directory (a resumed run calls it before it starts executions); how many."""
+        directory, but those of the executions in ``keep`` (a resumed run calls it
+        before it starts executions); how many."""
         ...
 
     async def check_sandbox(self, sandbox: Sandbox) -> None:
@@ -87,7 +106,7 @@ class HarnessHost(Protocol):
 class LocalHarnessHost:
     """Executions in this process: workspaces and logs under ``run_dir``, intermediate
     assessments and model-call counts through ``hub`` (the proxy, or a stand-in for it
-    on another node)."""
+    on another node); ``daemon``: harnesses under the directory's harness daemon."""
 
     def __init__(
         self,
@@ -96,6 +115,7 @@ class LocalHarnessHost:
         capacity: int,
         hub: AssessmentHub | None = None,
         name: str = "local",
+        daemon: bool = False,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"harness host {name!r}: capacity must be >= 1, got {capacity}")
@@ -103,15 +123,22 @@ class LocalHarnessHost:
         self.capacity = capacity
         self.hub = hub
         self.name = name
+        self.daemon = HarnessDaemon(self.run_dir) if daemon else None
+        self._runner: HarnessRunner = self.daemon.run if self.daemon else supervise
         self._running: dict[str, tuple[asyncio.Event, asyncio.Task[ExecutionResult]]] = {}
 
-    def start(self, request: ExecutionRequest) -> asyncio.Task[ExecutionResult]:
-        """Begin the execution; :meth:`cancel` reaches it from the moment this returns."""
+    def start(
+        self, request: ExecutionRequest, *, adopted: bool = False
+    ) -> asyncio.Task[ExecutionResult]:
+        """Begin the execution (``adopted``: wait for the harness a dead controller
+        started, :meth:`adopt`); :meth:`cancel` reaches it from the moment this returns."""
         execution_id = request.execution_id
         if execution_id in self._running:
             raise ValueError(f"execution {execution_id} is already running on {self.name}")
+        if adopted and self.daemon is None:
+            raise ValueError(f"harness host {self.name} has no harness daemon to adopt from")
         cancel = asyncio.Event()
-        task = asyncio.ensure_future(self._execute(request, cancel))
+        task = asyncio.ensure_future(self._execute(request, cancel, adopted))
         self._running[execution_id] = (cancel, task)
         task.add_done_callback(lambda _: self._running.pop(execution_id, None))
         return task
@@ -119,7 +146,15 @@ class LocalHarnessHost:
     async def run(self, request: ExecutionRequest) -> ExecutionResult:
         return await self.start(request)
 
-    async def _execute(self, request: ExecutionRequest, cancel: asyncio.Event) -> ExecutionResult:
+    async def adopt(self, request: ExecutionRequest) -> ExecutionResult:
+        return await self.start(request, adopted=True)
+
+    async def _execute(
+        self, request: ExecutionRequest, cancel: asyncio.Event, adopted: bool
+    ) -> ExecutionResult:
+        attach = None
+        if adopted and self.daemon is not None:
+            attach = functools.partial(self.daemon.attach, request.execution_id)
         result = await run_execution(
             request.task,
             request.harness,
@@ -131,6 +166,8 @@ class LocalHarnessHost:
             cancel=cancel,
             evaluation=request.evaluation,
             hub=self.hub,
+            runner=self._runner,
+            adopt=attach,
         )
         return replace(result, host=self.name)
 
@@ -139,8 +176,21 @@ class LocalHarnessHost:
         if running is not None:
             running[0].set()
 
-    async def stop_orphans(self) -> int:
-        return kill_orphaned_harnesses(self.run_dir)
+    async def survivors(self) -> list[str]:
+        if self.daemon is None:
+            return []
+        return [s.execution_id for s in await self.daemon.states() if not s.lost]
+
+    async def stop_orphans(self, keep: Collection[str] = ()) -> int:
+        if self.daemon is None:
+            return kill_orphaned_harnesses(self.run_dir, keep)
+        states = await self.daemon.states()
+        orphans = [s.execution_id for s in states if s.running and s.execution_id not in keep]
+        for execution_id in orphans:
+            await self.daemon.state("kill", execution_id)
+        # and any a run without the daemon left
+        known = {s.execution_id for s in states}
+        return len(orphans) + kill_orphaned_harnesses(self.run_dir, {*keep, *known})
 
     async def check_sandbox(self, sandbox: Sandbox) -> None:
         await asyncio.to_thread(sandbox.check)
@@ -150,6 +200,8 @@ class LocalHarnessHost:
         for cancel, _ in running:
             cancel.set()
         await asyncio.gather(*(task for _, task in running), return_exceptions=True)
+        if self.daemon is not None:
+            await self.daemon.shutdown()  # the run is over: the daemon too
 
 
 def _cancelled_before_start(request: ExecutionRequest, why: str) -> ExecutionResult:
@@ -207,6 +259,24 @@ class HostPool:
             self._running[index] -= 1
             self._wake()
 
+    async def adopt(self, request: ExecutionRequest, host: str) -> ExecutionResult:
+        """Adopt the execution on ``host`` (the one whose :meth:`HarnessHost.survivors`
+        named it), taking a slot there even past its capacity: its harness already runs."""
+        index = [h.name for h in self.hosts].index(host)
+        self._running[index] += 1
+        self._where[request.execution_id] = index
+        try:
+            return await self.hosts[index].adopt(request)
+        finally:
+            del self._where[request.execution_id]
+            self._running[index] -= 1
+            self._wake()
+
+    async def survivors(self) -> dict[str, str]:
+        """Every host's :meth:`HarnessHost.survivors`: the host name by execution id."""
+        found = await asyncio.gather(*(host.survivors() for host in self.hosts))
+        return {e: host.name for host, ids in zip(self.hosts, found, strict=True) for e in ids}
+
     async def cancel(self, execution_id: str) -> None:
         """Cancel on the host that runs it; one that has no host yet (or whose
         :meth:`run` has not been called yet) will not start. Call it only for an
@@ -224,9 +294,9 @@ class HostPool:
         harnesses cannot start on some node."""
         await asyncio.gather(*(host.check_sandbox(sandbox) for host in self.hosts))
 
-    async def stop_orphans(self) -> dict[str, int]:
-        """Every host's :meth:`HarnessHost.stop_orphans`, by host name."""
-        counts = await asyncio.gather(*(host.stop_orphans() for host in self.hosts))
+    async def stop_orphans(self, keep: Collection[str] = ()) -> dict[str, int]:
+        """Every host's :meth:`HarnessHost.stop_orphans` (sparing ``keep``), by host name."""
+        counts = await asyncio.gather(*(host.stop_orphans(keep) for host in self.hosts))
         return {host.name: n for host, n in zip(self.hosts, counts, strict=True)}
 
     async def close(self) -> None:

@@ -19,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -31,7 +34,9 @@ __all__ = [
     "SANDBOX_PORT",
     "SANDBOX_SOCKET",
     "ProxyRelay",
+    "RelayTarget",
     "inside_base_url",
+    "new_socket_path",
     "relay",
 ]
 
@@ -134,15 +139,41 @@ class ProxyRelay:
             return answer
 
 
+@dataclass(kw_only=True, frozen=True)
+class RelayTarget:
+    """One execution's relay: its socket, the proxy's ``base_url`` and the execution's
+    real ``api_key`` (it travels to whoever serves the relay, never to disk)."""
+
+    base_url: str
+    api_key: str
+    socket: Path
+
+    def to_json(self) -> dict[str, Any]:
+        return {"base_url": self.base_url, "api_key": self.api_key, "socket": str(self.socket)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RelayTarget:
+        return cls(
+            base_url=str(data["base_url"]),
+            api_key=str(data["api_key"]),
+            socket=Path(data["socket"]),
+        )
+
+
+def new_socket_path() -> Path:
+    """A fresh relay socket's path, short enough for a Unix socket (107 bytes), in a
+    directory :func:`relay` makes (only this user may enter it) and removes."""
+    return Path(tempfile.gettempdir()) / f"qwengyre-relay-{uuid.uuid4().hex[:16]}" / "proxy.sock"
+
+
 @contextlib.asynccontextmanager
-async def relay(base_url: str, api_key: str) -> AsyncIterator[Path]:
-    """A :class:`ProxyRelay` for one execution while the block runs; yields its socket,
-    in a fresh directory only this user can enter, removed afterwards."""
-    directory = Path(tempfile.mkdtemp(prefix="qwengyre-relay-"))
-    server = ProxyRelay(base_url, api_key, directory / "proxy.sock")
+async def relay(target: RelayTarget) -> AsyncIterator[Path]:
+    """A :class:`ProxyRelay` for ``target`` while the block runs; yields its socket."""
+    target.socket.parent.mkdir(mode=0o700)
+    server = ProxyRelay(target.base_url, target.api_key, target.socket)
     try:
         await server.start()
         yield server.socket_path
     finally:
         await server.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(target.socket.parent, ignore_errors=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -85,8 +86,12 @@ SUBAGENT_HEADER = "x-claude-code-agent-id"
 COMPACT_AFTER = 4
 """Messages after the first user turn that trigger the (single) compaction."""
 SUBAGENT_MAX_TURNS = 3
-MAX_RETRIES = 3
-"""Retries of one model call after a 5xx, a 429 or a connection error."""
+RETRY_FOR_S = 180.0
+"""How long one model call is retried after a 5xx, a 429 or a connection error: long
+enough to ride out a controller restart (the proxy comes back on the same address with
+the same keys), as real clients' retries do."""
+MAX_BACKOFF_S = 5.0
+"""The longest pause between two attempts (the pause doubles from the first)."""
 
 WRITE_FILE_TOOL: dict[str, Any] = {
     "type": "function",
@@ -181,12 +186,14 @@ class _Client:
         api_key: str,
         model: str,
         backoff_s: float,
+        retry_for_s: float,
     ) -> None:
         self.session = session
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.api_key = api_key
         self.model = model
         self.backoff_s = backoff_s
+        self.retry_for_s = retry_for_s
         self.calls = 0
         self.retries = 0
 
@@ -203,10 +210,15 @@ class _Client:
         all_headers = {"authorization": f"Bearer {self.api_key}", **(headers or {})}
         self.calls += 1
         problem = ""
-        for attempt in range(MAX_RETRIES + 1):
+        first_failure: float | None = None
+        for attempt in itertools.count():
             if attempt:
+                loop = asyncio.get_running_loop()
+                first_failure = loop.time() if first_failure is None else first_failure
+                if loop.time() - first_failure >= self.retry_for_s:
+                    break
                 self.retries += 1
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1)))
             try:
                 async with self.session.post(self.url, json=body, headers=all_headers) as resp:
                     text = await resp.text()
@@ -224,7 +236,8 @@ class _Client:
                     return message
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
-        raise ModelCallError(f"model call failed after {MAX_RETRIES} retries: {problem}")
+        retries = attempt - 1
+        raise ModelCallError(f"model call failed after {retries} retries: {problem}")
 
 
 def _assistant_message(reply: dict[str, Any]) -> dict[str, Any]:
@@ -338,17 +351,19 @@ async def run_toy_agent(
     max_turns: int = 8,
     model: str = "qwengyre",
     retry_backoff_s: float = 0.5,
+    retry_for_s: float = RETRY_FOR_S,
     timeout_s: float = 300.0,
     critique: str | None = None,
 ) -> ToyResult:
     """Run the toy agent against an OpenAI-compatible ``base_url`` (ending in ``/v1``).
 
     ``critique`` (``"user"`` or ``"assistant"``) turns critique mode on (module
-    docstring). Raises :class:`ModelCallError` when a model call fails for good.
+    docstring). A failed call is retried for ``retry_for_s`` seconds. Raises
+    :class:`ModelCallError` when a model call fails for good.
     """
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        client = _Client(session, base_url, api_key, model, retry_backoff_s)
+        client = _Client(session, base_url, api_key, model, retry_backoff_s, retry_for_s)
         ask = _assess_caller(session, assess_url(base_url), api_key) if critique else None
         result = await run_episode(
             client,

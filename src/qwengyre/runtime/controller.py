@@ -31,6 +31,10 @@ them (:meth:`Controller._leave_step`): the update sums whole micro-steps, so it 
 same as if the cell had never joined. The core's death stops the run (``run.restarts``
 may resume it from its checkpoint), and so does a satellite's death during the update's
 collectives, whose survivors could not tell how far the reduction got.
+Every launch is journaled before its harness starts and every outcome before it counts
+(:mod:`qwengyre.runtime.journal`): a controller resumed after its predecessor was killed
+re-adopts the executions whose harnesses still run (the scheduler's :class:`Adopt`)
+and evaluates each when its harness ends, as if it had launched it.
 Watching the cells is the :class:`~qwengyre.runtime.supervisor.Supervisor`'s part; what
 the run records (roles, switches, load, usage, steps) is the
 :class:`~qwengyre.runtime.observer.Observer`'s.
@@ -61,6 +65,7 @@ from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool
 from qwengyre.rollout.tasks import Task
+from qwengyre.runtime.journal import Adoption, LaunchJournal, LaunchRecord
 from qwengyre.runtime.ledger import Ledger
 from qwengyre.runtime.observer import Observer
 from qwengyre.runtime.supervisor import Supervisor
@@ -68,6 +73,7 @@ from qwengyre.scheduler.core import GroupState, Scheduler
 from qwengyre.scheduler.events import (
     STANDALONE,
     Action,
+    Adopt,
     AssignGroups,
     Cancel,
     CellLost,
@@ -83,6 +89,7 @@ from qwengyre.scheduler.events import (
     PullGroups,
     Reroute,
     Role,
+    Start,
     StepDone,
     Tick,
     WakeAt,
@@ -104,13 +111,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class RunOutputs:
-    """Where the controller writes: metrics, traces, the ledger, assessments, checkpoints."""
+    """Where the controller writes: metrics, traces, the ledger, assessments, the launch
+    journal, checkpoints."""
 
     run_dir: Path
     metrics: MetricsWriter
     traces: TraceWriter
     ledger: Ledger
     assessments: AssessmentLog  # every assessment of every execution, durable
+    journal: LaunchJournal  # every launch, finish and drop, durable
 
     @property
     def checkpoints(self) -> Path:
@@ -158,6 +167,7 @@ class Controller:
         trajectories: TrajectoryBuffer | None = None,
         trained: Sequence[int] = (),
         standalone: EngineClient | None = None,
+        adoption: Adoption | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -178,14 +188,26 @@ class Controller:
         self.rng = random.Random(config.seed)
         self._task_order = self.rng.sample(range(len(self.tasks)), len(self.tasks))
         self._group_task: dict[int, Task] = {}
+        self._t0 = time.monotonic()
+        self._wall0 = time.time()
         self._executions: dict[int, _Execution] = {}
+        self._adoption = adoption or Adoption()
+        by_id = {task.id: task for task in self.tasks}
+        for record in self._adoption.launches:  # a dead controller's in-flight groups
+            self._executions[record.execution] = _Execution(
+                id=record.execution,
+                group=record.group,
+                index=record.index,
+                proxy_id=record.proxy_id,
+                started_s=max(0.0, record.time - self._wall0),
+                version=record.version,
+            )
+            self._group_task[record.group] = by_id[record.task]
         self._buffered: set[int] = {g for g in self.trajectories.ready_ids()}
         self._synced: set[int] = {0}  # cells whose parameters equal the core's
         self._step: _Step | None = None
         self._pull_queued = False
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._t0 = time.monotonic()
-        self._wall0 = time.time()
         self._freed: dict[int, str] = {}  # cell: how its engine freed memory (SwitchRecord)
         self.failure: BaseException | None = None
         self.observer = Observer(outputs.metrics, scheduler, self.now)
@@ -252,6 +274,9 @@ class Controller:
         actions = self.scheduler.handle(event)
         if isinstance(event, ExecutionFinished):  # buffered before these actions pack it
             await self._buffer_if_ready(self._executions[event.execution_id].group)
+        elif isinstance(event, Start):  # resumed groups whose every execution had counted
+            for group in self._adoption.groups:
+                await self._buffer_if_ready(group.id)
         for action in actions:
             await self.execute(action)
         self.observer.observe()
@@ -268,6 +293,10 @@ class Controller:
                     self._group_task[action.group_id] = self.tasks[order]
             case Launch():
                 await self._launch(action)
+            case Adopt():
+                ex = self._executions[action.execution_id]
+                self.proxy.router.assign(ex.proxy_id, engine_name(action.engine))
+                self._spawn(self._run_execution(ex), name="execution")
             case Cancel():
                 await self._cancel(self._executions[action.execution_id])
             case Reroute():
@@ -281,6 +310,7 @@ class Controller:
                 await self._assign(action)
             case DropGroup():
                 log.info("group %d dropped: it cannot reach its valid rewards", action.group_id)
+                await asyncio.to_thread(self.outputs.journal.drop, action.group_id)
             case Publish():
                 self._spawn(self._publish(action.version))
             case WakeAt():
@@ -301,20 +331,37 @@ class Controller:
             version=action.version,
         )
         self._executions[ex.id] = ex
+        record = LaunchRecord(
+            execution=ex.id,
+            group=ex.group,
+            index=ex.index,
+            version=ex.version,
+            v_d=self.scheduler.groups[ex.group].v_d,
+            proxy_id=ex.proxy_id,
+            task=self._group_task[ex.group].id,
+            time=time.time(),
+        )
+        await asyncio.to_thread(self.outputs.journal.launch, record)  # before it starts
         self._spawn(self._run_execution(ex, info), name="execution")
 
-    async def _run_execution(self, ex: _Execution, info: dict[str, str]) -> None:
+    async def _run_execution(self, ex: _Execution, info: dict[str, str] | None = None) -> None:
+        """Run the execution on a harness host to its outcome; without ``info`` (the
+        proxy's URL and key) it is adopted: its harness runs already, on the host that
+        reported it."""
         task = self._group_task[ex.group]
         request = ExecutionRequest(
             task=task,
             harness=self.harness,
             budgets=self.budgets,
             execution_id=ex.proxy_id,
-            base_url=info["base_url"],
-            api_key=info["key"],
+            base_url=info["base_url"] if info else "",
+            api_key=info["key"] if info else "",
             evaluation=self.evaluation,
         )
-        result = await self.hosts.run(request)
+        if info is None:
+            result = await self.hosts.adopt(request, self._adoption.hosts[ex.proxy_id])
+        else:
+            result = await self.hosts.run(request)
         ex.ended = True
         await asyncio.to_thread(  # durable before the execution counts
             self.outputs.assessments.write,
@@ -330,7 +377,9 @@ class Controller:
             task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0, ex.version
         )
         self.outputs.traces.write(record.model_copy(update={"host": result.host or None}))
-        self._emit(lambda t: ExecutionFinished(t, ex.id, result.outcome, result.reward))
+        outcome, reward = result.outcome, result.reward
+        await asyncio.to_thread(self.outputs.journal.finish, ex.id, outcome.value, reward)
+        self._emit(lambda t: ExecutionFinished(t, ex.id, outcome, reward))
 
     async def _cancel(self, ex: _Execution) -> None:
         """Kill the execution's harness on its host; it ends ``cancelled``. The pool

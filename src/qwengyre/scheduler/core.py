@@ -89,6 +89,7 @@ from enum import StrEnum
 from qwengyre.scheduler.events import (
     STANDALONE,
     Action,
+    Adopt,
     AssignGroups,
     Cancel,
     CellLost,
@@ -229,6 +230,31 @@ class Group:
     valid: dict[int, float] = field(default_factory=dict)  # execution id -> reward, first N
     v_t: int | None = None  # the version before the step that consumes it
     owed: int = 0  # top-ups due at the next boundary (boundary dispatch)
+    replaced: int = 0  # executions lost with a dead driver: their top-ups are extra
+
+
+@dataclass(frozen=True, kw_only=True)
+class InFlightExecution:
+    """An execution of a group that was in rollout when the driver died, as the resumed
+    run finds it: ``running`` (its harness outlived the driver: it is adopted),
+    ``finished`` (it ended and counted before, with its valid ``reward`` or None), or
+    neither: lost before it could end (it is replaced)."""
+
+    id: int
+    index: int
+    version: int
+    running: bool = False
+    finished: bool = False
+    reward: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class InFlightGroup:
+    """A group that was in rollout when the driver died, with every execution it had."""
+
+    id: int
+    v_d: int
+    executions: tuple[InFlightExecution, ...]
 
 
 @dataclass(frozen=True)
@@ -326,6 +352,7 @@ class Scheduler:
         self._topups_open = 0  # sum of _topups_left over the groups in ROLLOUT
         self._dropped_in_burst = 0  # boundary: drops whose slots wait for the boundary
         self._next_group = self._next_execution = 0
+        self._resumed: list[int] = []  # in-flight groups of a resumed run, until Start
         self._d = self._p = self._f = 0
         self._reserve_left = 0  # of the burst's replacement reserve (boundary dispatch)
         self.version = 0  # optimizer steps done
@@ -402,25 +429,57 @@ class Scheduler:
         *,
         next_group: int,
         next_execution: int,
+        in_flight: Sequence[InFlightGroup] = (),
     ) -> None:
         """Before :class:`Start`: continue a run whose optimizer has made ``version``
         updates (all published), with the ``(group id, v_d)`` groups that finished
         their rollout and were not trained yet. New groups and executions get ids from
         ``next_group`` / ``next_execution`` on, so they never reuse the old run's ids.
-        What was queued or running when the old run stopped is gone; its slots refill.
+
+        ``in_flight``: the groups that were in rollout. At :class:`Start` their running
+        executions are placed on engines (:class:`Adopt`, standalone first, then the
+        rollout cells with room, else the least loaded), their finished ones keep their
+        rewards, and a lost one is replaced by a top-up that does not count against
+        ``groups.max_topups`` (as many as the group still needs). Queued executions of
+        the old run are gone; their slots refill.
         """
         if self._started:
             raise SchedulerError("resume() must come before Start")
         if version < 0 or next_group < 0 or next_execution < 0:
             raise SchedulerError("resume() needs non-negative version and ids")
-        if any(gid >= next_group for gid, _ in ready):
-            raise SchedulerError(f"ready group ids must be below next_group={next_group}")
+        gids = [gid for gid, _ in ready] + [g.id for g in in_flight]
+        if any(gid >= next_group for gid in gids) or len(set(gids)) != len(gids):
+            raise SchedulerError(
+                f"resumed group ids must be distinct and below next_group={next_group}"
+            )
+        eids = [e.id for g in in_flight for e in g.executions]
+        if any(eid >= next_execution for eid in eids) or len(set(eids)) != len(eids):
+            raise SchedulerError(
+                f"resumed execution ids must be distinct and below next_execution={next_execution}"
+            )
         self.version = self.published = version
         self._next_group, self._next_execution = next_group, next_execution
         for gid, v_d in ready:
             self.groups[gid] = Group(id=gid, v_d=v_d, state=GroupState.READY)
             heapq.heappush(self._ready, (v_d, self._ready_seq, gid))
             self._ready_seq += 1
+        for resumed in in_flight:
+            group = Group(id=resumed.id, v_d=resumed.v_d)
+            for e in sorted(resumed.executions, key=lambda e: e.index):
+                ex = Execution(id=e.id, group=group.id, index=e.index, version=e.version)
+                ex.finished = not e.running
+                self.executions[ex.id] = ex
+                group.executions.append(ex.id)
+                if e.running:
+                    group.pending.add(ex.id)
+                elif e.finished and e.reward is not None:
+                    group.valid[ex.id] = e.reward
+                elif not e.finished:
+                    group.replaced += 1
+            self.groups[group.id] = group
+            self._rollout.add(group.id)
+            self._topups_open += self._topups_left(group)
+            self._resumed.append(group.id)
 
     # ------------------------------------------------------------ the one entry point
 
@@ -474,7 +533,34 @@ class Scheduler:
         self._started = True
         for cell in range(self._fixed_training):
             self._set_role(cell, Role.TRAINING)
+        self._adopt_resumed()
         self._boundary()
+
+    def _adopt_resumed(self) -> None:
+        """A resumed run's in-flight groups (:meth:`resume`): running executions are
+        placed on engines, then each group is ready, or tops up what it still needs."""
+        groups = [self.groups[gid] for gid in self._resumed]
+        self._resumed = []
+        for group in groups:
+            for eid in sorted(group.pending):
+                ex = self.executions[eid]
+                engine = self._free_engine()
+                if engine is None:
+                    engine = self._least_loaded()
+                if engine is None:  # at Start every cell not fixed in training serves
+                    raise SchedulerError(f"no engine serves adopted execution {eid}")
+                ex.engine = engine
+                self._load[engine].add(eid)
+                self._d += 1
+                self._p += 1
+                version = self.published if ex.version is None else ex.version
+                self._out.append(Adopt(eid, group.id, ex.index, ex.engine, version))
+        for group in groups:
+            done = not group.pending and len(group.valid) >= self.params.valid_needed
+            if len(group.valid) >= self.params.group_size or done:
+                self._make_ready(group)
+            else:
+                self._top_up_or_drop(group)
 
     def _on_finished(self, event: ExecutionFinished) -> None:
         ex = self.executions.get(event.execution_id)
@@ -728,7 +814,9 @@ class Scheduler:
         left = self._topups_left(group)
         ids = []
         for _ in range(n):
-            ex = Execution(id=self._next_execution, group=group.id, index=len(group.executions))
+            # past the last index (a resumed group may miss some: never launched)
+            last = self.executions[group.executions[-1]].index if group.executions else -1
+            ex = Execution(id=self._next_execution, group=group.id, index=last + 1)
             self._next_execution += 1
             self.executions[ex.id] = ex
             group.executions.append(ex.id)
@@ -755,7 +843,8 @@ class Scheduler:
     def _topups_left(self, group: Group) -> int:
         """Top-ups ``group`` may still get (its ``max_topups`` allowance, owed ones spent)."""
         p = self.params
-        return max(0, p.executions_per_group + p.max_topups - len(group.executions) - group.owed)
+        allowed = p.executions_per_group + p.max_topups + group.replaced
+        return max(0, allowed - len(group.executions) - group.owed)
 
     def _set_owed(self, group: Group, owed: int) -> None:
         """Change the top-ups ``group`` (in rollout) is owed; keeps ``_topups_open``."""

@@ -159,6 +159,19 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class Adopt:
+    """Execution ``execution_id`` of a resumed run still runs (its harness outlived the
+    driver that launched it): it is in flight on ``engine`` from now on. Nothing is
+    started; ``version`` is the one it launched with."""
+
+    execution_id: int
+    group_id: int
+    index: int
+    engine: int
+    version: int
+
+
+@dataclass(frozen=True)
 class Cancel:
     """Stop a running execution; the driver still reports its ExecutionFinished."""
 
@@ -219,5 +232,14 @@ class WakeAt:
 
 
 Action = (
-    Dispatch | Launch | Cancel | Reroute | MoveCell | AssignGroups | DropGroup | Publish | WakeAt
+    Dispatch
+    | Launch
+    | Adopt
+    | Cancel
+    | Reroute
+    | MoveCell
+    | AssignGroups
+    | DropGroup
+    | Publish
+    | WakeAt
 )

@@ -1,0 +1,170 @@
+"""The harness daemon (qwengyre.rollout.harnessd): harnesses that outlive their client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from tests.test_runtime_train import running as alive
+
+from qwengyre.rollout.harness import HarnessLaunch
+from qwengyre.rollout.harnessd import DAEMON_DIR, HarnessDaemon, HarnessDaemonError
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def launch(root: Path, execution_id: str, script: str, deadline_s: float = 60) -> HarnessLaunch:
+    workspace = root / "workspaces" / execution_id
+    workspace.mkdir(parents=True, exist_ok=True)
+    return HarnessLaunch(
+        execution_id=execution_id,
+        argv=(sys.executable, "-c", script),
+        env={"PATH": os.environ["PATH"], "QWENGYRE_EXECUTION_ID": execution_id},
+        workspace=workspace,
+        logs_dir=root / "logs" / execution_id,
+        deadline_s=deadline_s,
+        kill_grace_s=1,
+    )
+
+
+def prepared(item: HarnessLaunch) -> HarnessLaunch:
+    item.logs_dir.mkdir(parents=True, exist_ok=True)
+    return item
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+    client = HarnessDaemon(tmp_path, idle_exit_s=30)
+    yield client
+    asyncio.run(client.shutdown())
+
+
+def test_runs_a_harness_and_reports_its_exit_status(daemon: HarnessDaemon, tmp_path: Path):
+    item = prepared(launch(tmp_path, "ex_a", "print('hi'); raise SystemExit(3)"))
+    run = asyncio.run(daemon.run(item, None))
+    assert run.exit_code == 3 and run.spawned and not run.cancelled and not run.timed_out
+    assert (item.logs_dir / "stdout.log").read_text() == "hi\n"
+    # The state on disk names the harness, never its environment (the key lives there).
+    state = json.loads((tmp_path / DAEMON_DIR / "state" / "ex_a.json").read_text())
+    assert state["exit_code"] == 3 and state["pid"] > 0 and "env" not in json.dumps(state)
+    assert oct((tmp_path / DAEMON_DIR / "token").stat().st_mode & 0o777) == "0o600"
+
+
+def test_kill_stops_the_harness_and_deadline_times_it_out(daemon: HarnessDaemon, tmp_path: Path):
+    async def go() -> None:
+        cancel = asyncio.Event()
+        item = prepared(launch(tmp_path, "ex_k", "import time; time.sleep(600)"))
+        running = asyncio.ensure_future(daemon.run(item, cancel))
+        while not (item.logs_dir / "harness.pgid").exists():
+            await asyncio.sleep(0.05)
+        pid = int((item.logs_dir / "harness.pgid").read_text())
+        cancel.set()
+        run = await running
+        assert run.cancelled and not alive(pid)
+        slow = prepared(launch(tmp_path, "ex_t", "import time; time.sleep(600)", deadline_s=0.5))
+        assert (await daemon.run(slow, None)).timed_out
+
+    asyncio.run(go())
+
+
+CLIENT = """
+import asyncio, sys
+sys.path.insert(0, {src!r})
+from pathlib import Path
+from qwengyre.rollout.harness import HarnessLaunch
+from qwengyre.rollout.harnessd import HarnessDaemon
+launch = HarnessLaunch.from_json({launch!r})
+asyncio.run(HarnessDaemon(Path({root!r}), idle_exit_s=30).run(launch, None))
+"""
+
+
+def test_a_harness_outlives_its_client_and_is_reattached_once(
+    daemon: HarnessDaemon, tmp_path: Path
+):
+    """The client process is SIGKILLed (with its process group) while its harness runs:
+    the harness goes on, another client attaches to it and gets its exit status, and
+    starting it again starts nothing."""
+    flag = tmp_path / "go"
+    script = textwrap.dedent(
+        f"""
+        import pathlib, time
+        with open("starts", "a") as f: f.write("x")
+        while not pathlib.Path({str(flag)!r}).exists(): time.sleep(0.05)
+        raise SystemExit(7)
+        """
+    )
+    item = prepared(launch(tmp_path, "ex_r", script))
+    code = CLIENT.format(src=SRC, launch=item.to_json(), root=str(tmp_path))
+    client = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    pgid_file = item.logs_dir / "harness.pgid"
+    while not pgid_file.exists():
+        assert client.poll() is None
+        time.sleep(0.05)
+    pid = int(pgid_file.read_text())
+    os.killpg(client.pid, signal.SIGKILL)
+    client.wait()
+    assert alive(pid)
+
+    async def go() -> None:
+        states = {s.execution_id: s for s in await daemon.states()}
+        assert states["ex_r"].running and states["ex_r"].pid == pid
+        again = await daemon.request("start", launch=item.to_json())  # not started twice
+        assert again["state"]["pid"] == pid
+        waiting = asyncio.ensure_future(daemon.attach("ex_r", None))
+        flag.touch()
+        run = await waiting
+        assert run.exit_code == 7
+
+    asyncio.run(go())
+    assert (item.workspace / "starts").read_text() == "x"
+
+
+def test_a_wrong_token_is_refused(daemon: HarnessDaemon, tmp_path: Path):
+    async def go() -> None:
+        await daemon.states()  # the daemon runs
+        reader, writer = await asyncio.open_unix_connection(tmp_path / DAEMON_DIR / "sock")
+        writer.write(json.dumps({"token": "wrong", "op": "list"}).encode() + b"\n")
+        answer = json.loads(await reader.readline())
+        writer.close()
+        assert answer == {"error": "authentication failed"}
+        token = tmp_path / DAEMON_DIR / "token"
+        real = token.read_text()
+        token.write_text("forged")
+        with pytest.raises(HarnessDaemonError, match="authentication failed"):
+            await daemon.states()
+        token.write_text(real)
+
+    asyncio.run(go())
+
+
+def test_a_new_daemon_marks_what_a_dead_one_ran_lost(daemon: HarnessDaemon, tmp_path: Path):
+    item = prepared(launch(tmp_path, "ex_l", "import time; time.sleep(600)"))
+
+    async def go() -> None:
+        await daemon.request("start", launch=item.to_json())
+        pid = int((item.logs_dir / "harness.pgid").read_text())
+        os.kill(_daemon_pid(tmp_path), signal.SIGKILL)
+        run = await daemon.attach("ex_l", None)  # a new daemon answers
+        assert run.error is not None and "daemon stopped" in run.error
+        assert not alive(pid)
+
+    asyncio.run(go())
+
+
+def _daemon_pid(root: Path) -> int:
+    for stat in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmdline = stat.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"qwengyre.rollout.harnessd" in cmdline and str(root).encode() in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError("no daemon")
