@@ -43,6 +43,8 @@ class Upstream:
     def __init__(self) -> None:
         self.seen: list[dict[str, str]] = []
         self.go = asyncio.Event()
+        self.arrived = asyncio.Event()  # a ``/slow`` call came in
+        self.hung_up = asyncio.Event()  # ``/slow``'s caller left before its answer
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -50,6 +52,7 @@ class Upstream:
         app = web.Application()
         app.router.add_route("POST", "/x/ex_1/v1/echo", self._echo)
         app.router.add_route("GET", "/x/ex_1/stream", self._stream)
+        app.router.add_route("GET", "/x/ex_1/slow", self._slow)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
@@ -71,6 +74,15 @@ class Upstream:
         await self.go.wait()
         await answer.write(b"data: second\n\n")
         return answer
+
+    async def _slow(self, request: web.Request) -> web.Response:
+        """Answers once :attr:`go` is set, noting whether its caller is still there."""
+        self.arrived.set()
+        await self.go.wait()
+        await asyncio.sleep(0.1)  # the relay's hang-up reaches this side
+        if request.transport is None or request.transport.is_closing():
+            self.hung_up.set()
+        return web.json_response({})
 
 
 def with_upstream(
@@ -128,6 +140,22 @@ def test_an_answer_streams_through_the_relay_as_it_is_produced() -> None:
                 assert await r.content.readuntil(b"\n\n") == b"data: first\n\n"
                 upstream.go.set()
                 assert await r.content.read() == b"data: second\n\n"
+
+    with_upstream(scenario)
+
+
+def test_a_harness_that_hangs_up_hangs_up_on_the_proxy_too() -> None:
+    """Else the proxy would count an answer nobody received as delivered."""
+
+    async def scenario(upstream: Upstream) -> None:
+        async with relay(target(upstream.url)) as socket:
+            connector = aiohttp.UnixConnector(path=str(socket))
+            async with aiohttp.ClientSession(connector=connector) as http:
+                call = asyncio.ensure_future(http.get("http://relay/x/ex_1/slow"))
+                await asyncio.wait_for(upstream.arrived.wait(), timeout=60)
+                call.cancel()  # the harness gives up: its connection closes
+            upstream.go.set()
+            await asyncio.wait_for(upstream.hung_up.wait(), timeout=60)
 
     with_upstream(scenario)
 

@@ -92,7 +92,11 @@ class ProxyRelay:
         self._client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
         app = web.Application(client_max_size=1024**3)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # A harness that hangs up cancels its forward, so the proxy sees the hang-up too
+        # (and does not count an answer nobody received as delivered).
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await self._runner.setup()
         await web.UnixSite(self._runner, str(self.socket_path)).start()
         self.socket_path.chmod(0o600)
