@@ -21,7 +21,7 @@ from qwengyre.records.metrics import read_metrics
 from qwengyre.rollout import paced_harness
 from qwengyre.rollout.harnessd import DAEMON_DIR
 from qwengyre.runtime.journal import JOURNAL_FILE, LaunchJournal
-from qwengyre.runtime.ledger import Ledger
+from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_a_killed_controller_s_running_executions_are_adopted_on_resume(
     trained = after["trained_groups"]
     assert trained[: len(before["trained_groups"])] == before["trained_groups"]
     assert len(set(trained)) == len(trained)
-    finished = {g.group_id for g in Ledger(run_dir / "ledger.jsonl").read()}
+    finished = {g.group_id for g in Ledger(run_dir / LEDGER_DIR).groups()}
     assert set(trained) <= finished
     counts = Counter(g.group_id for g in read_metrics(run_dir).groups)
     assert set(counts) == set(trained) and set(counts.values()) == {1}
