@@ -3,19 +3,22 @@
 Three cells with embedded engines (a cell's process is its engine: killing a rollout
 satellite kills an engine; the SGLang stand-in, tests/fake_sglang, is left out: on a
 loaded 2-core machine its executions stalled from the first seconds, before any
-fault, until their overall budget ended), a
-harness that makes several model calls per execution (tests/multi_call_harness.py)
-under the default sandbox, and an evaluator that fails or hangs once for about 30% of
-the executions. At moments drawn from the seed and driven by the run's own progress
-(steps trained and executions finished, read from ``metrics.jsonl`` and
-``traces.jsonl``), the test SIGKILLs:
+fault, until their overall budget ended), a harness that makes several model calls
+per execution (tests/multi_call_harness.py) under the default sandbox, and an
+evaluator that fails or hangs once for about 30% of the executions. At moments drawn
+from the seed and driven by the run's own progress (steps trained and executions
+finished, read from ``metrics.jsonl`` and ``traces.jsonl``), the test SIGKILLs:
 
 - a training satellite (cell 1, once it trains);
 - a rollout satellite (cell 2, once it serves rollout);
-- the process groups of random running harnesses.
+- the process groups of random running harnesses;
+- in the second case, the core too, once both satellites are dead (``run.restarts=1``:
+  its death resumes the run from the newest checkpoint).
 
-The run trains all its steps without a restart, every trained group is a ready group
-of the ledger trained exactly once, no surviving harness saw an error, a killed
+The run trains all its steps (without a restart but for the core's death), every
+trained group is a ready group of the ledger trained exactly once (a step the core
+trained but had not checkpointed when it died is redone, to the same loss; every group
+ready at its death is trained), no surviving harness saw an error, a killed
 harness's execution is not retried: it ends ``failed`` and is evaluated, or gets the
 zero placeholder when it had made no model call (an infrastructure failure), every
 faulty evaluation is retried until valid (never scored for the fault), and the
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -286,7 +290,21 @@ def test_a_run_under_seeded_faults_trains_every_ready_group_once(
     assert set(trained) <= {g.group_id for g in Ledger(run.dir / LEDGER_DIR).groups()}
     assert plan.ready_at_core_death <= set(trained)
     counts = Counter(g.group_id for g in metrics.groups)
-    assert set(counts) == set(trained) and set(counts.values()) == {1}
+    assert set(counts) == set(trained)
+    redone = {v for v in versions if versions.count(v) == 2}
+    assert {g for g, n in counts.items() if n > 1} == {
+        g.group_id for g in metrics.groups if g.step + 1 in redone
+    }
+    if core:
+        # A step the core trained but did not checkpoint died with it: the resumed run
+        # trains it again, from the same checkpoint on the same groups, to the same loss.
+        resumed = re.search(r"resume: version (\d+),", said)
+        assert resumed is not None, said[-3000:]
+        assert all(v > int(resumed[1]) for v in redone), (redone, resumed[0])
+        for version in redone:
+            first, again = [s.loss for s in metrics.steps if s.version == version]
+            assert again == pytest.approx(first, rel=1e-4, abs=1e-6), version
+    assert core or not redone
 
     # No surviving harness saw an error: each toy harness run sent no call twice.
     summaries = harness_summaries(run.dir)
