@@ -249,3 +249,11 @@ def test_the_inside_relay_passes_a_sigterm_on_and_waits_for_the_harness(tmp_path
         time.sleep(0.02)
     relay.send_signal(signal.SIGTERM)  # the relay alone, not its process group
     assert relay.wait() == 5
+
+
+def test_a_sigterm_after_the_harness_was_reaped_is_not_an_error() -> None:
+    # A TERM to the sandbox's process group can end the harness, and waitpid reap it,
+    # before the relay's handler runs: that handler then has no one to pass it to.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert netns_relay._forward([gone.pid])

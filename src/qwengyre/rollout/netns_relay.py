@@ -62,9 +62,12 @@ def _serve(listener: socket.socket, path: str) -> None:
 
 
 def _forward(children: list[int]) -> bool:
-    """SIGTERM to the harness; False if it is not spawned yet."""
+    """SIGTERM to the harness; False if it is not spawned yet. A harness already reaped
+    needs none: a TERM sent to the whole group can end it, and ``waitpid`` reap it,
+    before this handler runs."""
     for child in children:
-        os.kill(child, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGTERM)
     return bool(children)
 
 

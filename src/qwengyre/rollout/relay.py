@@ -135,8 +135,8 @@ class ProxyRelay:
             for name, value in upstream.headers.items():
                 if name.lower() not in _DROP:
                     answer.headers.add(name, value)
-            await answer.prepare(request)
-            with contextlib.suppress(ConnectionResetError):  # the harness hung up
+            with contextlib.suppress(ConnectionResetError):  # the harness hung up (or died)
+                await answer.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     await answer.write(chunk)
                 await answer.write_eof()
