@@ -1,8 +1,10 @@
 """Time from a cell's death to the next training step, per kind of cell, on live runs.
 
-Each case starts ``qwengyre train`` (the embedded preset, the tiny test model, a grader
-that flips a coin, ``run.restarts=1``), waits until the run has trained
-:data:`STEPS_BEFORE` steps and the cells are in the roles the case names, SIGKILLs the
+Each case starts ``qwengyre train`` (the embedded preset, the tiny test model, the paced
+harness: 4 model calls a second apart, so that executions are in flight; a grader that
+flips a coin; ``run.restarts=1``), waits until the run has trained
+:data:`STEPS_BEFORE` steps, the cells are in the roles the case names and executions are
+in flight, SIGKILLs the
 victim's process, and measures on this process's clock the time from the kill to the
 next step record in ``metrics.jsonl``, against the run's cadence (the mean time between
 the step records seen before the kill):
@@ -13,6 +15,10 @@ the step records seen before the kill):
 - ``core``: cell 0 trains; the run stops and resumes itself from its checkpoint, the
   path the only rollout cell and a training satellite took before their death became a
   scheduler event (run this script with an older qwengyre on ``PYTHONPATH`` to see it).
+
+It also counts the executions whose harnesses ran at the kill and, at the next step,
+how many of those harnesses were killed (cancelled, or lost with their daemon): those
+executions were thrown away (the run directory's harness daemon's state).
 
     python benchmarks/bench_cell_death.py            # all four, about 2 min each
     python benchmarks/bench_cell_death.py --cases core "only rollout cell"
@@ -33,8 +39,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_controller_restart import harness_states
 from qwengyre.models import cached_tiny_model
 from qwengyre.presets import preset_path
+from qwengyre.rollout import paced_harness
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 
 COIN = (
@@ -96,8 +104,24 @@ def cells_of(pid: int) -> list[int]:
     return sorted(found)
 
 
-def run_case(case: Case, model: Path, work: Path, steps: int) -> tuple[float, float]:
-    """(seconds from the kill to the next step, the cadence before it)."""
+@dataclass(frozen=True)
+class Death:
+    gap_s: float  # from the kill to the next step record
+    cadence_s: float  # mean time between step records before the kill
+    in_flight: int  # executions whose harnesses ran at the kill
+    thrown_away: int  # of those, whose harnesses the run killed
+
+
+def running_harnesses(run_dir: Path) -> set[str]:
+    return {e for e, state in harness_states(run_dir).items() if state.get("ended") is None}
+
+
+def killed_harnesses(run_dir: Path) -> set[str]:
+    states = harness_states(run_dir).items()
+    return {e for e, state in states if state.get("cancelled") or state.get("lost")}
+
+
+def run_case(case: Case, model: Path, work: Path, steps: int) -> Death:
     tasks = work / "tasks.jsonl"
     evaluator = CommandEvaluator(command=[sys.executable, "-c", COIN], timeout_s=30)
     dump_tasks(
@@ -109,6 +133,9 @@ def run_case(case: Case, model: Path, work: Path, steps: int) -> tuple[float, fl
     command += [
         f"model.path={model}",
         f"harness.tasks={tasks}",
+        f"harness.name={sys.executable} {paced_harness.__file__} {{instructions}}",
+        "harness.deadline_s=400",
+        "harness.budget_s=500",
         "warm_start.accuracy=null",
         "groups.size=4",
         "groups.batch=2",
@@ -130,21 +157,34 @@ def run_case(case: Case, model: Path, work: Path, steps: int) -> tuple[float, fl
             roles = roles_now(run_dir)
             due = len(seen) >= STEPS_BEFORE and killed_at is None
             if due and all(roles.get(c) == r for c, r in case.roles.items()):
+                flying = running_harnesses(run_dir)
+                if not flying:  # a death with executions in flight
+                    time.sleep(0.02)
+                    continue
                 os.kill(cells_of(process.pid)[case.victim], signal.SIGKILL)
                 killed_at, before = now, len(seen)
             if killed_at is not None and count > before:
                 break
             time.sleep(0.02)
         else:
-            said = (work / "stderr.log").read_text()[-2000:]
+            said = stderr_text(work)[-2000:]
             raise RuntimeError(f"{case.name}: the run ended before a step followed: {said}")
         assert killed_at is not None
         gaps = [b - a for a, b in itertools.pairwise(seen[:before])]
-        return seen[before] - killed_at, statistics.mean(gaps) if gaps else float("nan")
+        return Death(
+            gap_s=seen[before] - killed_at,
+            cadence_s=statistics.mean(gaps) if gaps else float("nan"),
+            in_flight=len(flying),
+            thrown_away=len(flying & killed_harnesses(run_dir)),
+        )
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         stderr.close()
+
+
+def stderr_text(work: Path) -> str:
+    return (work / "stderr.log").read_text()
 
 
 def main() -> None:
@@ -153,13 +193,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     model = cached_tiny_model("test")
-    print(f"{'cell that died':<20} {'death -> next step':>19} {'cadence':>8} {'ratio':>6}")
+    print(
+        f"{'cell that died':<20} {'death -> next step':>19} {'cadence':>8} {'ratio':>6}"
+        f" {'in flight':>9} {'thrown away':>11}"
+    )
     for case in CASES:
         if case.name not in args.cases:
             continue
         with tempfile.TemporaryDirectory(prefix="qg-death-") as work:
-            gap, cadence = run_case(case, model, Path(work), args.steps)
-        print(f"{case.name:<20} {gap:>17.1f} s {cadence:>6.1f} s {gap / cadence:>6.1f}")
+            d = run_case(case, model, Path(work), args.steps)
+        print(
+            f"{case.name:<20} {d.gap_s:>17.1f} s {d.cadence_s:>6.1f} s"
+            f" {d.gap_s / d.cadence_s:>6.1f} {d.in_flight:>9} {d.thrown_away:>11}"
+        )
 
 
 if __name__ == "__main__":

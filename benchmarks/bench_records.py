@@ -102,7 +102,7 @@ def ledger_sizes(samples: list[GroupSample]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ledger = Ledger(Path(tmp))
         for g in samples:
-            ledger.append(g)
+            ledger.append(g, {})
         npz = sum(ledger.path(g.group_id).stat().st_size for g in samples)
         start = time.perf_counter()
         for g in samples:
@@ -125,7 +125,7 @@ def resumes(samples: list[GroupSample], sizes: list[int], json_sizes: list[int])
             if n in sizes:
                 ledger = Ledger(run_dir / LEDGER_DIR)
                 for g in rows:
-                    ledger.append(g)
+                    ledger.append(g, {})
                 disk = sum(p.stat().st_size for p in ledger.directory.iterdir())
                 seconds, peak = found[n, "npz"] = measured(partial(resume_state, run_dir, run_dir))
                 print(f"  {n:>7} {'npz':>5} {disk / 1e6:>10.0f} {seconds:>8.3f} {peak:>9.2f}")

@@ -212,7 +212,7 @@ def test_a_real_full_disk_is_one_clear_error_everywhere(tiny_disk: Path) -> None
     written = []
     with pytest.raises(DiskFullError, match=r"ledger/group-\d+\.npz: the disk is full"):
         for gid in range(100):
-            ledger.append(sample(gid))
+            ledger.append(sample(gid), {})
             written.append(gid)
     assert written and [g.group_id for g in ledger.groups()] == written
     for stored in ledger.groups():

@@ -376,3 +376,20 @@ def test_a_call_waits_for_an_engine_to_accept_again_within_engine_wait_s() -> No
             await consume(router)
 
     asyncio.run(main())
+
+
+def test_a_call_that_came_before_any_engine_goes_on_once_one_registers() -> None:
+    """A restarted run's proxy is back before its engines: the harnesses' calls wait for
+    the first engine to register, not for ``engine_wait_s`` to run out."""
+
+    async def main() -> None:
+        router = Router(engine_wait_s=3600.0)
+        call = asyncio.create_task(consume(router))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not call.done()
+        router.register(FakeEngine("cell-0", [[((7,), "stop")]]), 0)
+        out = await asyncio.wait_for(call, 10)
+        assert [d.output_ids for _, d in out] == [(7,)]
+
+    asyncio.run(main())

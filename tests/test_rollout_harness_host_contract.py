@@ -167,6 +167,42 @@ def test_closing_a_host_stops_the_executions_running_there(drive: Drive, tmp_pat
     assert isinstance(outcome, Exception) or outcome.outcome is Outcome.CANCELLED
 
 
+@pytest.fixture(params=implementations(HOSTS))
+def new_host(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Callable[[], AbstractAsyncContextManager[HarnessHost]]:
+    """Makes hosts of one implementation under ``tmp_path``, as a restarted run does."""
+    return lambda: HOSTS[request.param](tmp_path, request)
+
+
+def test_a_host_closed_keeping_its_harnesses_leaves_them_to_the_next_run(
+    new_host: Callable[[], AbstractAsyncContextManager[HarnessHost]], tmp_path: Path
+) -> None:
+    """A run that restarts itself (its core died) closes its hosts with
+    ``keep_harnesses``: the harness goes on under its daemon, and the restarted run's
+    host lists it and re-adopts it."""
+    script = "echo $$ > pid; while [ ! -e go ]; do sleep 0.05; done"
+
+    async def main() -> Any:
+        async with new_host() as first:
+            watched = asyncio.ensure_future(first.run(request("ex_kept", "sh", "-c", script)))
+            pid = await pid_of(tmp_path, "ex_kept")
+            await first.close(keep_harnesses=True)
+            await asyncio.gather(watched, return_exceptions=True)
+        assert not gone(pid)
+        async with new_host() as second:
+            try:
+                assert await second.survivors() == ["ex_kept"]
+                adopted = asyncio.ensure_future(second.adopt(request("ex_kept", "unused")))
+                (tmp_path / "workspaces" / "ex_kept" / "go").touch()
+                return await asyncio.wait_for(adopted, 60), pid
+            finally:
+                await second.close()
+
+    result, pid = asyncio.run(main())
+    assert result.outcome is Outcome.COMPLETED and gone(pid)
+
+
 def test_a_host_stops_the_harnesses_a_killed_run_left_under_its_directory(
     drive: Drive, tmp_path: Path
 ) -> None:

@@ -77,7 +77,7 @@ class FakeHost:
         self.cancelled.append(execution_id)
         self.finish(execution_id, Outcome.CANCELLED)
 
-    async def close(self) -> None:
+    async def close(self, *, keep_harnesses: bool = False) -> None:
         self.closed = True
 
 

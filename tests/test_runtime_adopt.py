@@ -1,19 +1,24 @@
 """A controller restart re-adopts the harnesses that still run: `qwengyre train` is
 SIGKILLed (its whole process group, cells included) while executions are in flight,
-and `--resume` takes them over from the harness daemon, which outlived it."""
+and `--resume` takes them over from the harness daemon, which outlived it. The core's
+death does the same within the run (``run.restarts=1``): the run resumes itself and
+re-adopts its harnesses, which kept running through the restart."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from tests.test_runtime_train import kill_group, start_train, wait_for_checkpoint
+from tests.test_runtime_train import children, kill_group, start_train, wait_for_checkpoint
 
 from qwengyre.apps.train import TrainOptions, train
 from qwengyre.proxy.store import Store
@@ -27,6 +32,7 @@ from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 pytestmark = pytest.mark.slow
 
 CALLS = 4  # the paced harness's default: 4 calls, a second apart
+STEPS = 4  # two or more steps after the death: the adopted executions have time to end
 
 
 def harness_states(run_dir: Path) -> dict[str, dict]:  # type: ignore[type-arg]
@@ -44,19 +50,26 @@ def calls_made(run_dir: Path, execution_id: str) -> int:
     return len(path.read_text()) if path.exists() else 0
 
 
-def test_a_killed_controller_s_running_executions_are_adopted_on_resume(
-    tiny_model_dir: Path, tmp_path: Path
+def core_of(process: subprocess.Popen[bytes]) -> int:
+    """The pid of the run's core (cell processes are spawned in rank order)."""
+    return min(pid for pid, line in children(process.pid).items() if "spawn_main" in line)
+
+
+@pytest.mark.parametrize("death", ["controller", "core"])
+def test_running_executions_are_adopted_after_a_controller_or_core_death(
+    death: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     script = paced_harness.__file__
     run_dir = tmp_path / "run"
     process = start_train(
         tmp_path,
         tiny_model_dir,
-        3,
+        STEPS,
         f"harness.name={sys.executable} {script} {{instructions}}",
         "harness.deadline_s=400",
         "harness.budget_s=500",
         "cells.capacity=4",
+        "run.restarts=1",
     )
     wait_for_checkpoint(process, run_dir, version=1)
     # Mid-run: executions that have made some of their calls and not all.
@@ -73,14 +86,22 @@ def test_a_killed_controller_s_running_executions_are_adopted_on_resume(
         time.sleep(0.05)
     else:
         pytest.fail("no two executions in flight within 240 s")
-    kill_group(process)
-    before = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
-
     lines: list[str] = []
-    asyncio.run(train(TrainOptions(run_dir=run_dir, resume=True, display=False, log=lines.append)))
+    if death == "controller":
+        kill_group(process)
+        before = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
+        options = TrainOptions(run_dir=run_dir, resume=True, display=False, log=lines.append)
+        asyncio.run(train(options))
+    else:  # the run resumes itself
+        os.kill(core_of(process), signal.SIGKILL)
+        before = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
+        _, said = process.communicate(timeout=600)
+        lines = said.decode().splitlines()
+        assert process.returncode == 0, lines[-30:]
+        assert any("died (exit code -9); restart 1 of 1" in line for line in lines), lines
 
     after = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
-    assert after["version"] == 3  # the run finished
+    assert after["version"] == STEPS  # the run finished
     (taken_over,) = [line for line in lines if "re-adopted" in line]
     print(taken_over, f"(in flight with calls made: {len(running)})")
     assert int(re.search(r"(\d+) running executions re-adopted", taken_over)[1]) >= len(running)  # type: ignore[index]
@@ -89,17 +110,23 @@ def test_a_killed_controller_s_running_executions_are_adopted_on_resume(
     by_proxy = {record.proxy_id: record for record in journal.launches.values()}
     store = Store(run_dir / "proxy.sqlite")
     try:
+        completed = set()
         for eid, pid in running.items():
-            # The same harness process went on (same pid, started once) and finished:
-            # every call it made is in its one tree, and it counted once.
+            # The same harness process went on (same pid, started once) ...
             assert states[eid]["pid"] == pid and states[eid]["ended"] is not None
-            assert states[eid]["exit_code"] == 0, run_dir / "logs" / eid / "stderr.log"
             # one start (a sandboxed harness sees its own PID namespace's pid there)
             assert len((run_dir / "workspaces" / eid / "starts").read_text().split()) == 1
+            finish = journal.finishes.get(by_proxy[eid].execution)
+            assert finish is not None  # it counted, once
+            if finish.outcome != "completed":
+                continue  # still running when the run had trained its last step
+            # ... and finished: every call it made is in its one tree.
+            completed.add(eid)
+            assert states[eid]["exit_code"] == 0, run_dir / "logs" / eid / "stderr.log"
             assert calls_made(run_dir, eid) == CALLS
             delivered = [node for node, _ in store.calls(eid) if node.meta.delivered]
             assert len(delivered) == CALLS
-            assert by_proxy[eid].execution in journal.finishes
+        assert len(completed) * 2 >= len(running), (completed, running)
     finally:
         store.close()
     # No harness was started twice, no execution launched twice.
@@ -113,7 +140,17 @@ def test_a_killed_controller_s_running_executions_are_adopted_on_resume(
     assert len(set(trained)) == len(trained)
     finished = {g.group_id for g in Ledger(run_dir / LEDGER_DIR).groups()}
     assert set(trained) <= finished
-    counts = Counter(g.group_id for g in read_metrics(run_dir).groups)
-    assert set(counts) == set(trained) and set(counts.values()) == {1}
+    metrics = read_metrics(run_dir)
+    counts = Counter(g.group_id for g in metrics.groups)
+    assert set(counts) == set(trained)
+    # ... but those of a step the core trained and had not checkpointed when it died
+    versions = [step.version for step in metrics.steps]
+    redone = {v for v in versions if versions.count(v) == 2}
+    assert {g for g, n in counts.items() if n > 1} == {
+        g.group_id for g in metrics.groups if g.step + 1 in redone
+    }
+    assert death == "core" or not redone
+    # Every step reports the rewards of the groups it trained, resumed ones included.
+    assert all(step.rewards > 0 for step in metrics.steps), metrics.steps
     # The run's end stopped its harness daemon.
     assert not (run_dir / DAEMON_DIR / "sock").exists()

@@ -56,7 +56,7 @@ def fp32(g: GroupSample) -> GroupSample:
 def test_a_group_reads_back_exactly_and_trains_on_the_same_numbers(tmp_path: Path) -> None:
     original = sample(7, version=3)  # log-probs like -0.01 that float32 cannot hold exactly
     ledger = Ledger(tmp_path)
-    ledger.append(original)
+    ledger.append(original, {})
 
     [stored] = ledger.groups()
     assert (stored.group_id, stored.version) == (7, 3)
@@ -77,7 +77,7 @@ def test_a_group_reads_back_exactly_and_trains_on_the_same_numbers(tmp_path: Pat
 def test_the_ledger_takes_about_eight_bytes_a_token(tmp_path: Path) -> None:
     big = group(1, 0, [execution(f"e{i}", [3000, 2000]) for i in range(8)])
     tokens = sum(e.num_tokens for e in big.executions)
-    Ledger(tmp_path).append(big)
+    Ledger(tmp_path).append(big, {})
     size = Ledger(tmp_path).path(1).stat().st_size
     assert size / tokens < 8.5, size / tokens  # int32 ids, fp32 log-probs, bits, runs
 
@@ -85,8 +85,8 @@ def test_the_ledger_takes_about_eight_bytes_a_token(tmp_path: Path) -> None:
 def test_a_stored_group_is_read_only_when_it_is_taken(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path)
     second = sample(2, version=1)
-    ledger.append(sample(1, version=2))
-    ledger.append(second)
+    ledger.append(sample(1, version=2), {})
+    ledger.append(second, {})
     reads: list[int] = []
 
     def counted(gid: int) -> GroupSample:
@@ -105,9 +105,36 @@ def test_a_stored_group_is_read_only_when_it_is_taken(tmp_path: Path) -> None:
         buffer.take(2)
 
 
+def test_a_resumed_run_gets_the_ready_groups_in_the_order_they_became_ready(
+    tmp_path: Path,
+) -> None:
+    """Groups finish out of id order; a step redone after a crash must take the groups the
+    dead run took (the scheduler orders by v_d, then by readiness), so the ledger keeps
+    the order across runs, not the ids'."""
+    first = Ledger(tmp_path / LEDGER_DIR)
+    for gid in (3, 1, 2):
+        first.append(sample(gid), {})
+    assert [g.group_id for g in first.groups()] == [3, 1, 2]
+    again = Ledger(tmp_path / LEDGER_DIR)  # the resumed run's ledger continues the order
+    for gid in (5, 0, 4):
+        again.append(sample(gid), {})
+    assert [g.group_id for g in again.groups()] == [3, 1, 2, 5, 0, 4]
+    assert [g.id for g in resume_state(tmp_path, tmp_path).ready] == [3, 1, 2, 5, 0, 4]
+
+
+def test_a_resumed_group_comes_back_with_its_valid_rewards(tmp_path: Path) -> None:
+    """The step that trains a resumed group reports the rewards it was admitted with."""
+    ledger = Ledger(tmp_path / LEDGER_DIR)
+    ledger.append(sample(4, version=2), {40: 1.0, 41: 0.0, 43: 0.25})
+    ledger.append(sample(5, version=2), {})
+    [four, five] = resume_state(tmp_path, tmp_path).ready
+    assert (four.id, four.v_d, dict(four.valid)) == (4, 2, {40: 1.0, 41: 0.0, 43: 0.25})
+    assert (five.id, dict(five.valid)) == (5, {})
+
+
 def test_a_stored_group_that_loads_as_another_is_refused(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path)
-    ledger.append(sample(1))
+    ledger.append(sample(1), {})
     buffer = TrajectoryBuffer()
     buffer.add(StoredGroup(5, 0, lambda: ledger.load(1)))
     with pytest.raises(ValueError, match=r"stored group 5 .* loaded as group 1"):
@@ -132,7 +159,7 @@ def crash_mid_write(ledger: Ledger, group: GroupSample, monkeypatch: pytest.Monk
         # a real crash would not get to remove the temporary file: keep it
         m.setattr(Path, "unlink", lambda self, missing_ok=False: None)
         with pytest.raises(Killed):
-            ledger.append(group)
+            ledger.append(group, {})
 
 
 def train(run_dir: Path, step: int, count: int) -> list[int]:
@@ -156,7 +183,7 @@ def test_crashes_mid_write_never_make_a_later_resume_fail(
 ) -> None:
     ledger = Ledger(tmp_path / LEDGER_DIR)
     for gid in range(4):
-        ledger.append(sample(gid))
+        ledger.append(sample(gid), {})
     crash_mid_write(ledger, sample(4), monkeypatch)  # a partial temporary file
     assert (tmp_path / LEDGER_DIR / ".group-000004.npz.tmp").exists()
     with (ledger.path(1)).open("ab") as f:  # bytes after a complete group: still complete
@@ -166,7 +193,7 @@ def test_crashes_mid_write_never_make_a_later_resume_fail(
     assert not (tmp_path / LEDGER_DIR / ".group-000004.npz.tmp").exists()
     assert trained == [0, 1]
     for gid in range(5, 8):  # the resumed run appends more groups
-        ledger.append(sample(gid))
+        ledger.append(sample(gid), {})
     crash_mid_write(ledger, sample(8), monkeypatch)
 
     trained = train(tmp_path, 2, 10)  # second resume: every complete group, once
@@ -178,8 +205,8 @@ def test_crashes_mid_write_never_make_a_later_resume_fail(
 def test_a_group_file_damaged_after_writing_is_named(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path)
     first, second = sample(1), sample(2)
-    ledger.append(first)
-    ledger.append(second)
+    ledger.append(first, {})
+    ledger.append(second, {})
     data = ledger.path(2).read_bytes()
     ledger.path(2).write_bytes(data[: len(data) // 2])
     with pytest.raises(LedgerError, match=r"group-000002\.npz: unreadable ready group"):
@@ -201,7 +228,7 @@ def test_a_full_disk_is_one_error_naming_the_group_file_and_loses_nothing(
 ) -> None:
     ledger = Ledger(tmp_path)
     first = sample(1)
-    ledger.append(first)
+    ledger.append(first, {})
 
     def full(arrays: dict[str, np.ndarray], f: IO[bytes]) -> None:
         f.write(b"PK" + bytes(64))
@@ -209,7 +236,7 @@ def test_a_full_disk_is_one_error_naming_the_group_file_and_loses_nothing(
 
     monkeypatch.setattr(ledger_module, "_save", full)
     with pytest.raises(DiskFullError, match=r"group-000002\.npz: the disk is full") as caught:
-        ledger.append(sample(2))
+        ledger.append(sample(2), {})
     assert str(tmp_path) in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["group-000001.npz"]
     assert [g.group_id for g in ledger.groups()] == [1]

@@ -9,6 +9,7 @@ from qwengyre.scheduler.core import (
     GroupState,
     InFlightExecution,
     InFlightGroup,
+    ReadyGroup,
     Scheduler,
     SchedulerError,
 )
@@ -637,7 +638,7 @@ def test_a_resumed_scheduler_trains_the_ready_groups_first_and_never_reuses_ids(
             phi=1,
         )
     )
-    s.resume(3, [(7, 2), (4, 3)], next_group=9, next_execution=20)
+    s.resume(3, [ReadyGroup(id=7, v_d=2), ReadyGroup(id=4, v_d=3)], next_group=9, next_execution=20)
     out = s.handle(Start(10.0))
     assert s.version == 3 and s.published == 3
     # Boundary dispatch: the two ready groups hold their slots; the rest refills.
@@ -650,7 +651,7 @@ def test_a_resumed_scheduler_trains_the_ready_groups_first_and_never_reuses_ids(
     with pytest.raises(SchedulerError, match="before Start"):
         s.resume(0, [], next_group=50, next_execution=50)
     with pytest.raises(SchedulerError, match="below next_group"):
-        Scheduler(s.params).resume(0, [(5, 0)], next_group=5, next_execution=0)
+        Scheduler(s.params).resume(0, [ReadyGroup(id=5, v_d=0)], next_group=5, next_execution=0)
 
 
 def test_a_resumed_scheduler_adopts_running_executions_and_replaces_lost_ones():

@@ -28,9 +28,9 @@ journal (:mod:`qwengyre.runtime.journal`), their running executions re-adopted (
 evaluated and counted once when its harness ends), those lost replaced, every other
 harness the killed run left behind stopped. No finished group is lost, none is trained
 twice, no execution is started twice. A run that loses its core (or a satellite during
-the update's collectives) resumes itself so, up to ``run.restarts`` times (its harnesses
-stopped first: that restart adopts none); any other cell that dies is left behind and
-the run goes on without it (:mod:`qwengyre.runtime.controller`).
+the update's collectives) resumes itself so, up to ``run.restarts`` times, its harnesses
+left running and re-adopted like a killed controller's; any other cell that dies is left
+behind and the run goes on without it (:mod:`qwengyre.runtime.controller`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from qwengyre.runtime.display import show
 from qwengyre.runtime.journal import JOURNAL_FILE, JournalState, LaunchJournal, adoption
 from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.runtime.lock import lock_run_dir
-from qwengyre.scheduler.core import Scheduler
+from qwengyre.scheduler.core import ReadyGroup, Scheduler
 from qwengyre.scheduler.events import STANDALONE, Start
 from qwengyre.scheduler.staleness import predicted_staleness
 from qwengyre.training.buffers import TrajectoryBuffer
@@ -100,7 +100,7 @@ class Resumed:
     version: int
     trained: list[int]
     trajectories: TrajectoryBuffer
-    ready: list[tuple[int, int]]  # (group id, v_d) of the ready, untrained groups
+    ready: list[ReadyGroup]  # the ready, untrained groups, in the order they became ready
     next_group: int
     next_execution: int
     journal: JournalState  # what the killed run launched (runtime.journal)
@@ -163,19 +163,17 @@ def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
     fresh run: nothing)."""
     trajectories = TrajectoryBuffer()
     journal = LaunchJournal(run_dir / JOURNAL_FILE).read()
-    ready = []
     ledger = Ledger(run_dir / LEDGER_DIR)
     ledger.discard_partial()  # the caller holds the run directory's lock
-    stored = ledger.groups()
+    stored = ledger.ready_groups()
     path = latest_checkpoint(run_dir / "checkpoints")
     state = read_checkpoint(path).state if path is not None else {}
     trained = [int(g) for g in state.get("trained_groups", [])]
     done = set(trained)
-    for group in stored:
-        if group.group_id not in done:
-            trajectories.add(group)
-            ready.append((group.group_id, group.version))
-    known = [group.group_id for group in stored] + trained
+    ready = [group for group in stored if group.id not in done]
+    for group in ready:
+        trajectories.add(ledger.stored(group))
+    known = [group.id for group in stored] + trained
     return Resumed(
         model_dir=model_dir,  # the architecture; the checkpoint's sharded weights go on top
         checkpoint=path,
@@ -336,7 +334,9 @@ async def train(options: TrainOptions) -> Controller:
 
     A cell that dies stops the run (``ActorDied``, naming it). With ``run.restarts``
     left, the run then resumes itself from its newest checkpoint, as ``--resume`` does:
-    the groups that finished are kept, the executions that were running are lost.
+    the groups that finished are kept, the executions that were running are re-adopted
+    (their harnesses kept running through the restart, retrying their model calls
+    until the proxy is back on its address).
     """
     run_dir = options.run_dir
     if options.resume and not (run_dir / CONFIG_FILE).exists():  # before any lock file
@@ -347,7 +347,7 @@ async def train(options: TrainOptions) -> Controller:
         restarts = 0
         while True:
             try:
-                return await _train_once(options)
+                return await _train_once(options, restarts)
             except ActorDied as died:
                 allowed = load_config(run_dir / CONFIG_FILE).run.restarts
                 if restarts >= allowed:
@@ -357,7 +357,9 @@ async def train(options: TrainOptions) -> Controller:
                 options = replace(options, resume=True, config=None)
 
 
-async def _train_once(options: TrainOptions) -> Controller:
+async def _train_once(options: TrainOptions, restarts: int) -> Controller:
+    """One run of the loop in :func:`train`, the ``restarts``-th restart; a cell death it
+    will resume from leaves the harnesses running, for the restart to re-adopt."""
     config = prepare_run_dir(options)
     check_metrics(config)  # a sink that cannot work fails before the warm start
     harness = config.harness
@@ -407,13 +409,14 @@ async def _train_once(options: TrainOptions) -> Controller:
     )
     engines = Engines([])
     hosts: HostPool | None = None
+    keep_harnesses = False  # a death train() resumes from: the restart re-adopts them
     try:
         engines = await _start_engines(config, resumed, run_dir, proxy)
         hosts = _harness_hosts(config, run_dir, proxy)  # after the cells: Ray is up
         await hosts.check_sandbox(confine)  # on every node (a Ray node may lack bwrap)
         taken_over = None
         if options.resume:
-            settled = {g for g, _ in resumed.ready} | set(resumed.trained)
+            settled = {g.id for g in resumed.ready} | set(resumed.trained)
             taken_over = adoption(resumed.journal, settled, await hosts.survivors())
             scheduler.resume(
                 resumed.version,
@@ -454,14 +457,17 @@ async def _train_once(options: TrainOptions) -> Controller:
         view = asyncio.create_task(show(controller)) if options.display else None
         try:
             await controller.run(Start(0.0))
+        except ActorDied:
+            keep_harnesses = restarts < config.run.restarts
+            raise
         finally:
             if view is not None:
                 view.cancel()
-            await controller.shutdown()
+            await controller.shutdown(keep_harnesses=keep_harnesses)
         return controller
     finally:
-        if hosts is not None:
-            await hosts.close()  # no harness outlives the run
+        if hosts is not None:  # no harness outlives the run (a restart adopts them)
+            await hosts.close(keep_harnesses=keep_harnesses)
         await site.cleanup()  # no new calls reach the cells while they stop
         engines.stop()
         proxy.store.close()

@@ -202,8 +202,8 @@ class HarnessActor:
     async def check_sandbox(self, sandbox: Sandbox) -> None:
         await self.host.check_sandbox(sandbox)
 
-    async def close(self) -> None:
-        await self.host.close()
+    async def close(self, keep_harnesses: bool = False) -> None:
+        await self.host.close(keep_harnesses=keep_harnesses)
 
 
 class RayHarnessHost:
@@ -292,11 +292,12 @@ class RayHarnessHost:
                 raise SandboxUnavailable(f"harness host {self.name}: {cause}") from None
             raise
 
-    async def close(self) -> None:
-        """Stop the node's harnesses (bounded by :data:`CLOSE_TIMEOUT_S`), then the actor."""
+    async def close(self, *, keep_harnesses: bool = False) -> None:
+        """Stop the node's harnesses (bounded by :data:`CLOSE_TIMEOUT_S`; with
+        ``keep_harnesses`` only the actor's watchers), then the actor."""
         try:
             with contextlib.suppress(ActorDied, TimeoutError):
-                await asyncio.wait_for(self._call("close"), CLOSE_TIMEOUT_S)
+                await asyncio.wait_for(self._call("close", keep_harnesses), CLOSE_TIMEOUT_S)
         finally:
             ray.kill(self._actor, no_restart=True)
 

@@ -118,6 +118,7 @@ class Router:
         if engine.name in self._slots:
             raise ValueError(f"engine {engine.name!r} is already registered")
         self._slots[engine.name] = _Slot(engine=engine, preference=preference)
+        self._wake_waiting()  # a call that came before any engine (a restarted run's)
 
     def route_of(self, execution_id: str) -> str | None:
         return self._routes.get(execution_id)

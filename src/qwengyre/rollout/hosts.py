@@ -77,8 +77,10 @@ class HarnessHost(Protocol):
         one not running here is left alone."""
         ...
 
-    async def close(self) -> None:
-        """Stop every execution here (harnesses killed) and release the host."""
+    async def close(self, *, keep_harnesses: bool = False) -> None:
+        """Stop every execution here (harnesses killed) and release the host.
+        ``keep_harnesses``: stop watching them instead, leaving those under a harness
+        daemon running for a resumed run to re-adopt (others are killed)."""
         ...
 
     async def adopt(self, request: ExecutionRequest) -> ExecutionResult:
@@ -195,12 +197,16 @@ class LocalHarnessHost:
     async def check_sandbox(self, sandbox: Sandbox) -> None:
         await asyncio.to_thread(sandbox.check)
 
-    async def close(self) -> None:
+    async def close(self, *, keep_harnesses: bool = False) -> None:
         running = list(self._running.values())
-        for cancel, _ in running:
-            cancel.set()
+        keep = keep_harnesses and self.daemon is not None
+        for cancel, task in running:
+            if keep:
+                task.cancel()  # the watcher only: the daemon keeps the harness
+            else:
+                cancel.set()
         await asyncio.gather(*(task for _, task in running), return_exceptions=True)
-        if self.daemon is not None:
+        if self.daemon is not None and not keep:
             await self.daemon.shutdown()  # the run is over: the daemon too
 
 
@@ -299,11 +305,12 @@ class HostPool:
         counts = await asyncio.gather(*(host.stop_orphans(keep) for host in self.hosts))
         return {host.name: n for host, n in zip(self.hosts, counts, strict=True)}
 
-    async def close(self) -> None:
-        """No execution starts any more; every host is closed (its harnesses killed)."""
+    async def close(self, *, keep_harnesses: bool = False) -> None:
+        """No execution starts any more; every host is closed (its harnesses killed, or
+        with ``keep_harnesses`` left to their daemons: :meth:`HarnessHost.close`)."""
         self._closed = True
         self._wake()
-        await asyncio.gather(*(host.close() for host in self.hosts))
+        await asyncio.gather(*(host.close(keep_harnesses=keep_harnesses) for host in self.hosts))
 
     async def _acquire(self, execution_id: str) -> int | None:
         """The index of the host that takes the execution (its slot counted), or None

@@ -404,7 +404,7 @@ class Controller:
             )
             executions.append(ExecutionSample(proxy_id, advantages[eid], tuple(admitted)))
         sample = GroupSample(group_id, group.v_d, tuple(executions))
-        self.outputs.ledger.append(sample)  # durable before it can be trained
+        self.outputs.ledger.append(sample, group.valid)  # durable before it can be trained
         self.trajectories.add(sample)
         self._buffered.add(group_id)
 
@@ -563,7 +563,7 @@ class Controller:
         self._synced = set(range(k))
         self.trained += list(summary.group_ids)
         launched = {
-            g: [self._executions[e].version for e in self.scheduler.groups[g].valid]
+            g: [v for e in self.scheduler.groups[g].valid if (v := self._launch_version(e)) >= 0]
             for g in summary.group_ids
         }
         core, _ = updates[0]
@@ -581,6 +581,12 @@ class Controller:
         self._step = None
         self._emit(lambda t: StepDone(t, step.step))
 
+    def _launch_version(self, execution: int) -> int:
+        """The version ``execution`` launched at; a resumed ready group's were launched
+        by an earlier run (the journal's; -1 when it has none)."""
+        ex = self._executions.get(execution)
+        return ex.version if ex is not None else self._adoption.versions.get(execution, -1)
+
     def last_step(self, version: int) -> bool:
         return version >= self.config.run.steps
 
@@ -595,13 +601,16 @@ class Controller:
         root, keep = str(self.outputs.checkpoints), self.config.checkpoint.keep
         await self.cells[0].save_checkpoint(root, version, state, keep)
 
-    async def shutdown(self) -> None:
-        """Stop every execution (their harnesses are killed) and every background task."""
-        for ex in self._executions.values():
-            await self._cancel(ex)
+    async def shutdown(self, *, keep_harnesses: bool = False) -> None:
+        """Stop every execution (their harnesses are killed) and every background task.
+        ``keep_harnesses``: stop watching the executions instead, their harnesses left
+        running for the resumed run that re-adopts them (the host pool's close)."""
+        if not keep_harnesses:
+            for ex in self._executions.values():
+                await self._cancel(ex)
         pending = [t for t in self._tasks if not t.done()]
         for task in pending:
-            if task.get_name() != "execution":
+            if keep_harnesses or task.get_name() != "execution":
                 task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=30)

@@ -133,11 +133,14 @@ def _ends_with_newline(path: Path) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class Adoption:
     """What a resumed run takes over: the scheduler's in-flight groups, the launch
-    records of their executions, and the harness host of each one still running."""
+    records of their executions, the harness host of each one still running, and the
+    launch version of every execution the journal holds (a resumed ready group's
+    executions are reported with them when it is trained)."""
 
     groups: tuple[InFlightGroup, ...] = ()
     launches: tuple[LaunchRecord, ...] = ()
     hosts: Mapping[str, str] = field(default_factory=dict)  # proxy id -> host name
+    versions: Mapping[int, int] = field(default_factory=dict)  # execution id -> version
 
     @property
     def lost(self) -> int:
@@ -177,4 +180,5 @@ def adoption(
             )
         groups.append(InFlightGroup(id=gid, v_d=records[0].v_d, executions=tuple(executions)))
         launches += records
-    return Adoption(groups=tuple(groups), launches=tuple(launches), hosts=hosts)
+    versions = {r.execution: r.version for r in journal.launches.values()}
+    return Adoption(groups=tuple(groups), launches=tuple(launches), hosts=hosts, versions=versions)

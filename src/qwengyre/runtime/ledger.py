@@ -10,7 +10,12 @@ Layout: a directory with one file per group, ``group-000042.npz`` (numpy's uncom
 zip of arrays), written atomically (:func:`qwengyre.durable.write_atomic`): a crash
 leaves the whole group or none of it, never a file that later reads fail on. A file holds
 
-- ``group``: int64 ``[group_id, version]`` (the version at dispatch, v_d);
+- ``group``: int64 ``[group_id, version, ready]``: the version at dispatch (v_d) and the
+  group's place in the order groups became ready, which a resumed run keeps (the scheduler
+  takes ready groups by v_d, then in that order: a step redone after a crash trains the
+  same groups);
+- ``valid_ids``, ``valid_rewards``: int64 and float64, the group's valid rewards by the
+  scheduler's execution id (a resumed run reports them with the step that trains it);
 - ``meta``: UTF-8 JSON of the executions (id, advantage) and their trajectories (leaf,
   request class, tree nodes, execution id, advantage, token count), in order;
 - the trajectories' tokens, concatenated in that order: ``input_ids`` (int32),
@@ -28,14 +33,15 @@ from __future__ import annotations
 import json
 import re
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 import numpy as np
 
 from qwengyre.durable import write_atomic
+from qwengyre.scheduler.core import ReadyGroup
 from qwengyre.training.buffers import ExecutionSample, GroupSample, StoredGroup
 from qwengyre.trajectories.selection import AdmittedTrajectory
 
@@ -45,6 +51,8 @@ LEDGER_DIR = "ledger"
 _NAME = re.compile(r"group-(\d+)\.npz")
 _ARRAYS = (
     "group",
+    "valid_ids",
+    "valid_rewards",
     "meta",
     "input_ids",
     "behaviour_logprobs",
@@ -71,20 +79,25 @@ class Ledger:
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
+        self._next_ready: int | None = None  # read from the directory at the first append
 
     def path(self, group_id: int) -> Path:
         return self.directory / f"group-{group_id:06d}.npz"
 
-    def append(self, group: GroupSample) -> None:
-        """Write ``group`` whole, durably; a full disk raises
+    def append(self, group: GroupSample, valid: Mapping[int, float]) -> None:
+        """Write ``group`` whole with its ``valid`` rewards (execution id -> reward),
+        durably; a full disk raises
         :class:`~qwengyre.durable.DiskFullError` and leaves the ledger as it was."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        arrays = _encode(group)
+        if self._next_ready is None:
+            self._next_ready = max((g.ready for g in self._stored()), default=-1) + 1
+        arrays = _encode(group, self._next_ready, valid)
         write_atomic(
             self.path(group.group_id),
             partial(_save, arrays),
             f"ready group {group.group_id} of the ledger",
         )
+        self._next_ready += 1
 
     def discard_partial(self) -> None:
         """Remove what a crash cut off (``.group-*.npz.tmp``: groups never completed).
@@ -93,8 +106,24 @@ class Ledger:
             path.unlink()
 
     def groups(self) -> list[StoredGroup]:
-        """Every recorded group by id, its tokens left on disk until ``load()``; a group
-        file that cannot be opened raises :class:`LedgerError` naming it."""
+        """Every recorded group in the order they became ready, its tokens left on disk
+        until ``load()``; a group file that cannot be opened raises :class:`LedgerError`
+        naming it."""
+        return [self.stored(g) for g in self.ready_groups()]
+
+    def ready_groups(self) -> list[ReadyGroup]:
+        """Every recorded group as the scheduler resumes it (with its valid rewards), in
+        the order they became ready; no tokens are read."""
+        return [
+            ReadyGroup(id=g.group_id, v_d=g.version, valid=g.valid)
+            for g in sorted(self._stored(), key=lambda g: g.ready)
+        ]
+
+    def stored(self, group: ReadyGroup) -> StoredGroup:
+        """``group``, its tokens left on disk until ``load()``."""
+        return StoredGroup(group.id, group.v_d, partial(self.load, group.id))
+
+    def _stored(self) -> list[_Header]:
         if not self.directory.exists():
             return []
         found = []
@@ -102,11 +131,18 @@ class Ledger:
             match = _NAME.fullmatch(path.name)
             if match is None:
                 continue
-            group_id, version = (int(x) for x in _read(path, ["group"])["group"])
+            arrays = _read(path, ["group", "valid_ids", "valid_rewards"])
+            header = arrays["group"]
+            if header.shape != (3,):
+                raise LedgerError(path, f"its group header has shape {header.shape}, not (3,)")
+            group_id, version, ready = (int(x) for x in header)
             if group_id != int(match.group(1)):
                 raise LedgerError(path, f"it holds group {group_id}")
-            found.append(StoredGroup(group_id, version, partial(self.load, group_id)))
-        return sorted(found, key=lambda g: g.group_id)
+            valid = dict(
+                zip(arrays["valid_ids"].tolist(), arrays["valid_rewards"].tolist(), strict=True)
+            )
+            found.append(_Header(group_id, version, ready, valid))
+        return found
 
     def load(self, group_id: int) -> GroupSample:
         """Group ``group_id`` with its tokens (a damaged file: :class:`LedgerError`)."""
@@ -116,6 +152,13 @@ class Ledger:
             return _decode(arrays)
         except (ValueError, KeyError, TypeError) as exc:
             raise LedgerError(path, str(exc)) from None
+
+
+class _Header(NamedTuple):
+    group_id: int
+    version: int
+    ready: int
+    valid: dict[int, float]
 
 
 def _read(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -131,7 +174,7 @@ def _save(arrays: dict[str, np.ndarray], f: IO[bytes]) -> None:
     np.savez(f, allow_pickle=False, **arrays)
 
 
-def _encode(group: GroupSample) -> dict[str, np.ndarray]:
+def _encode(group: GroupSample, ready: int, valid: Mapping[int, float]) -> dict[str, np.ndarray]:
     trajectories = [t for e in group.executions for t in e.trajectories]
     meta = [
         {
@@ -155,7 +198,9 @@ def _encode(group: GroupSample) -> dict[str, np.ndarray]:
         np.array([v for t in trajectories for v in t.versions], dtype=np.int32)
     )
     return {
-        "group": np.array([group.group_id, group.version], dtype=np.int64),
+        "group": np.array([group.group_id, group.version, ready], dtype=np.int64),
+        "valid_ids": np.array(list(valid), dtype=np.int64),
+        "valid_rewards": np.array(list(valid.values()), dtype=np.float64),
         "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
         "input_ids": np.array([x for t in trajectories for x in t.input_ids], dtype=np.int32),
         "behaviour_logprobs": np.array(
@@ -178,7 +223,7 @@ def _run_lengths(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _decode(arrays: dict[str, np.ndarray]) -> GroupSample:
-    group_id, version = (int(x) for x in arrays["group"])
+    group_id, version, _ = (int(x) for x in arrays["group"])
     meta = json.loads(arrays["meta"].tobytes())
     ids = arrays["input_ids"].tolist()
     logprobs = arrays["behaviour_logprobs"].tolist()

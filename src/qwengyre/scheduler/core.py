@@ -82,7 +82,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -257,6 +257,16 @@ class InFlightGroup:
     executions: tuple[InFlightExecution, ...]
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReadyGroup:
+    """A group that finished its rollout and was not trained when the driver died:
+    its version at dispatch and the valid rewards it was admitted with."""
+
+    id: int
+    v_d: int
+    valid: Mapping[int, float] = field(default_factory=dict)  # execution id -> reward
+
+
 @dataclass(frozen=True)
 class Consumed:
     """A group assigned to training step ``v_t``; it was admitted at version ``v_d``."""
@@ -425,15 +435,15 @@ class Scheduler:
     def resume(
         self,
         version: int,
-        ready: Sequence[tuple[int, int]],
+        ready: Sequence[ReadyGroup],
         *,
         next_group: int,
         next_execution: int,
         in_flight: Sequence[InFlightGroup] = (),
     ) -> None:
         """Before :class:`Start`: continue a run whose optimizer has made ``version``
-        updates (all published), with the ``(group id, v_d)`` groups that finished
-        their rollout and were not trained yet. New groups and executions get ids from
+        updates (all published), with the groups that finished their rollout and were
+        not trained yet, in the order they became ready. New groups and executions get ids from
         ``next_group`` / ``next_execution`` on, so they never reuse the old run's ids.
 
         ``in_flight``: the groups that were in rollout. At :class:`Start` their running
@@ -447,7 +457,7 @@ class Scheduler:
             raise SchedulerError("resume() must come before Start")
         if version < 0 or next_group < 0 or next_execution < 0:
             raise SchedulerError("resume() needs non-negative version and ids")
-        gids = [gid for gid, _ in ready] + [g.id for g in in_flight]
+        gids = [g.id for g in ready] + [g.id for g in in_flight]
         if any(gid >= next_group for gid in gids) or len(set(gids)) != len(gids):
             raise SchedulerError(
                 f"resumed group ids must be distinct and below next_group={next_group}"
@@ -459,9 +469,11 @@ class Scheduler:
             )
         self.version = self.published = version
         self._next_group, self._next_execution = next_group, next_execution
-        for gid, v_d in ready:
-            self.groups[gid] = Group(id=gid, v_d=v_d, state=GroupState.READY)
-            heapq.heappush(self._ready, (v_d, self._ready_seq, gid))
+        for r in ready:
+            self.groups[r.id] = Group(
+                id=r.id, v_d=r.v_d, state=GroupState.READY, valid=dict(r.valid)
+            )
+            heapq.heappush(self._ready, (r.v_d, self._ready_seq, r.id))
             self._ready_seq += 1
         for resumed in in_flight:
             group = Group(id=resumed.id, v_d=resumed.v_d)
