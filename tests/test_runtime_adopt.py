@@ -95,8 +95,8 @@ def test_running_executions_are_adopted_after_a_controller_or_core_death(
     else:  # the run resumes itself
         os.kill(core_of(process), signal.SIGKILL)
         before = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state  # type: ignore[arg-type]
-        _, said = process.communicate(timeout=600)
-        lines = said.decode().splitlines()
+        out, err = process.communicate(timeout=600)
+        lines = (out + err).decode().splitlines()
         assert process.returncode == 0, lines[-30:]
         assert any("died (exit code -9); restart 1 of 1" in line for line in lines), lines
 

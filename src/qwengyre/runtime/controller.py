@@ -29,7 +29,8 @@ cell before it died, or the scheduler sent it back to rollout because no engine 
 left) gives the micro-steps it claimed back to the queue, and the cells that stay train
 them (:meth:`Controller._leave_step`): the update sums whole micro-steps, so it is the
 same as if the cell had never joined. The core's death stops the run (``run.restarts``
-may resume it from its checkpoint), and so does a satellite's death during the update's
+may resume it from its checkpoint: :meth:`shutdown` then leaves the harnesses running
+for the resumed run to re-adopt), and so does a satellite's death during the update's
 collectives, whose survivors could not tell how far the reduction got.
 Every launch is journaled before its harness starts and every outcome before it counts
 (:mod:`qwengyre.runtime.journal`): a controller resumed after its predecessor was killed
