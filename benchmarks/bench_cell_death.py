@@ -3,8 +3,8 @@
 Each case starts ``qwengyre train`` (the embedded preset, the tiny test model, the paced
 harness: 4 model calls a second apart, so that executions are in flight; a grader that
 flips a coin; ``run.restarts=1``), waits until the run has trained
-:data:`STEPS_BEFORE` steps, the cells are in the roles the case names and executions are
-in flight, SIGKILLs the
+:data:`STEPS_BEFORE` steps, the cells are in the roles the case names and ``--in-flight``
+executions run, SIGKILLs the
 victim's process, and measures on this process's clock the time from the kill to the
 next step record in ``metrics.jsonl``, against the run's cadence (the mean time between
 the step records seen before the kill):
@@ -22,6 +22,7 @@ executions were thrown away (the run directory's harness daemon's state).
 
     python benchmarks/bench_cell_death.py            # all four, about 2 min each
     python benchmarks/bench_cell_death.py --cases core "only rollout cell"
+    python benchmarks/bench_cell_death.py --cases core --in-flight 4
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def killed_harnesses(run_dir: Path) -> set[str]:
     return {e for e, state in states if state.get("cancelled") or state.get("lost")}
 
 
-def run_case(case: Case, model: Path, work: Path, steps: int) -> Death:
+def run_case(case: Case, model: Path, work: Path, steps: int, in_flight: int) -> Death:
     tasks = work / "tasks.jsonl"
     evaluator = CommandEvaluator(command=[sys.executable, "-c", COIN], timeout_s=30)
     dump_tasks(
@@ -158,7 +159,7 @@ def run_case(case: Case, model: Path, work: Path, steps: int) -> Death:
             due = len(seen) >= STEPS_BEFORE and killed_at is None
             if due and all(roles.get(c) == r for c, r in case.roles.items()):
                 flying = running_harnesses(run_dir)
-                if not flying:  # a death with executions in flight
+                if len(flying) < in_flight:  # a death with executions in flight
                     time.sleep(0.02)
                     continue
                 os.kill(cells_of(process.pid)[case.victim], signal.SIGKILL)
@@ -191,6 +192,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=[c.name for c in CASES])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--in-flight", type=int, default=1, help="kill once this many harnesses run"
+    )
     args = parser.parse_args()
     model = cached_tiny_model("test")
     print(
@@ -201,7 +205,7 @@ def main() -> None:
         if case.name not in args.cases:
             continue
         with tempfile.TemporaryDirectory(prefix="qg-death-") as work:
-            d = run_case(case, model, Path(work), args.steps)
+            d = run_case(case, model, Path(work), args.steps, args.in_flight)
         print(
             f"{case.name:<20} {d.gap_s:>17.1f} s {d.cadence_s:>6.1f} s"
             f" {d.gap_s / d.cadence_s:>6.1f} {d.in_flight:>9} {d.thrown_away:>11}"

@@ -182,3 +182,22 @@ def test_a_server_that_dies_during_a_load_fails_no_publication(cell: Cell) -> No
         assert load.result() == served < version  # the older version: revive it
     assert cell.host.revive(cell.boards)
     assert generate(cell.endpoint).versions == (version,) * 6
+
+
+@backends(embedded="the engine lives in the host's process: it has no server to crash")
+def test_a_server_that_dies_during_its_release_is_released_as_stopped(cell: Cell) -> None:
+    """The cell moves to training while its server crashes (a crash the proxy had not
+    seen yet): the release answers ``stopped``, not the dead server's refused connection,
+    and the way back to rollout starts it again with the newest weights."""
+    assert isinstance(cell.host, ServerHost) and cell.crash is not None
+    process = cell.host._process
+    assert process is not None
+    os.killpg(process.pid, signal.SIGSTOP)  # the release's call hangs at a frozen server
+    with ThreadPoolExecutor(1) as pool:
+        release = pool.submit(cell.host.release)
+        time.sleep(1.0)  # most likely mid-call
+        cell.crash()
+        assert release.result() == "stopped"
+    version = cell.publish()
+    assert cell.host.resume(cell.boards) == version
+    assert generate(cell.endpoint).versions == (version,) * 6

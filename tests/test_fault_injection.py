@@ -1,19 +1,20 @@
 """Seeded fault injection into one live `qwengyre train` run on the tiny model.
 
-Three cells with embedded engines (a cell's process is its engine: killing a rollout
-satellite kills an engine; the SGLang stand-in, tests/fake_sglang, is left out: on a
-loaded 2-core machine its executions stalled from the first seconds, before any
-fault, until their overall budget ended), a harness that makes several model calls
-per execution (tests/multi_call_harness.py) under the default sandbox, and an
-evaluator that fails or hangs once for about 30% of the executions. At moments drawn
-from the seed and driven by the run's own progress (steps trained and executions
-finished, read from ``metrics.jsonl`` and ``traces.jsonl``), the test SIGKILLs:
+Three cells, a harness that makes several model calls per execution
+(tests/multi_call_harness.py) under the default sandbox, and an evaluator that fails or
+hangs once for about 30% of the executions. At moments drawn from the seed and driven
+by the run's own progress (steps trained and executions finished, read from
+``metrics.jsonl`` and ``traces.jsonl``), the test SIGKILLs the process groups of random
+running harnesses, and, by case:
 
-- a training satellite (cell 1, once it trains);
-- a rollout satellite (cell 2, once it serves rollout);
-- the process groups of random running harnesses;
-- in the second case, the core too, once both satellites are dead (``run.restarts=1``:
-  its death resumes the run from the newest checkpoint).
+- ``satellites`` (embedded engines: a cell's process is its engine): a training
+  satellite (cell 1, once it trains) and a rollout satellite (cell 2, once it serves
+  rollout);
+- ``and-the-core``: those, then the core, once both satellites are dead
+  (``run.restarts=1``: its death resumes the run from the newest checkpoint);
+- ``servers``: engine servers (the SGLang stand-in, tests/fake_sglang, and a standalone
+  pool of its own): cell 2's once it serves rollout, then the pool's; their hosts start
+  them again.
 
 The run trains all its steps (without a restart but for the core's death), every
 trained group is a ready group of the ledger trained exactly once (a step the core
@@ -61,6 +62,7 @@ pytestmark = [
 ]
 
 SEED = int(os.environ.get("QWENGYRE_FAULT_SEED", "7"))
+FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
 STEPS = 10
 CALLS = 2
 """Model calls per execution (toy harness runs in a row)."""
@@ -88,15 +90,21 @@ print(json.dumps({"score": float(rng.random() < 0.5), "valid": True}))
 EVALUATOR_TIMEOUT_S = 5.0
 
 
+KINDS = ["satellites", "and-the-core", "servers"]
+SERVERS = ["cell-2", "standalone"]
+
+
 @dataclass
 class Plan:
     """When each fault is due (drawn from the seed); what was done, for the report."""
 
+    kind: str  # one of KINDS
     satellite_training_at: int  # before cell 1 is killed once it trains
-    satellite_rollout_at: int  # before cell 2 is killed once it serves rollout
+    satellite_rollout_at: int  # before cell 2 (or its server) is killed once it serves
     harnesses_at: list[int]  # executions finished before each harness kill
     harness_picks: random.Random
     core_after: int | None = None  # steps after cell 2's death before the core is killed
+    killed_servers: dict[str, int] = field(default_factory=dict)  # engine -> server pid
     done: list[str] = field(default_factory=list)
     killed_harnesses: list[str] = field(default_factory=list)  # execution ids
     killed_cells: dict[int, int] = field(default_factory=dict)  # cell -> pid
@@ -104,15 +112,17 @@ class Plan:
     steps_at: dict[int, int] = field(default_factory=dict)  # cell -> steps before its death
 
     @classmethod
-    def draw(cls, seed: int, core: bool) -> Plan:
-        """The same satellite and harness faults for a seed with or without the core's."""
+    def draw(cls, seed: int, kind: str) -> Plan:
+        """The same satellite (or server) and harness faults for a seed, whatever the
+        case (the core's comes on top)."""
         rng = random.Random(seed)
         return cls(
+            kind=kind,
             satellite_training_at=rng.randint(1, 3),
             satellite_rollout_at=rng.randint(4, 6),
             harnesses_at=sorted(rng.sample(range(2, 40), HARNESS_KILLS)),
             harness_picks=random.Random(seed + 1),
-            core_after=random.Random(seed + 2).randint(0, 1) if core else None,
+            core_after=random.Random(seed + 2).randint(0, 1) if kind == "and-the-core" else None,
         )
 
     def core_due(self, steps: int) -> bool:
@@ -122,8 +132,12 @@ class Plan:
         return steps >= max(self.steps_at.values()) + self.core_after
 
     def complete(self) -> bool:
+        if len(self.killed_harnesses) != HARNESS_KILLS:
+            return False
+        if self.kind == "servers":
+            return set(self.killed_servers) == set(SERVERS)
         cells = {1, 2} if self.core_after is None else {0, 1, 2}
-        return set(self.killed_cells) == cells and len(self.killed_harnesses) == HARNESS_KILLS
+        return set(self.killed_cells) == cells
 
 
 def fault_tasks(tmp_path: Path, seed: int) -> Path:
@@ -141,9 +155,10 @@ def fault_tasks(tmp_path: Path, seed: int) -> Path:
 class Run:
     """The live run in a subprocess and what the test reads of its progress."""
 
-    def __init__(self, tmp_path: Path, model_dir: Path, seed: int, steps: int) -> None:
+    def __init__(self, tmp_path: Path, model_dir: Path, seed: int, steps: int, kind: str) -> None:
         self.dir = tmp_path / "run"
         self._cells: list[int] = []
+        self._spawned = 4 if kind == "servers" else 3  # the cells, then the pool's host
         harness = f"{sys.executable} {Path(__file__).parent / 'multi_call_harness.py'}"
         harness += f" {toy_harness.__file__} {CALLS} {{instructions}}"
         command = [sys.executable, "-m", "qwengyre", "train", "--quiet", "--run-dir", str(self.dir)]
@@ -157,10 +172,15 @@ class Run:
             "cells.capacity=4",  # 12 executions at once: a 2-core machine keeps up
             f"seed={seed}",
         ]
+        env = dict(os.environ)
+        if kind == "servers":
+            command += ["engine.backend=sglang", "cells.standalone_capacity=2"]
+            env["PYTHONPATH"] = os.pathsep.join([str(FAKE_SGLANG), env.get("PYTHONPATH", "")])
+            env.pop("QWENGYRE_SGLANG_PYTHON", None)
         self.output = tmp_path / "train.out"
         with self.output.open("wb") as output:
             self.process = subprocess.Popen(
-                command, start_new_session=True, stdout=output, stderr=subprocess.STDOUT
+                command, start_new_session=True, stdout=output, stderr=subprocess.STDOUT, env=env
             )
 
     def said(self) -> str:
@@ -176,12 +196,19 @@ class Run:
         return traces.read_bytes().count(b"\n") if traces.exists() else 0
 
     def cells(self) -> list[int]:
-        """The cells' pids, in rank order (spawned in that order), as first seen all alive."""
+        """The cells' pids, in rank order (spawned in that order, the standalone pool's
+        host last), as first seen all alive."""
         if not self._cells:
             found = [pid for pid, cmd in children(self.process.pid).items() if "spawn_main" in cmd]
             self._cells = sorted(found)
-        assert len(self._cells) == 3, self._cells
+        assert len(self._cells) == self._spawned, self._cells
         return self._cells
+
+    def server(self, engine: str) -> int | None:
+        """The pid of ``engine``'s SGLang server now (None while there is none)."""
+        owner = self.cells()[2 if engine == "cell-2" else 3]
+        found = [pid for pid, cmd in children(owner).items() if "sglang" in cmd]
+        return found[0] if found else None
 
     def running_harnesses(self) -> dict[str, int]:
         """Execution id -> process group of each harness running now (not finished)."""
@@ -208,8 +235,16 @@ def roles_now(metrics: RunMetrics) -> dict[int, str]:
 def inject(run: Run, plan: Plan, metrics: RunMetrics) -> None:
     """Do every fault that is due now."""
     steps, roles = len(metrics.steps), roles_now(metrics)
-    victims = [(1, plan.satellite_training_at, "training")]
-    victims += [(2, plan.satellite_rollout_at, "rollout")]
+    if plan.kind == "servers":
+        due_at = {"cell-2": plan.satellite_training_at, "standalone": plan.satellite_rollout_at}
+        for engine, at in due_at.items():
+            serving = engine == "standalone" or roles.get(2) == "rollout"
+            if engine not in plan.killed_servers and steps >= at and serving:
+                kill_server(run, plan, engine, steps)
+        victims = []
+    else:
+        victims = [(1, plan.satellite_training_at, "training")]
+        victims += [(2, plan.satellite_rollout_at, "rollout")]
     for cell, at, role in victims:
         if cell not in plan.killed_cells and steps >= at and roles.get(cell) == role:
             kill_cell(run, plan, cell, steps, role)
@@ -234,6 +269,15 @@ def kill_cell(run: Run, plan: Plan, cell: int, steps: int, role: str) -> None:
     plan.done.append(f"step {steps}: cell {cell} in {role} (pid {pid})")
 
 
+def kill_server(run: Run, plan: Plan, engine: str, steps: int) -> None:
+    pid = run.server(engine)
+    if pid is None:
+        return  # being started again: later
+    os.killpg(pid, signal.SIGKILL)  # the server and what it started
+    plan.killed_servers[engine] = pid
+    plan.done.append(f"step {steps}: the SGLang server of {engine} (pid {pid})")
+
+
 def drive(run: Run, plan: Plan) -> None:
     """Inject the plan's faults as the run progresses, until it ends."""
     deadline = time.monotonic() + WAIT_S
@@ -246,17 +290,18 @@ def drive(run: Run, plan: Plan) -> None:
 
 
 @pytest.mark.parametrize("seed", [SEED], ids=lambda s: f"seed={s}")
-@pytest.mark.parametrize("core", [False, True], ids=["satellites", "and-the-core"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_run_under_seeded_faults_trains_every_ready_group_once(
-    seed: int, core: bool, tiny_model_dir: Path, tmp_path: Path
+    seed: int, kind: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """``core``: the core dies too, after both satellites (``run.restarts=1`` resumes the
-    run: that death is not yet an elastic event); two more steps, so that every group
-    ready at its death is trained before the end."""
+    """``and-the-core``: the core dies too, after both satellites (``run.restarts=1``
+    resumes the run: that death is not yet an elastic event); two more steps, so that
+    every group ready at its death is trained before the end."""
     print(f"fault injection seed {seed} (replay: QWENGYRE_FAULT_SEED={seed})")
-    plan = Plan.draw(seed, core)
+    core = kind == "and-the-core"
+    plan = Plan.draw(seed, kind)
     steps = STEPS + 2 if core else STEPS
-    run = Run(tmp_path, tiny_model_dir, seed, steps)
+    run = Run(tmp_path, tiny_model_dir, seed, steps, kind)
     try:
         drive(run, plan)
     finally:
@@ -273,7 +318,15 @@ def test_a_run_under_seeded_faults_trains_every_ready_group_once(
         then = "restart 1 of 1: resuming the run" if cell == 0 else "the run goes on without it"
         assert died + then in said
         assert not running(pid)
+    # A server's death: its host started it again (or, had its cell moved to training
+    # first, released it as stopped and started it on the way back).
     metrics = read_metrics(run.dir)
+    for engine, pid in plan.killed_servers.items():
+        moved_dead = engine == "cell-2" and any(
+            s.cell == 2 and s.engine == "stopped" for s in metrics.switches
+        )
+        assert f"{engine}: its engine crashed and was started again" in said or moved_dead
+        assert not running(pid)
     assert len(metrics.runs) == (2 if core else 1)
     versions = [s.version for s in metrics.steps]
     assert sorted(set(versions)) == list(range(1, steps + 1))

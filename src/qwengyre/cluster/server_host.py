@@ -249,13 +249,17 @@ class ServerHost(Generic[C]):
         """Free the device once the proxy drained the server; ``"asleep"`` or
         ``"stopped"`` (see the module docstring)."""
         start = time.monotonic()
-        crashed = self._exit_code() is not None
-        if crashed or not self.backend.sleep_frees(self.device):
+        state = "stopped"
+        if self._exit_code() is None and self.backend.sleep_frees(self.device):
+            try:
+                self._release_memory(start + timeout_s)
+                state = "asleep"
+            except Exception:
+                if self._exited_within(_EXIT_GRACE_S) is None:
+                    raise  # it still runs: the release itself failed
+                # it crashed while asked to release: nothing left to free
+        if state == "stopped":
             self._stop()  # a crashed one has nothing to free; resume starts it again
-            state = "stopped"
-        else:
-            self._release_memory(start + timeout_s)
-            state = "asleep"
         log.info("%s: %s in %.1f s", self.name, state, time.monotonic() - start)
         return state
 

@@ -11,6 +11,10 @@ only), on the command line or in the ``--config`` file. ``--tp-size`` and
 releasing memory works anyway). ``--weight-version`` labels the tokens when it is an
 integer, else (SGLang's ``default``) they are labelled -1.
 
+It generates with one torch thread: several such servers beside the cells on a small
+CPU machine would otherwise oversubscribe it many times over (a real SGLang server has
+its own GPUs), and their calls slow to tens of seconds.
+
 ``--config FILE`` (SGLang's ``ConfigArgumentMerger``): at most one, as two arguments,
 naming a ``.yaml``/``.yml`` file that holds a mapping of options to values. Its
 options go before the command line's, so that flags given there win. As in SGLang's
@@ -31,6 +35,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 from aiohttp import web
 
@@ -87,6 +92,7 @@ def main(argv: list[str]) -> None:
                 f,
             )
     args = parser().parse_args(with_config(argv))
+    torch.set_num_threads(1)
     engine = EmbeddedEngine(
         args.model_path, name="fake-sglang", capacity=4, max_context=args.context_length
     )
