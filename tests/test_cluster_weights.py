@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -68,6 +70,38 @@ def test_write_then_read_in_another_process() -> None:
         assert tensors["norm.weight"].dtype == torch.bfloat16
     finally:
         board.close()
+
+
+OWNER_AND_READER = """
+import multiprocessing as mp, sys
+sys.path.insert(0, {tests!r})
+from test_cluster_weights import _read_in_child, named
+from qwengyre.cluster.weights import SharedWeights, layout_of
+if __name__ == "__main__":
+    board = SharedWeights({name!r}, layout_of(named(0)), create=True)
+    board.write(named(1), version=3)
+    context = mp.get_context("spawn")  # as the cells are: the child shares the tracker
+    queue = context.Queue()
+    child = context.Process(target=_read_in_child, args=({name!r}, queue))
+    child.start()
+    print(queue.get(timeout=60)[0])
+    child.join(60)
+    board.close()
+"""
+
+
+def test_a_board_read_in_a_spawned_process_ends_without_a_trace(tmp_path: Path) -> None:
+    """The owner and a reader it spawned share one resource tracker: the segment is
+    unlinked once, by the owner, and the tracker prints nothing (it printed a KeyError
+    traceback at the end of every run)."""
+    name = f"qg-test-{uuid.uuid4().hex[:12]}"
+    script = OWNER_AND_READER.format(tests=str(Path(__file__).parent), name=name)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["3"], done.stderr
+    assert "Traceback" not in done.stderr and "leaked" not in done.stderr, done.stderr
+    assert not (Path("/dev/shm") / name).exists()
 
 
 def test_an_incomplete_write_and_a_wrong_architecture_are_refused() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -138,10 +139,7 @@ class SharedWeights:
         if create:
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=layout.nbytes)
         else:
-            self._shm = shared_memory.SharedMemory(name=name)
-            # Attaching registers the segment with this process's resource tracker,
-            # which would unlink it when this process exits: only the owner may.
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+            self._shm = _attach(name)
             if self._shm.size < layout.nbytes:
                 raise ValueError(
                     f"shared weights {name!r} hold {self._shm.size} bytes, the model needs "
@@ -207,6 +205,22 @@ class SharedWeights:
         self._shm.close()
         if self._owner:
             self._shm.unlink()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Attach to segment ``name`` untracked (Python 3.13's ``track=False``): only the
+    owner's registration with a resource tracker may exist. A tracker of this process's
+    own would unlink the segment when this process exits; a tracker shared with the
+    owner (processes spawned by one parent share one) would be told to forget it twice,
+    the second time a ``KeyError`` traceback at the end of every run."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+    register = resource_tracker.register
+    resource_tracker.register = lambda name, rtype: None  # read by SharedMemory at the call
+    try:
+        return shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
 
 
 def open_board(
