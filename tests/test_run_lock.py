@@ -141,7 +141,7 @@ def test_train_keeps_the_lock_across_its_restart(tmp_path: Path):
     calls: list[bool] = []
     between: list[bool] = []
 
-    async def train_once(options: TrainOptions) -> str:
+    async def train_once(options: TrainOptions, restarts: int) -> str:
         assert options.resume == bool(calls)  # the restart resumes the run
         prepare_run_dir(options)
         calls.append(_locked_by_anyone(run_dir))

@@ -47,6 +47,7 @@ from typing import Any
 
 from aiohttp import web
 
+from qwengyre.apps.preflight import preflight
 from qwengyre.cluster.cell import CellSpec
 from qwengyre.cluster.client import CellClient, EngineClient
 from qwengyre.cluster.local import ActorDied
@@ -59,12 +60,8 @@ from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.records.metrics import RunRecord
 from qwengyre.records.trace import TraceWriter
-from qwengyre.report.sinks import check_metrics, open_metrics
-from qwengyre.rollout.harness import harness_spec
+from qwengyre.report.sinks import open_metrics
 from qwengyre.rollout.hosts import HostPool, LocalHarnessHost
-from qwengyre.rollout.limits import Limits
-from qwengyre.rollout.sandbox import sandbox
-from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.runtime.controller import Controller, RunOutputs
 from qwengyre.runtime.display import show
 from qwengyre.runtime.journal import JOURNAL_FILE, JournalState, LaunchJournal, adoption
@@ -106,17 +103,23 @@ class Resumed:
     journal: JournalState  # what the killed run launched (runtime.journal)
 
 
+def run_config(options: TrainOptions) -> Config:
+    """The run's config: the new run's, or the resumed run's config.yaml."""
+    if options.resume:
+        return load_config(options.run_dir / CONFIG_FILE)
+    if options.config is None:
+        raise ValueError("a new run needs a config")
+    return options.config
+
+
 def prepare_run_dir(options: TrainOptions) -> Config:
     """Write (or, resuming, read) the run's config.yaml; returns the run's config. The
     caller holds the run directory's lock (``train`` does), which checked that a new
     run's directory is empty."""
-    path = options.run_dir / CONFIG_FILE
-    if options.resume:
-        return load_config(path)
-    if options.config is None:
-        raise ValueError("a new run needs a config")
-    path.write_text(config_to_yaml(options.config))
-    return options.config
+    config = run_config(options)
+    if not options.resume:
+        (options.run_dir / CONFIG_FILE).write_text(config_to_yaml(config))
+    return config
 
 
 def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Path:
@@ -187,14 +190,6 @@ def resume_state(run_dir: Path, model_dir: Path) -> Resumed:
         next_execution=max(int(state.get("next_execution", 0)), journal.next_execution),
         journal=journal,
     )
-
-
-def load_task_set(config: Config) -> list[Task]:
-    if config.harness.tasks is not None:
-        return load_tasks(config.harness.tasks)
-    from qwengyre.rollout.toy_tasks import rl_tasks
-
-    return rl_tasks()
 
 
 async def _start_proxy(
@@ -360,17 +355,9 @@ async def train(options: TrainOptions) -> Controller:
 async def _train_once(options: TrainOptions, restarts: int) -> Controller:
     """One run of the loop in :func:`train`, the ``restarts``-th restart; a cell death it
     will resume from leaves the harnesses running, for the restart to re-adopt."""
+    # In seconds, before the warm start; a new run's directory is left as it was found.
+    checked = preflight(run_config(options), warn=options.log)
     config = prepare_run_dir(options)
-    check_metrics(config)  # a sink that cannot work fails before the warm start
-    harness = config.harness
-    confine = sandbox(
-        harness.sandbox, harness.sandbox_hide, harness.sandbox_expose, warn=options.log
-    )
-    confine.check()  # so does a sandbox
-    if config.harness.hosts == "ray" and config.run.placement != "ray":
-        from qwengyre.cluster.ray_harness import require_ray
-
-        require_ray()  # before the warm start; run.placement=ray starts Ray later
     run_dir, log = options.run_dir, options.log
     # The warm start runs its own event loops (the toy harness in-process): a thread.
     model_dir = await asyncio.to_thread(base_model, config, run_dir, log)
@@ -413,7 +400,7 @@ async def _train_once(options: TrainOptions, restarts: int) -> Controller:
     try:
         engines = await _start_engines(config, resumed, run_dir, proxy)
         hosts = _harness_hosts(config, run_dir, proxy)  # after the cells: Ray is up
-        await hosts.check_sandbox(confine)  # on every node (a Ray node may lack bwrap)
+        await hosts.check_sandbox(checked.sandbox)  # on every node (a Ray node may lack bwrap)
         taken_over = None
         if options.resume:
             settled = {g.id for g in resumed.ready} | set(resumed.trained)
@@ -438,8 +425,8 @@ async def _train_once(options: TrainOptions, restarts: int) -> Controller:
             scheduler,
             proxy,
             engines.cells,
-            load_task_set(config),
-            harness_spec(harness.name, harness.deadline_s, confine, Limits.of(harness.limits)),
+            checked.tasks,
+            checked.harness,
             RunOutputs(
                 run_dir=run_dir,
                 metrics=metrics,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["physical_gpu", "rank_device", "visible_gpus"]
+__all__ = ["physical_gpu", "rank_device", "require_device", "visible_gpus"]
 
 
 def rank_device(device: str, index: int) -> str:
@@ -19,6 +19,24 @@ def rank_device(device: str, index: int) -> str:
     if count == 0:
         raise ValueError("run.device is 'cuda' but no CUDA device is visible")
     return f"cuda:{index % count}"
+
+
+def require_device(device: str) -> None:
+    """Raise ``ValueError`` unless this machine has ``device`` (``cpu``, ``cuda``,
+    ``cuda:i``), naming what it has instead."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        have = f"{count} CUDA devices" if count else "no CUDA device"
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(
+            f"run.device is {device!r} but this machine has {have} (torch {torch.__version__},"
+            f" {build}): set run.device=cpu, or run where the GPUs are"
+        )
 
 
 def physical_gpu(device: str) -> str | None:

@@ -273,6 +273,19 @@ class ServerBackend(ABC, Generic[C]):
     backend, registered in :mod:`qwengyre.engines.factory`."""
 
     api: ClassVar[str]  # the HTTP API it speaks, and engine.backend's name for it
+    spec_type: ClassVar[type[ServerSpec]]  # what :meth:`spec` makes
+
+    def require_installed(self) -> None:
+        """Raise the spec's ``not_installed`` unless the python its servers start with
+        (``$<python_var>``, else this one) can import the server's package: checked in
+        seconds, before a run starts anything."""
+        spec = self.spec_type
+        python = os.environ.get(spec.python_var) or sys.executable
+        if not importable(python, spec.package):
+            raise spec.not_installed(
+                f"engine.backend={self.api}: {python} cannot import {spec.package!r}"
+                f" ({spec.install_hint})"
+            )
 
     @abstractmethod
     def spec(self, place: ServerPlacement) -> ServerSpec:

@@ -456,6 +456,7 @@ class SGLangBackend(ServerBackend[SGLangEngine]):
     """
 
     api = "sglang"
+    spec_type = SGLangServerSpec
 
     def spec(self, place: ServerPlacement) -> SGLangServerSpec:
         return SGLangServerSpec(

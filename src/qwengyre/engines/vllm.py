@@ -473,6 +473,7 @@ class VLLMBackend(ServerBackend[VLLMEngine]):
     """
 
     api = "vllm"
+    spec_type = VLLMServerSpec
 
     def spec(self, place: ServerPlacement) -> VLLMServerSpec:
         cpu = place.device == "cpu"
