@@ -28,6 +28,7 @@ from qwengyre.proxy.store import Store
 from qwengyre.records.assessments import read_assessments
 from qwengyre.records.metrics import RunMetrics, read_metrics
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
+from qwengyre.runtime.controller import HARNESS_START_CHECK, HarnessCannotStart
 from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.training.checkpoint import latest_checkpoint, list_checkpoints, read_checkpoint
 
@@ -564,3 +565,26 @@ def test_sglang_cells_switch_roles_and_take_every_publication(
     assert sampled_versions(run_dir) - {0}  # tokens the servers sampled after a publication
     moves = [s for s in metrics.switches if s.to == "training"]
     assert moves and {s.engine for s in moves} == {"asleep"}  # SGLang's memory release
+
+
+def test_a_harness_that_fails_before_any_model_call_stops_the_run(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Installed but broken (here: it exits 3 at once): the run stops after its first
+    executions with the harness's own last words, instead of training on zeros."""
+    broken = tmp_path / "broken-agent"
+    broken.write_text("#!/bin/sh\necho 'error: no API configuration found' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    with pytest.raises(HarnessCannotStart) as stopped:
+        run(
+            tmp_path,
+            tiny_model_dir,
+            f"harness.name={broken} {{instructions}}",
+            "harness.sandbox=none",
+            "run.steps=2",
+        )
+    message = str(stopped.value)
+    assert f"harness '{broken}' failed in each of the first {HARNESS_START_CHECK}" in message
+    assert "error: no API configuration found" in message
+    metrics = read_metrics(tmp_path / "run")
+    assert not metrics.steps  # nothing trained on the placeholders' zeros

@@ -61,7 +61,7 @@ from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import AssessmentLog
 from qwengyre.records.metrics import MetricsWriter
 from qwengyre.records.trace import TraceWriter
-from qwengyre.rollout.execution import Budgets, trace_record
+from qwengyre.rollout.execution import Budgets, ExecutionResult, trace_record
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec
 from qwengyre.rollout.hosts import ExecutionRequest, HostPool
@@ -104,10 +104,29 @@ from qwengyre.training.buffers import (
     TrajectoryBuffer,
 )
 from qwengyre.trajectories.selection import admit_execution
+from qwengyre.types import Outcome
 
-__all__ = ["Controller", "RunOutputs"]
+__all__ = ["HARNESS_START_CHECK", "Controller", "HarnessCannotStart", "RunOutputs"]
 
 log = logging.getLogger(__name__)
+
+HARNESS_START_CHECK = 4
+"""Executions in a row, from a run's first, whose harness failed before any model call
+that stop the run (:meth:`Controller._check_harness_starts`)."""
+
+
+class HarnessCannotStart(ValueError):
+    """The run's harness fails before its first model call, every time (not installed,
+    not configured): the message says how, and where its output is."""
+
+
+def _last_line(path: Path | None) -> str:
+    """The last non-empty line of a harness's output file ("" if none)."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines() if path else []
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
 
 
 @dataclass(kw_only=True)
@@ -193,6 +212,8 @@ class Controller:
         self._wall0 = time.time()
         self._executions: dict[int, _Execution] = {}
         self._adoption = adoption or Adoption()
+        self._harness_works = bool(self._adoption.launches)  # a resumed run's did start
+        self._harness_failures = 0  # executions whose harness failed at start, so far
         by_id = {task.id: task for task in self.tasks}
         for record in self._adoption.launches:  # a dead controller's in-flight groups
             self._executions[record.execution] = _Execution(
@@ -374,6 +395,7 @@ class Controller:
         )
         await self.proxy.revoke_execution(ex.proxy_id)
         nodes = (await self.proxy.tree(ex.proxy_id)).to_json()["nodes"]
+        self._check_harness_starts(result, made_calls=bool(nodes))
         record = trace_record(
             task, ex.group, ex.index, result, ex.started_s, nodes, self._wall0, ex.version
         )
@@ -381,6 +403,28 @@ class Controller:
         outcome, reward = result.outcome, result.reward
         await asyncio.to_thread(self.outputs.journal.finish, ex.id, outcome.value, reward)
         self._emit(lambda t: ExecutionFinished(t, ex.id, outcome, reward))
+
+    def _check_harness_starts(self, result: ExecutionResult, *, made_calls: bool) -> None:
+        """Stop the run (:class:`HarnessCannotStart`) when its first
+        :data:`HARNESS_START_CHECK` executions all ended with a harness that could not
+        start, or that failed before its first model call: a harness that is not
+        installed, or not configured, must not look like a run that learns nothing."""
+        if self._harness_works or result.outcome is Outcome.CANCELLED:
+            return
+        run = result.harness
+        failed = run is not None and (not run.spawned or (run.exit_code != 0 and not made_calls))
+        if not failed:
+            self._harness_works = True
+            return
+        assert run is not None
+        self._harness_failures += 1
+        if self._harness_failures >= HARNESS_START_CHECK:
+            raise HarnessCannotStart(
+                f"harness {self.harness.command[0]!r} failed in each of the first"
+                f" {self._harness_failures} executions before any model call: "
+                f"{run.error or _last_line(run.stderr_path) or f'exit code {run.exit_code}'}"
+                f" (its output: {run.stderr_path})"
+            )
 
     async def _cancel(self, ex: _Execution) -> None:
         """Kill the execution's harness on its host; it ends ``cancelled``. The pool
