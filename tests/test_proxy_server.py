@@ -246,6 +246,20 @@ def test_credentials_isolate_executions_and_revocation_records_nothing(proxy: Ru
     assert proxy.admin("GET", "/admin/executions/..%2F..%2Fetc/tree").status_code == 404
 
 
+def test_an_execution_s_base_url_serves_both_sdks(proxy: Running):
+    """The one ``base_url`` an execution gets works for Anthropic and OpenAI clients
+    alike (``openai_base_url``, ending in /v1, too)."""
+    ex = proxy.new_execution()
+    hi = [{"role": "user", "content": "hi"}]
+    for base in (ex["base_url"], ex["openai_base_url"]):
+        client = openai.OpenAI(api_key=ex["key"], base_url=base, max_retries=0)
+        assert client.chat.completions.create(model="tiny", max_tokens=5, messages=hi).choices
+    anthropic.Anthropic(api_key=ex["key"], base_url=ex["base_url"], max_retries=0).messages.create(
+        model="tiny", max_tokens=5, messages=hi
+    )
+    assert len(proxy.tree(ex["id"])) == 3
+
+
 def test_subagents_and_compaction_are_classified_and_branch(proxy: Running):
     ex = proxy.new_execution()
     client = claude(proxy, ex)

@@ -187,6 +187,9 @@ class ProxyServer:
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
             app.router.add_route(method, "/x/{execution_id}" + path, handler)
+            # and without /v1: an execution's base_url is the base of both SDKs (the
+            # Anthropic SDK adds /v1/messages, the OpenAI SDK only /chat/completions)
+            app.router.add_route(method, "/x/{execution_id}" + path.removeprefix("/v1"), handler)
         app.router.add_route("HEAD", "/", self._root)
         for base in ("/x/{execution_id}", "/x/{execution_id}/"):  # Claude Code's start-up probe
             app.router.add_route("HEAD", base, self._root)
