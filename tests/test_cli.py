@@ -183,6 +183,7 @@ def test_simulate_compare_writes_json_and_plots(tmp_path: Path):
     "engine",
     [
         ["proxy.engine=scripted", "proxy.script="],
+        [],  # a bare proxy: the scripted engine's default replies
         ["proxy.engine=embedded", "engine.dtype=bfloat16", "engine.max_context=512"],
     ],
 )
@@ -195,7 +196,7 @@ def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path,
 
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"default": ["Hello from the script."]}))
-    if engine[0] == "proxy.engine=scripted":
+    if engine[:1] == ["proxy.engine=scripted"]:
         engine = [engine[0], f"proxy.script={script}"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,8 +241,10 @@ def test_proxy_serve_answers_a_real_client(tmp_path: Path, tiny_model_dir: Path,
         reply = client.messages.create(
             model="tiny", max_tokens=30, messages=[{"role": "user", "content": "hi"}]
         )
-        if engine[0] == "proxy.engine=scripted":
+        if engine[:1] == ["proxy.engine=scripted"]:
             assert reply.content[0].text == "Hello from the script."
+        elif not engine:  # says how to serve something of one's own
+            assert reply.content[0].text.startswith("Set proxy.script")
         else:  # the tiny model samples: it answered, and the call is recorded with log-probs
             assert 0 < reply.usage.output_tokens <= 30
             tree = httpx2.get(
@@ -271,11 +274,6 @@ def test_proxy_serve_refuses_a_missing_model_dir(tmp_path: Path):
     assert "Traceback" not in out.stderr
 
 
-def test_proxy_serve_scripted_needs_a_script(tmp_path: Path, tiny_model_dir: Path):
-    out = run("proxy", "serve", "--model", str(tiny_model_dir), "--store", str(tmp_path / "s"))
-    assert out.returncode != 0 and "proxy.engine=scripted needs proxy.script=FILE" in out.stderr
-
-
 def test_engine_serve_refuses_a_missing_model_dir(tmp_path: Path):
     out = run("engine", "serve", "--model", str(tmp_path / "nope"))
     assert out.returncode != 0 and "not a HuggingFace model directory" in out.stderr
@@ -301,3 +299,15 @@ def test_rollout_cli_on_the_bundled_example(tmp_path: Path, tiny_model_dir: Path
     assert out.returncode == 0, out.stderr[-2000:]
     assert "8 executions" in out.stdout
     assert len((tmp_path / "run" / "traces.jsonl").read_text().splitlines()) == 8
+
+
+def test_the_readme_s_scripted_replies_load(tiny_model_dir: Path):
+    """The file the README's scripted-proxy line names ships with the repository."""
+    from transformers import AutoTokenizer
+
+    from qwengyre.engines.scripted import ScriptedEngine
+
+    path = Path(__file__).parents[1] / "examples" / "replies.json"
+    assert "proxy.script=examples/replies.json" in (path.parents[1] / "README.md").read_text()
+    engine = ScriptedEngine.from_file(AutoTokenizer.from_pretrained(tiny_model_dir), path)
+    assert {"main.task", "sub.task", "main.summary", "default"} <= set(engine.script)

@@ -117,18 +117,18 @@ def model_engine(
         host.close()
 
 
+DEFAULT_REPLIES = Path(__file__).resolve().parents[1] / "engines" / "default_replies.json"
+"""The scripted replies of a proxy without ``proxy.script``: one that says how to set it."""
+
+
 @contextlib.contextmanager
 def proxy_engine(config: Config, model: Path, tokenizer: Any) -> Iterator[InferenceEngine]:
     """``proxy serve``'s engine (``proxy.engine``): the scripted replies of
-    ``proxy.script``, or the model's engine (:func:`model_engine`) on ``run.device``,
+    ``proxy.script`` (:data:`DEFAULT_REPLIES` when unset), or the model's engine (:func:`model_engine`) on ``run.device``,
     serving ``cells.capacity`` concurrent requests of at most ``engine.max_context`` tokens,
     as in ``train``."""
     if config.proxy.engine == "scripted":
-        if config.proxy.script is None:
-            raise ValueError(
-                "proxy.engine=scripted needs proxy.script=FILE (JSON replies by request class)"
-            )
-        yield ScriptedEngine.from_file(tokenizer, config.proxy.script)
+        yield ScriptedEngine.from_file(tokenizer, config.proxy.script or DEFAULT_REPLIES)
         return
     with model_engine(
         model,
