@@ -117,3 +117,51 @@ def test_override_into_a_value_is_refused():
 
 def test_config_is_a_plain_pydantic_tree():
     assert Config().model_dump()["groups"]["size"] == 16
+
+
+def test_a_config_file_extends_the_embedded_preset_unless_it_names_a_base(tmp_path: Path):
+    from qwengyre.config import Config, describe_bases
+    from qwengyre.presets import preset_path
+
+    embedded = load_config(preset_path("embedded"))
+    mine = tmp_path / "my.yaml"
+    mine.write_text("groups:\n  size: 2\n")
+    config = load_config(mine)  # only what it says changes
+    assert config.groups.size == 2 and config.groups.batch == embedded.groups.batch
+    assert config.cells == embedded.cells and config.model == embedded.model
+    assert describe_bases(mine) == f"{mine} on preset embedded on the built-in defaults"
+
+    mine.write_text("base: defaults\ngroups:\n  size: 2\n")  # the paper's scale
+    assert load_config(mine).cells == Config().cells
+    mine.write_text("base: paper-122b\nseed: 3\n")
+    assert load_config(mine).cells == load_config(preset_path("paper-122b")).cells
+
+    team = tmp_path / "team.yaml"  # a file of one's own as a base, relative to the file
+    team.write_text("base: paper-2p4t\ngroups:\n  batch: 4\n")
+    mine.write_text("base: team.yaml\ngroups:\n  size: 3\n")
+    config = load_config(mine)
+    assert (config.groups.size, config.groups.batch) == (3, 4)
+    assert config.cells == load_config(preset_path("paper-2p4t")).cells
+    assert describe_bases(mine) == f"{mine} on {team} on preset paper-2p4t on the built-in defaults"
+
+
+def test_bad_bases_are_refused_naming_what_is_allowed(tmp_path: Path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("base: b.yaml\n")
+    b.write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(a)
+    a.write_text("base: embeded\n")
+    with pytest.raises(ConfigError, match=r"'embeded' is neither a preset \(embedded, paper-122b"):
+        load_config(a)
+
+
+def test_a_resolved_config_reloads_as_it_is(tmp_path: Path):
+    from qwengyre.config import config_to_yaml
+
+    mine = tmp_path / "my.yaml"
+    mine.write_text("groups:\n  size: 2\n")
+    config = load_config(mine)
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(config_to_yaml(config))
+    assert load_config(dumped) == config

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from qwengyre import __version__
-from qwengyre.config import Config, ConfigError, config_to_yaml, load_config, retarget
+from qwengyre.config import (
+    Config,
+    ConfigError,
+    config_to_yaml,
+    describe_bases,
+    load_config,
+    retarget,
+)
 
 USER_ERRORS = (ConfigError, ValueError, OSError)
 """Exceptions that describe bad input rather than a bug in qwengyre."""
@@ -135,6 +142,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         config = _resolve_config(args)
     else:
         config = _command_config(args, command)
+    if args.config_file is not None and "=" not in args.config_file:
+        print(f"# {describe_bases(args.config_file)}")
     print(config_to_yaml(config), end="")
     return 0
 

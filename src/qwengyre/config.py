@@ -16,6 +16,7 @@ The paper gives no values for rho_min and tau; ours are documented on
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -622,12 +623,90 @@ def _merge(base: dict[str, Any], extra: dict[str, Any], prefix: str = "") -> dic
     return merged
 
 
+BASE_KEY = "base"
+"""A config file's top-level key naming what it extends (:func:`config_layers`)."""
+DEFAULT_BASE = "embedded"
+DEFAULTS = "defaults"
+_PRESETS = Path(__file__).resolve().parent / "presets"
+
+
+@dataclass(frozen=True)
+class ConfigLayer:
+    """One file of a config's chain of bases: where it is and what it sets."""
+
+    path: Path
+    data: dict[str, Any]
+
+
+def config_layers(path: str | Path) -> list[ConfigLayer]:
+    """The files ``path`` resolves to, the deepest base first.
+
+    A file's ``base:`` names what it extends: a bundled preset (``embedded``,
+    ``paper-122b``, ...), another file (relative to this one), or ``defaults`` (the
+    built-in defaults, the paper's scale). A file without one extends
+    :data:`DEFAULT_BASE`, the ``embedded`` preset ``qwengyre train`` runs by default, so
+    a small file of one's own changes only what it says."""
+    layers: list[ConfigLayer] = []
+    at: Path | None = Path(path)
+    while at is not None:
+        if any(layer.path == at.resolve() for layer in layers):
+            chain = " -> ".join(str(layer.path) for layer in layers)
+            raise ConfigError(f"config file {at}: its bases form a cycle ({chain} -> {at})")
+        data = _read_yaml(at)
+        base = data.pop(BASE_KEY, DEFAULT_BASE)
+        layers.append(ConfigLayer(at.resolve(), data))
+        at = None if base == DEFAULTS else _base_path(at, base)
+    return layers[::-1]
+
+
+def describe_bases(path: str | Path) -> str:
+    """``path``'s chain of bases in words, e.g. ``my.yaml on preset embedded on the
+    built-in defaults`` (what ``config show`` prints first)."""
+    names = [
+        f"preset {layer.path.stem}" if layer.path.parent == _PRESETS else str(layer.path)
+        for layer in config_layers(path)[::-1]
+    ]
+    names[0] = str(path)
+    return " on ".join([*names, "the built-in defaults"])
+
+
+def _base_path(of: Path, base: Any) -> Path:
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config file {of}: {BASE_KEY} must be a preset name, a file or defaults")
+    preset = _PRESETS / f"{base}.yaml"
+    if preset.is_file():
+        return preset
+    path = (of.parent / base).expanduser()
+    if not path.is_file():
+        presets = ", ".join(sorted(p.stem for p in _PRESETS.glob("*.yaml")))
+        raise ConfigError(
+            f"config file {of}: {BASE_KEY}: {base!r} is neither a preset ({presets}), a file,"
+            f" nor {DEFAULTS}"
+        )
+    return path
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return loaded or {}
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     values: dict[str, Any] | None = None,
 ) -> Config:
-    """Load YAML at ``path`` (or the defaults), apply ``overrides``, validate.
+    """Load YAML at ``path`` on its bases (:func:`config_layers`; no path: the
+    built-in defaults), apply ``overrides``, validate.
 
     ``values``: typed values by dotted key (a command's shortcut flags), applied last,
     as overrides that are not parsed as YAML.
@@ -635,17 +714,8 @@ def load_config(
     """
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        data = loaded or {}
+        for layer in config_layers(path):
+            data = _merge(data, layer.data)
     data = _merge(data, parse_overrides(overrides or []))
     for key, value in (values or {}).items():
         *parents, leaf = key.split(".")
@@ -675,5 +745,7 @@ def retarget(config: Config, target_staleness: float, policy: Policy | None = No
 
 
 def config_to_yaml(config: Config) -> str:
-    """The resolved configuration as YAML (paths as strings), loadable by :func:`load_config`."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The resolved configuration as YAML (paths as strings), loadable by :func:`load_config`
+    as it is: every key set, on the built-in defaults."""
+    data = {BASE_KEY: DEFAULTS, **config.model_dump(mode="json")}
+    return yaml.safe_dump(data, sort_keys=False)

@@ -124,9 +124,9 @@ DEFAULT_REPLIES = Path(__file__).resolve().parents[1] / "engines" / "default_rep
 @contextlib.contextmanager
 def proxy_engine(config: Config, model: Path, tokenizer: Any) -> Iterator[InferenceEngine]:
     """``proxy serve``'s engine (``proxy.engine``): the scripted replies of
-    ``proxy.script`` (:data:`DEFAULT_REPLIES` when unset), or the model's engine (:func:`model_engine`) on ``run.device``,
-    serving ``cells.capacity`` concurrent requests of at most ``engine.max_context`` tokens,
-    as in ``train``."""
+    ``proxy.script`` (:data:`DEFAULT_REPLIES` when unset), or the model's engine
+    (:func:`model_engine`) on ``run.device``, serving ``cells.capacity`` concurrent
+    requests of at most ``engine.max_context`` tokens, as in ``train``."""
     if config.proxy.engine == "scripted":
         yield ScriptedEngine.from_file(tokenizer, config.proxy.script or DEFAULT_REPLIES)
         return
