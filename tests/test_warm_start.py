@@ -183,7 +183,7 @@ def test_short_warm_start_lowers_loss_and_saves_a_loadable_model(
     assert result.history and result.history[-1][0] == result.steps
     assert result.accuracy == result.history[-1][2] and 0.0 <= result.accuracy <= 1.0
     assert len(result.losses) == 12 and result.losses[-1] < result.losses[0] * 0.8
-    assert any(line.startswith("step 12:") for line in logs)
+    assert any(line.startswith("step 12 of at most 50: ") and "s left" in line for line in logs)
     record = json.loads((out / "warm_start.json").read_text())
     assert record["reached"] is True and record["steps"] == result.steps
     AutoModelForCausalLM.from_pretrained(out)
@@ -207,3 +207,30 @@ def test_stops_at_the_first_evaluation_meeting_the_target(
     )
     assert result.reached and result.accuracy == 0.5 and result.steps == 6
     assert [(s, a) for s, _, a in result.history] == [(2, 0.1), (4, 0.3), (6, 0.5)]
+
+
+def test_a_warm_start_is_kept_and_reused_by_a_run_with_the_same_settings(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("QWENGYRE_CACHE", str(tmp_path / "cache" / "models"))
+    made: list[Path] = []
+
+    def fake(model_dir: Path, out_dir: Path, **kw: object) -> str:
+        made.append(out_dir)
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text(json.dumps({"made": len(made)}))
+        return "result"
+
+    monkeypatch.setattr(ws, "warm_start", fake)
+    settings = {"target_accuracy": 0.4, "max_steps": 300, "seed": 0}
+    said: list[str] = []
+    first = ws.cached_warm_start(tiny_model_dir, tmp_path / "run1" / "warm_start", **settings)
+    again = ws.cached_warm_start(
+        tiny_model_dir, tmp_path / "run2" / "warm_start", log=said.append, **settings
+    )
+    assert first == "result" and again is None and len(made) == 1
+    assert json.loads((tmp_path / "run2" / "warm_start" / "config.json").read_text()) == {"made": 1}
+    assert "the one made before with the same settings" in said[0]
+    other = {**settings, "target_accuracy": 0.5}  # other settings: a warm start of its own
+    ws.cached_warm_start(tiny_model_dir, tmp_path / "run3" / "warm_start", **other)
+    assert len(made) == 2

@@ -135,13 +135,13 @@ def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Pat
     out = run_dir / "warm_start"
     if (out / "config.json").exists():
         return out
-    from qwengyre.apps.warm_start import warm_start
+    from qwengyre.apps.warm_start import cached_warm_start
 
     log(
         f"warm start: supervised, until accuracy >= {target:.2f} "
         f"(at most {bounds.max_steps} steps, {config.run.torch_threads} torch threads)"
     )
-    result = warm_start(  # raises WarmStartError (a ValueError) short of the target
+    result = cached_warm_start(  # raises WarmStartError (a ValueError) short of the target
         tiny,
         out,
         target_accuracy=target,
@@ -153,10 +153,11 @@ def base_model(config: Config, run_dir: Path, log: Callable[[str], None]) -> Pat
         f"warm_start.accuracy (now {target:g}), or start from a trained "
         "model with model.path=DIR",
     )
-    log(
-        f"warm start: accuracy {result.accuracy:.2f} after {result.steps} steps, "
-        f"{result.seconds:.0f} s"
-    )
+    if result is not None:
+        log(
+            f"warm start: accuracy {result.accuracy:.2f} after {result.steps} steps, "
+            f"{result.seconds:.0f} s (kept for later runs with the same settings)"
+        )
     return out
 
 

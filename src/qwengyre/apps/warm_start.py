@@ -74,9 +74,11 @@ at its 7th evaluation, after 70 steps, on seeds 0, 1 and 2 (measured 0.25, 0.25,
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -87,7 +89,7 @@ from typing import Any
 import torch
 
 from qwengyre.engines.base import GenerateResult
-from qwengyre.models.tiny import quiet_progress_bars
+from qwengyre.models.tiny import default_cache_dir, quiet_progress_bars
 from qwengyre.proxy import openai_api
 from qwengyre.proxy.render import ChatRenderer, parse_reply
 from qwengyre.proxy.tito import ExecutionRecorder
@@ -463,6 +465,56 @@ class WarmStartError(ValueError):
         self.target_accuracy = target_accuracy
 
 
+def cache_path(model_dir: Path, *, target_accuracy: float, max_steps: int, seed: int) -> Path:
+    """Where a warm start of ``model_dir`` with these settings is kept for later runs:
+    beside the tiny models' cache (``$QWENGYRE_CACHE``'s parent, else
+    ``~/.cache/qwengyre``), keyed by the model and everything the result depends on."""
+    h = hashlib.sha256()
+    settings = {"model": Path(model_dir).name, "accuracy": target_accuracy, "steps": max_steps}
+    for part in (json.dumps({**settings, "seed": seed}).encode(), Path(__file__).read_bytes()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    name = f"{Path(model_dir).name}-{h.hexdigest()[:16]}"
+    return default_cache_dir().parent / "warm-start" / name
+
+
+def cached_warm_start(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    target_accuracy: float,
+    max_steps: int,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+    **options: Any,
+) -> WarmStartResult | None:
+    """:func:`warm_start`, or a copy of the one an earlier run made with the same model
+    and settings (:func:`cache_path`; then None); a new one is kept there for the next."""
+    say = log or (lambda _msg: None)
+    kept = cache_path(model_dir, target_accuracy=target_accuracy, max_steps=max_steps, seed=seed)
+    if (kept / "config.json").is_file():
+        shutil.copytree(kept, out_dir, dirs_exist_ok=True)
+        say(f"warm start: the one made before with the same settings ({kept})")
+        return None
+    result = warm_start(
+        model_dir,
+        out_dir,
+        target_accuracy=target_accuracy,
+        max_steps=max_steps,
+        seed=seed,
+        log=log,
+        **options,
+    )
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{kept.name}.", dir=kept.parent))
+    try:
+        shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
+        tmp.rename(kept)  # whole or not at all; a concurrent run's copy may win
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
 def warm_start(
     model_dir: Path,
     out_dir: Path,
@@ -524,9 +576,12 @@ def warm_start(
         def evaluate() -> float:
             acc = _episode_score(model, renderer, eval_problems, generator)
             history.append((step, time.monotonic() - start, acc))
+            elapsed = time.monotonic() - start
+            left = elapsed / step * (max_steps - step) if step else math.nan
             say(
-                f"step {step}: {time.monotonic() - start:.1f}s loss "
-                f"{losses[-1] if losses else math.nan:.3f} accuracy {acc:.3f}"
+                f"step {step} of at most {max_steps}: {elapsed:.0f} s, loss "
+                f"{losses[-1] if losses else math.nan:.3f}, accuracy {acc:.3f} (target "
+                f"{target_accuracy:.2f}; at most ~{left:.0f} s left)"
             )
             return acc
 
