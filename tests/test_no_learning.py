@@ -167,12 +167,16 @@ def test_the_train_summary_warns_when_the_run_learned_nothing(
 
     async def fake_train(options: train_module.TrainOptions) -> Any:
         _write(options.run_dir, steps)
-        return SimpleNamespace(observer=SimpleNamespace(step_records=steps))
+        return SimpleNamespace(observer=SimpleNamespace(step_records=steps), config=options.config)
 
     monkeypatch.setattr(train_module, "train", fake_train)
     assert main(["train", "--run-dir", str(tmp_path / "dead"), "--quiet"]) == 0
     out, err = capsys.readouterr()
-    assert "4 steps in 20 s; reward 0.000 (first step) -> 0.000 (last step); 4 of 4 steps" in out
+    assert (
+        "4 steps in 20 s; reward 0.000 (first step) -> 0.000 (last step) (chance on the "
+        "bundled parity task: 0.5); 4 of 4 steps" in out
+    )
+    assert out.startswith(f"run {tmp_path / 'dead'}: config, metrics")  # said first
     assert err.startswith("qwengyre: warning: the reward never moved (0.000 in all 4 steps)")
     assert len(err.strip().splitlines()) == 1 and str(tmp_path / "dead") in err
     steps[:] = LEARNING

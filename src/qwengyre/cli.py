@@ -429,6 +429,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = _resolve_config(args, preset=None if given else "embedded")
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         options = TrainOptions(run_dir=run_dir, config=config, display=not args.quiet)
+    print(f"run {options.run_dir}: config, metrics, checkpoints, logs and report go there")
     controller = asyncio.run(train(options))
     from qwengyre.report.html import learning_signal_warning, write_report
 
@@ -436,9 +437,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if records:
         first, last = records[0], records[-1]
         none = sum(not r.learning_signal for r in records)
+        from qwengyre.rollout.toy_tasks import TOY_KIND
+
+        parity = controller.config.harness.tasks is None and TOY_KIND == "parity"
+        chance = " (chance on the bundled parity task: 0.5)" if parity else ""
         print(
             f"{len(records)} steps in {last.time_s:.0f} s; reward {first.reward_mean:.3f} "
-            f"(first step) -> {last.reward_mean:.3f} (last step); "
+            f"(first step) -> {last.reward_mean:.3f} (last step){chance}; "
             f"{none} of {len(records)} steps had no learning signal"
         )
         warning = learning_signal_warning(records)

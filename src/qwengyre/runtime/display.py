@@ -82,7 +82,8 @@ def render(controller: Controller) -> Table:
 
 
 async def show(controller: Controller, console: Console | None = None) -> None:
-    """Redraw until cancelled (a terminal), or print one line per step (a log)."""
+    """Redraw until cancelled (a terminal), or print one line per step (a log), each
+    whole, the last ones when cancelled included."""
     console = console or Console()
     if console.is_terminal:
         with Live(render(controller), console=console, refresh_per_second=4) as live:
@@ -90,8 +91,16 @@ async def show(controller: Controller, console: Console | None = None) -> None:
                 await asyncio.sleep(0.5)
                 live.update(render(controller))
     printed = 0
-    while True:
-        await asyncio.sleep(1.0)
+
+    def print_new() -> None:  # whole lines, however narrow the log's "terminal"
+        nonlocal printed
         for record in controller.observer.step_records[printed:]:
-            console.print(step_line(record), markup=False)
+            console.print(step_line(record), markup=False, soft_wrap=True)
         printed = len(controller.observer.step_records)
+
+    try:
+        while True:
+            await asyncio.sleep(1.0)
+            print_new()
+    finally:  # cancelled at the run's end: the last steps' lines too
+        print_new()
