@@ -311,3 +311,21 @@ def test_the_readme_s_scripted_replies_load(tiny_model_dir: Path):
     assert "proxy.script=examples/replies.json" in (path.parents[1] / "README.md").read_text()
     engine = ScriptedEngine.from_file(AutoTokenizer.from_pretrained(tiny_model_dir), path)
     assert {"main.task", "sub.task", "main.summary", "default"} <= set(engine.script)
+
+
+def test_a_resume_of_a_directory_that_is_no_run_is_refused_before_torch_loads(tmp_path: Path):
+    code = (
+        "import sys; from qwengyre.cli import main; "
+        f"rc = main(['train', '--resume', {str(tmp_path / 'nope')!r}]); "
+        "print(rc, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert "is not a training run (no config.yaml) to resume" in done.stderr
+
+
+def test_init_tiny_into_a_directory_in_use_names_the_flag(tmp_path: Path):
+    (tmp_path / "mine.txt").write_text("x")
+    out = run("model", "init-tiny", str(tmp_path))
+    assert out.returncode == 2 and "pass --force to write over it" in out.stderr
+    assert "overwrite=True" not in out.stderr and (tmp_path / "mine.txt").exists()

@@ -372,13 +372,18 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     from qwengyre.models import build_tiny_model
 
-    out = build_tiny_model(
-        Path(args.dir),
-        size=args.size,
-        seed=args.seed,
-        tie_embeddings=not args.untied,
-        overwrite=args.force,
-    )
+    try:
+        out = build_tiny_model(
+            Path(args.dir),
+            size=args.size,
+            seed=args.seed,
+            tie_embeddings=not args.untied,
+            overwrite=args.force,
+        )
+    except FileExistsError:  # the library's advice names its argument, not the flag
+        raise ValueError(
+            f"{args.dir} is not empty: pick another directory, or pass --force to write over it"
+        ) from None
     kind = "untied" if args.untied else "tied"
     print(f"built the {args.size} tiny model ({kind} embeddings) in {out}")
     return 0
@@ -418,11 +423,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     import asyncio
     import time
 
-    from qwengyre.apps.train import TrainOptions, train
-
     if args.resume is not None:
         if args.config_file or args.overrides or args.run_dir:
             raise ConfigError("--resume RUN_DIR continues that run with its own config.yaml")
+        if not (Path(args.resume) / "config.yaml").is_file():  # in a second, before torch
+            raise ValueError(f"{args.resume} is not a training run (no config.yaml) to resume")
+    from qwengyre.apps.train import TrainOptions, train
+
+    if args.resume is not None:
         options = TrainOptions(run_dir=Path(args.resume), resume=True, display=not args.quiet)
     else:
         given = args.config_file is not None and "=" not in args.config_file
