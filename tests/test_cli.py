@@ -329,3 +329,35 @@ def test_init_tiny_into_a_directory_in_use_names_the_flag(tmp_path: Path):
     out = run("model", "init-tiny", str(tmp_path))
     assert out.returncode == 2 and "pass --force to write over it" in out.stderr
     assert "overwrite=True" not in out.stderr and (tmp_path / "mine.txt").exists()
+
+
+def test_a_second_proxy_on_a_store_in_use_is_refused_naming_the_first(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    import socket
+    import time
+
+    import httpx2
+
+    def serve(port: int) -> list[str]:
+        store = ["--store", str(tmp_path / "store"), "--port", str(port)]
+        model = ["--model", str(tiny_model_dir)]
+        return [sys.executable, "-m", "qwengyre", "proxy", "serve", *model, *store]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = subprocess.Popen(serve(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                if httpx2.head(f"http://127.0.0.1:{port}/").status_code == 200:
+                    break
+            except httpx2.TransportError:
+                time.sleep(0.1)
+        second = subprocess.run(serve(port + 1), capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert f"is in use by pid {first.pid}" in second.stderr, second.stderr
+    finally:
+        first.terminate()
+        first.wait(10)

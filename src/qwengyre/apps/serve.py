@@ -23,6 +23,7 @@ from qwengyre.engines.factory import embedded_engine
 from qwengyre.engines.http_client import HTTPEngineClient
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy.build import build_proxy
+from qwengyre.runtime.lock import lock_run_dir
 
 
 def model_dir(config: Config) -> Path:
@@ -164,9 +165,10 @@ def serve(config: Config, admin_token: str | None) -> None:
         raise ValueError("proxy serve needs a store directory: --store DIR or proxy.store=DIR")
     model = model_dir(config)
     where = f"http://{settings.host}:{settings.port}"
-    print(f"proxy on {where} (model {model})", flush=True)
     tokenizer = load_tokenizer(model)
-    with proxy_engine(config, model, tokenizer) as engine:
+    # One proxy per store: a second one on it (or a run using it) is refused, naming it.
+    with lock_run_dir(settings.store), proxy_engine(config, model, tokenizer) as engine:
+        print(f"proxy on {where} (model {model})", flush=True)
         server = build_proxy(
             settings,
             model,
