@@ -330,7 +330,7 @@ def test_write_report_writes_a_page_and_valid_pngs(tmp_path: Path):
     page = index.read_text()
     images = re.findall(r"<img src='([^']+)'", page)
     assert sorted(images) == sorted(
-        ["reward.png", "timeline.png", "load.png", "staleness.png", "switches.png"]
+        ["reward.png", "training.png", "timeline.png", "load.png", "staleness.png", "switches.png"]
     )
     for name in images:
         assert _is_png(index.parent / name), name
@@ -369,6 +369,20 @@ def test_write_report_writes_a_page_and_valid_pngs(tmp_path: Path):
         assert fragment in assessments, fragment
 
 
+def test_the_training_figure_has_a_panel_per_quantity_from_the_steps_that_trained():
+    from qwengyre.report.html import TRAINING_PANELS, training_figure
+
+    steps = [r for r in _records() if isinstance(r, StepRecord)]
+    fig = training_figure(steps)
+    axes = fig.get_axes()
+    assert [ax.get_title() for ax in axes] == [label for _, label in TRAINING_PANELS]
+    trained = [s for s in steps if s.learning_signal]
+    loss_x, loss_y = axes[0].get_lines()[0].get_data()
+    assert list(loss_x) == [s.step for s in trained] and list(loss_y) == [s.loss for s in trained]
+    _, per_execution = axes[3].get_lines()[0].get_data()
+    assert list(per_execution) == [s.tokens / s.rewards for s in trained]
+
+
 def test_missing_kinds_get_a_note_not_a_failure(tmp_path: Path):
     # An async run: no switches, no role changes beyond the start; and no groups logged.
     records = [r for r in _records() if not isinstance(r, SwitchRecord | GroupRecord | RoleRecord)]
@@ -379,7 +393,7 @@ def test_missing_kinds_get_a_note_not_a_failure(tmp_path: Path):
     page = index.read_text()
     assert "No switches recorded" in page and "No trained groups recorded" in page
     assert "No role changes recorded" in page
-    assert sorted(p.name for p in out.glob("*.png")) == ["load.png", "reward.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == ["load.png", "reward.png", "training.png"]
     # An empty log still gives a page.
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")

@@ -8,7 +8,9 @@ Built from ``RUN_DIR/metrics.jsonl`` alone (see :mod:`qwengyre.records.metrics`)
   by :mod:`qwengyre.sim.plots` from spans built out of the ``role`` records;
 - ``load.png``: running and queued executions and rollout capacity over time;
 - ``staleness.png``: the histogram of the trained groups' staleness against Eq 2;
-- ``switches.png``: each measured switch's duration, by direction.
+- ``switches.png``: each measured switch's duration, by direction;
+- ``training.png``: per step, the loss, the fraction of tokens whose ratio was clipped,
+  the gradient norm before clipping, and the trained tokens per execution.
 
 The page is self-contained apart from those images (relative links); a figure whose
 records are missing (no switches under async, say) is replaced by a short note. A run
@@ -287,6 +289,35 @@ def reward_figure(steps: Sequence[StepRecord]) -> Figure:
     _tidy(ax)
     ax.set_title(f"Reward per step ({len(steps)} steps)")
     fig.legend(loc="outside lower center", ncol=3 if none else 2, frameon=False)
+    return fig
+
+
+TRAINING_PANELS: tuple[tuple[str, str], ...] = (
+    ("loss", "loss"),
+    ("clipped_fraction", "clipped fraction"),
+    ("grad_norm", "grad norm"),
+    ("tokens_per_execution", "tokens per execution"),
+)
+
+
+def training_figure(steps: Sequence[StepRecord]) -> Figure:
+    """The optimizer's side of each step, one panel per :data:`TRAINING_PANELS` entry
+    (a step with no learning signal trained nothing: it has no point)."""
+    fig = _new_figure()
+    trained = [s for s in steps if s.learning_signal]
+    xs = [s.step for s in trained]
+    for at, (name, label) in enumerate(TRAINING_PANELS, start=1):
+        ax = fig.add_subplot(2, 2, at)
+        if name == "tokens_per_execution":
+            ys = [s.tokens / s.rewards if s.rewards else math.nan for s in trained]
+        else:
+            ys = [float(getattr(s, name)) for s in trained]
+        ax.plot(xs, ys, color=RUNNING_COLOUR, linewidth=1.2, marker="o", markersize=2)
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        _tidy(ax)
+    fig.suptitle(f"Training per step ({len(trained)} steps that trained)")
     return fig
 
 
@@ -578,6 +609,12 @@ def write_report(
         "reward.png",
         reward_figure(metrics.steps) if metrics.steps else None,
         "No steps recorded.",
+    )
+    figure(
+        "Training",
+        "training.png",
+        training_figure(metrics.steps) if any(s.learning_signal for s in metrics.steps) else None,
+        "No step trained anything.",
     )
     spans = role_spans(metrics.roles, metrics.end_s)
     figure(
