@@ -7,6 +7,7 @@ import json
 import math
 import re
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -469,6 +470,35 @@ def test_several_runs_are_reported_and_compared(
         "10",
         "100.0",
         "",
+    ]
+    # The same steps, cells and groups; the fixtures' engines differ, and it says so.
+    assert [line for line in out.splitlines() if line.startswith("caveat")] == [
+        "caveat: engine.backend differs (elastic-run: vllm, async-run: embedded): not the"
+        " same workload"
+    ]
+
+
+def test_a_comparison_says_what_differs_besides_the_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    elastic, shorter = tmp_path / "elastic-run", tmp_path / "short-async"
+    _write_run(elastic)
+    records = _async_records()
+    run = next(r for r in records if isinstance(r, RunRecord))
+    shorter_records = [
+        replace(r, batch=8) if r is run else r
+        for r in records
+        if not (isinstance(r, StepRecord) and r.step >= 4)
+    ]
+    _write_run(shorter, shorter_records)
+    assert main(["report", str(elastic), str(shorter)]) == 0
+    caveats = [line for line in capsys.readouterr().out.splitlines() if line.startswith("caveat")]
+    assert caveats == [
+        "caveat: the runs trained different numbers of steps (elastic-run: 10, short-async: 4):"
+        " times per step and reward fifths cover different stretches of training",
+        "caveat: groups.batch differs (elastic-run: 4, short-async: 8): not the same workload",
+        "caveat: engine.backend differs (elastic-run: vllm, short-async: embedded): not the"
+        " same workload",
     ]
 
 

@@ -108,6 +108,35 @@ def comparison_table(rows: Sequence[RunRow]) -> Table:
     return table
 
 
+def comparison_caveats(rows: Sequence[RunRow]) -> list[str]:
+    """What differs between the runs besides their policy, which the table's ratios
+    do not account for (one line each; none for runs of the same shape)."""
+    caveats = []
+    steps = {row.name: row.summary.steps for row in rows}
+    if len(set(steps.values())) > 1:
+        caveats.append(
+            "the runs trained different numbers of steps ("
+            + ", ".join(f"{name}: {n}" for name, n in steps.items())
+            + "): times per step and reward fifths cover different stretches of training"
+        )
+    shapes = {
+        "cells": lambda m: m.run.cells,
+        "groups.size": lambda m: m.run.group_size,
+        "groups.batch": lambda m: m.run.batch,
+        "engine.backend": lambda m: m.run.engine_backend,
+    }
+    for key, of in shapes.items():
+        values = {row.name: of(row.metrics) for row in rows if row.metrics.run is not None}
+        if len(set(values.values())) > 1:
+            listed = ", ".join(f"{name}: {value}" for name, value in values.items())
+            caveats.append(f"{key} differs ({listed}): not the same workload")
+    return caveats
+
+
 def print_comparison(rows: Sequence[RunRow], console: Console | None = None) -> None:
-    """Print :func:`comparison_table` (160 columns wide when not on a terminal)."""
-    (console or table_console(width=160)).print(comparison_table(rows))
+    """Print :func:`comparison_table` (160 columns wide when not on a terminal), then
+    :func:`comparison_caveats`."""
+    console = console or table_console(width=160)
+    console.print(comparison_table(rows))
+    for caveat in comparison_caveats(rows):
+        console.print(f"caveat: {caveat}", markup=False, soft_wrap=True)
