@@ -18,6 +18,7 @@ transformers, matplotlib) happen inside the subcommand that needs them.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -419,6 +420,24 @@ def cmd_model_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_train(args: argparse.Namespace) -> int:
+    """``train --check``: the run's config and preflight, nothing started or written."""
+    from qwengyre.apps.preflight import preflight
+
+    if args.resume is not None:
+        config = load_config(Path(args.resume) / "config.yaml")
+    else:
+        given = args.config_file is not None and "=" not in args.config_file
+        config = _resolve_config(args, preset=None if given else "embedded")
+    checked = preflight(config, warn=lambda line: print(f"qwengyre: warning: {line}"))
+    print(
+        f"ready: {len(checked.tasks)} tasks, harness {shlex.join(checked.harness.command)},"
+        f" engine {config.engine.backend} on {config.run.device},"
+        f" {config.cells.count} cells ({config.run.placement})"
+    )
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import asyncio
     import time
@@ -430,6 +449,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.resume} is not a training run (no config.yaml) to resume")
     from qwengyre.apps.train import TrainOptions, train
 
+    if args.check:
+        return _check_train(args)
     if args.resume is not None:
         options = TrainOptions(run_dir=Path(args.resume), resume=True, display=not args.quiet)
     else:
@@ -663,6 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
     trainp.add_argument("--run-dir", help="output directory (default runs/<timestamp>)")
     trainp.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run")
     trainp.add_argument("--quiet", action="store_true", help="no live display")
+    trainp.add_argument(
+        "--check",
+        action="store_true",
+        help="only check what the run needs (config, tasks, harness, engine, device), in "
+        "seconds, and start nothing",
+    )
     trainp.set_defaults(func=cmd_train)
 
     report = sub.add_parser(

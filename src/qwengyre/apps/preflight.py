@@ -17,7 +17,6 @@ from pathlib import Path
 from qwengyre.cluster.devices import require_device
 from qwengyre.config import Config
 from qwengyre.engines.factory import server_backend
-from qwengyre.engines.launch import ServerNotInstalled
 from qwengyre.report.sinks import check_metrics
 from qwengyre.rollout.harness import HarnessSpec, harness_spec
 from qwengyre.rollout.limits import Limits
@@ -79,10 +78,7 @@ def preflight(config: Config, *, warn: Callable[[str], None]) -> Preflight:
     spec = harness_spec(h.name, h.deadline_s, confine, Limits.of(h.limits))
     require_program(spec, h.name)
     if config.engine.backend != "embedded":
-        try:
-            server_backend(config.engine.backend).require_installed()
-        except ServerNotInstalled as exc:
-            raise PreflightError(str(exc)) from None
+        server_backend(config.engine.backend).require_installed()
     if config.run.placement == "local":  # under Ray the GPUs may be on other nodes
         require_device(config.run.device)
     if config.run.placement == "ray" or h.hosts == "ray":

@@ -53,8 +53,9 @@ __all__ = [
 ]
 
 
-class ServerNotInstalled(RuntimeError):
-    """The server's Python cannot import the server's package."""
+class ServerNotInstalled(ValueError):
+    """The server's Python cannot import the server's package (a setup to fix, so a
+    ``ValueError``: the command line says it in one line)."""
 
 
 def importable(python: str, package: str, env: Mapping[str, str] | None = None) -> bool:
