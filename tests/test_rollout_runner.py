@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import sqlite3
 from pathlib import Path
 
@@ -267,3 +268,25 @@ def test_a_call_the_harness_never_received_is_not_one_of_its_calls_in_the_trace(
     record = trace_record(task, 0, 0, result, 0.0, tree.to_json()["nodes"], 0.0)
     assert [(c.start_s, c.end_s) for c in record.calls] == [(2.0, 3.0)]
     assert record.train_tokens == 3
+
+
+def test_a_rollout_says_each_execution_as_it_ends(tmp_path: Path, tiny_model_dir: Path):
+    tasks = tmp_path / "tasks.jsonl"
+    dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
+    options = _options(tmp_path, tiny_model_dir, tasks)
+    said: list[str] = []
+    rows = asyncio.run(rollout(dataclasses.replace(options, log=said.append)))
+    assert len(said) == len(rows) == 2
+    task = rows[0][0]
+    assert [line.split(f" {task} #")[0] for line in said] == ["[1/2]", "[2/2]"]
+    assert all(re.search(r": (completed|failed|harness_timeout), ", line) for line in said)
+
+
+def test_a_rollout_s_mistakes_are_found_before_its_model_loads(tmp_path: Path):
+    tasks = tmp_path / "tasks.jsonl"
+    dump_tasks(tasks, load_tasks(example_tasks_path())[:1])
+    missing_model = tmp_path / "no-model"  # it would fail there, later
+    options = _options(tmp_path, missing_model, tasks, "harness.name=no-such-agent {instructions}")
+    with pytest.raises(ValueError, match=re.escape("harness 'no-such-agent {instructions}' needs")):
+        asyncio.run(rollout(options))
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written

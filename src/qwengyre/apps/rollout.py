@@ -24,23 +24,26 @@ import json
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
+from qwengyre.apps.preflight import require_program
 from qwengyre.apps.serve import close_engine, load_tokenizer, model_dir, model_engine
 from qwengyre.config import Config, GroupsConfig
+from qwengyre.engines.factory import server_backend
 from qwengyre.proxy.build import build_proxy
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.records.trace import TraceWriter
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution, trace_record
 from qwengyre.rollout.groups import group_advantages
-from qwengyre.rollout.harness import harness_spec, kill_orphaned_harnesses
+from qwengyre.rollout.harness import HarnessSpec, harness_spec, kill_orphaned_harnesses
 from qwengyre.rollout.limits import Limits
-from qwengyre.rollout.sandbox import Sandbox, sandbox
+from qwengyre.rollout.sandbox import sandbox
 from qwengyre.rollout.tasks import Task, load_tasks
 from qwengyre.rollout.toy_tasks import toy_tasks_path
 from qwengyre.runtime.lock import lock_run_dir
@@ -72,6 +75,7 @@ class RolloutOptions:
     run_dir: Path
     config: Config
     resume: bool = False
+    log: Callable[[str], None] = print  # a line per execution that ends: the progress
 
 
 class ResultStore:
@@ -138,8 +142,14 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     here raises :class:`~qwengyre.rollout.sandbox.SandboxUnavailable` first."""
     config = options.config
     harness = config.harness
+    # What can be checked in seconds, before the model loads (as train's preflight).
+    tasks = load_tasks(harness.tasks or toy_tasks_path())
     confine = sandbox(harness.sandbox, harness.sandbox_hide, harness.sandbox_expose)
     confine.check()
+    spec = harness_spec(harness.name, harness.deadline_s, confine, Limits.of(harness.limits))
+    require_program(spec, harness.name)
+    if config.engine.backend != "embedded":
+        server_backend(config.engine.backend).require_installed()
     with lock_run_dir(options.run_dir, new=not options.resume):
         model = model_dir(config)
         tokenizer = load_tokenizer(model)
@@ -160,18 +170,16 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
                 engines=[engine],
             )
             try:
-                return await _rollout(options, confine, server)
+                return await _rollout(options, tasks, spec, server)
             finally:
                 await close_engine(engine)
 
 
 async def _rollout(
-    options: RolloutOptions, confine: Sandbox, server: ProxyServer
+    options: RolloutOptions, tasks: list[Task], spec: HarnessSpec, server: ProxyServer
 ) -> list[tuple[str, int, str, float | None]]:
     config = options.config
     harness, groups = config.harness, config.groups
-    tasks = load_tasks(harness.tasks or toy_tasks_path())
-    spec = harness_spec(harness.name, harness.deadline_s, confine, Limits.of(harness.limits))
     budgets = Budgets(harness.deadline_s, harness.budget_s)
     run_dir = options.run_dir
     results = ResultStore(run_dir / "proxy.sqlite")
@@ -185,6 +193,8 @@ async def _rollout(
     if options.resume:  # harnesses a killed runner left behind must not keep running
         kill_orphaned_harnesses(run_dir)
     start_wall = time.time()
+    planned = len(tasks) * (groups.size + groups.oversample)  # at most: surplus is cancelled
+    ended: list[ExecutionResult] = []
     limit = asyncio.Semaphore(config.cells.capacity)
     assessments = AssessmentLog(run_dir / ASSESSMENTS_FILE)
     try:
@@ -223,6 +233,13 @@ async def _rollout(
                         results.add(index, result)  # durable before it counts
                         traces.write(
                             trace_record(task, group, index, result, began, nodes, start_wall)
+                        )
+                        ended.append(result)
+                        reward = "no valid reward" if result.reward is None else result.reward
+                        options.log(
+                            f"[{len(done) + len(ended)}/{planned}] {task.id} #{index}:"
+                            f" {result.outcome.value}, {reward}"
+                            f" ({time.time() - start_wall:.0f} s)"
                         )
 
                 async def group_of(task: Task, group: int) -> None:
