@@ -420,6 +420,13 @@ def cmd_model_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_config(args: argparse.Namespace) -> Config:
+    """A new run's config: its file (on its base), else the embedded preset; then the
+    overrides."""
+    given = args.config_file is not None and "=" not in args.config_file
+    return _resolve_config(args, preset=None if given else "embedded")
+
+
 def _check_train(args: argparse.Namespace) -> int:
     """``train --check``: the run's config and preflight, nothing started or written."""
     from qwengyre.apps.preflight import preflight
@@ -427,8 +434,7 @@ def _check_train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         config = load_config(Path(args.resume) / "config.yaml")
     else:
-        given = args.config_file is not None and "=" not in args.config_file
-        config = _resolve_config(args, preset=None if given else "embedded")
+        config = _train_config(args)
     checked = preflight(config, warn=lambda line: print(f"qwengyre: warning: {line}"))
     print(
         f"ready: {len(checked.tasks)} tasks, harness {shlex.join(checked.harness.command)},"
@@ -454,8 +460,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         options = TrainOptions(run_dir=Path(args.resume), resume=True, display=not args.quiet)
     else:
-        given = args.config_file is not None and "=" not in args.config_file
-        config = _resolve_config(args, preset=None if given else "embedded")
+        config = _train_config(args)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         options = TrainOptions(run_dir=run_dir, config=config, display=not args.quiet)
     print(f"run {options.run_dir}: config, metrics, checkpoints, logs and report go there")
