@@ -60,6 +60,8 @@ def _step(step: int, time_s: float) -> StepRecord:
         cells=2,
         train_s=30.0,
         staleness_mean=1.5,
+        ratio_mean=1.0,
+        kl=0.001 * step,
         micro_step_s=25.0,
         update_s=2.0,
     )

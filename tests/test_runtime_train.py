@@ -99,6 +99,9 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     assert all(0 < s.update_s < s.train_s for s in metrics.steps)
     assert all(s.micro_step_s > 0 for s in metrics.steps if s.micro_steps)
     assert all(s.rewards >= 2 * 2 for s in metrics.steps)  # B=2 groups, >= 2 valid each
+    # The importance ratios of what trained: near 1 (E[d] <= 1 step off), KL >= 0.
+    for step in (s for s in metrics.steps if s.micro_steps):
+        assert 0.5 < step.ratio_mean < 2.0 and 0.0 <= step.kl < 1.0, step
     trained = [g.group_id for g in metrics.groups]
     assert len(trained) == 3 * 2 and len(set(trained)) == len(trained)
     ledger = {g.group_id for g in Ledger(run_dir / LEDGER_DIR).groups()}

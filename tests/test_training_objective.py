@@ -48,6 +48,15 @@ def test_hand_computed_on_policy() -> None:
     assert out.token_weight_mean.item() == pytest.approx(1.0)
 
 
+def test_the_kl_estimate_is_zero_on_policy_and_the_k3_sum_off_it() -> None:
+    on, _ = _run(L, L, EX, ADV)
+    assert on.kl_sum.item() == 0.0
+    delta = np.array([0.3, -0.2, 0.0, 0.5, -0.1])
+    off, _ = _run(L, (np.array(L) - delta).tolist(), EX, ADV)
+    expected = float(np.sum(np.exp(delta) - 1 - delta))  # r - 1 - log r, r = exp(delta)
+    assert off.kl_sum.item() == pytest.approx(expected, rel=1e-5) and expected > 0
+
+
 def test_numpy_reference_off_policy() -> None:
     delta = np.array([0.001, -0.002, 0.0, 0.003, -0.001])
     b = (np.array(L) - delta).tolist()

@@ -170,6 +170,11 @@ class StepRecord(_Record):
     """From the step's first assignment to its update done: waits for streamed groups
     included."""
     staleness_mean: float
+    ratio_mean: float = math.nan
+    """The mean execution ratio s_i = exp(mean(l_t - b_t)) over the trained executions:
+    1 when the trained policy is the behaviour policy."""
+    kl: float = math.nan
+    """KL(behaviour || current) per target token, the k3 estimate (objective.py)."""
     micro_step_s: float = math.nan
     """Seconds the cells spent in this step's micro-steps, summed over cells (what
     ``sim.train_tokens_per_cell_s`` models); NaN in logs written before it existed."""

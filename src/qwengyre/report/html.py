@@ -9,8 +9,9 @@ Built from ``RUN_DIR/metrics.jsonl`` alone (see :mod:`qwengyre.records.metrics`)
 - ``load.png``: running and queued executions and rollout capacity over time;
 - ``staleness.png``: the histogram of the trained groups' staleness against Eq 2;
 - ``switches.png``: each measured switch's duration, by direction;
-- ``training.png``: per step, the loss, the fraction of tokens whose ratio was clipped,
-  the gradient norm before clipping, and the trained tokens per execution.
+- ``training.png``: per step, the loss, the fraction of executions whose ratio was
+  clipped, the gradient norm before clipping, the trained tokens per execution, the mean
+  execution ratio and the KL of the behaviour policy to the trained one.
 
 The page is self-contained apart from those images (relative links); a figure whose
 records are missing (no switches under async, say) is replaced by a short note. A run
@@ -297,6 +298,8 @@ TRAINING_PANELS: tuple[tuple[str, str], ...] = (
     ("clipped_fraction", "clipped fraction"),
     ("grad_norm", "grad norm"),
     ("tokens_per_execution", "tokens per execution"),
+    ("ratio_mean", "execution ratio s (mean)"),
+    ("kl", "KL(behaviour ‖ current) per token"),
 )
 
 
@@ -307,7 +310,7 @@ def training_figure(steps: Sequence[StepRecord]) -> Figure:
     trained = [s for s in steps if s.learning_signal]
     xs = [s.step for s in trained]
     for at, (name, label) in enumerate(TRAINING_PANELS, start=1):
-        ax = fig.add_subplot(2, 2, at)
+        ax = fig.add_subplot(3, 2, at)
         if name == "tokens_per_execution":
             ys = [s.tokens / s.rewards if s.rewards else math.nan for s in trained]
         else:

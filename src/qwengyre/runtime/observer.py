@@ -124,6 +124,8 @@ class Observer:
         ``launched`` the versions each trained group's valid executions launched at."""
         groups = self.scheduler.groups
         rewards = [r for g in summary.group_ids for r in groups[g].valid.values()]
+        executions = sum(r.executions for r in micro_steps)
+        targets = sum(r.targets for r in micro_steps)
         core = updates[0][0]
         record = StepRecord(
             time_s=self.now(),
@@ -141,6 +143,10 @@ class Observer:
             cells=len(updates),
             train_s=self.now() - started_s,
             staleness_mean=statistics.fmean(step - groups[g].v_d for g in summary.group_ids),
+            ratio_mean=sum(r.ratio_sum for r in micro_steps) / executions
+            if executions
+            else math.nan,
+            kl=sum(r.kl_sum for r in micro_steps) / targets if targets else math.nan,
             micro_step_s=micro_step_s,
             update_s=max(seconds for _, seconds in updates),
         )

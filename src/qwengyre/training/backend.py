@@ -52,6 +52,8 @@ class MicroStepResult:
     clipped: int  # executions clipped in it
     executions: int
     seconds: float
+    ratio_sum: float = 0.0  # sum over its executions of the execution ratio s_i
+    kl_sum: float = 0.0  # sum over its target tokens of r - 1 - log r (objective.py)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -52,13 +52,16 @@ class ObjectiveOutput:
     ``clipped_fraction``: clipped executions (trajectories for
     ``per_trajectory_clip``) over those with at least one target token;
     ``mean_ratio``: mean of ``s`` over the same units; ``token_weight_mean``: mean
-    of ``w_t`` over target tokens.
+    of ``w_t`` over target tokens; ``kl_sum``: the sum over target tokens of
+    ``r - 1 - log r``, ``r = exp(l_t - b_t)`` (the "k3" estimate of
+    KL(behaviour || current), non-negative, zero exactly when the policies agree).
     """
 
     loss: Tensor
     clipped_fraction: Tensor
     mean_ratio: Tensor
     token_weight_mean: Tensor
+    kl_sum: Tensor
 
 
 def _segment_sum(values: Tensor, index: Tensor, size: int) -> Tensor:
@@ -145,4 +148,5 @@ def execution_gspo_loss(
         clipped_fraction=((clipped & units).sum() / n_units).float().detach(),
         mean_ratio=(torch.where(units, ratio, zero).sum() / n_units).detach(),
         token_weight_mean=weight.mean() if weight.numel() else zero,
+        kl_sum=(torch.expm1(delta) - delta).sum(),
     )

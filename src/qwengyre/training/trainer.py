@@ -163,10 +163,12 @@ class Trainer:
                 round(float(out.clipped_fraction) * units),
                 units,
                 int(logprobs.numel()) if part is not None else 0,
+                float(out.mean_ratio) * units,
+                float(out.kl_sum) if part is not None else 0.0,
             ],
             dtype=torch.float64,
         )
-        loss, clipped, executions, targets = self.comm.cell_sum(stats).tolist()
+        loss, clipped, executions, targets, ratios, kl = self.comm.cell_sum(stats).tolist()
         return MicroStepResult(
             step=ms.step,
             index=ms.index,
@@ -177,6 +179,8 @@ class Trainer:
             clipped=int(clipped),
             executions=int(executions),
             seconds=time.perf_counter() - start,
+            ratio_sum=ratios,
+            kl_sum=kl,
         )
 
     # ------------------------------------------------------------------ update
