@@ -361,3 +361,17 @@ def test_a_second_proxy_on_a_store_in_use_is_refused_naming_the_first(
     finally:
         first.terminate()
         first.wait(10)
+
+
+def test_serving_on_a_device_that_is_not_there_is_refused_before_the_model_loads(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proxy = ["proxy", "serve", "--model", str(tmp_path / "no-model"), "--store", str(tmp_path)]
+    out = run(*proxy, "proxy.engine=embedded", "run.device=cuda")  # checked before the model
+    assert out.returncode == 2 and "run.device is 'cuda'" in out.stderr, out.stderr
+    out = run("engine", "serve", "--model", str(tiny_model_dir), "run.device=cuda")
+    assert out.returncode == 2 and "run.device is 'cuda'" in out.stderr, out.stderr

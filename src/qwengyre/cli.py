@@ -329,6 +329,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from qwengyre.apps.serve import model_dir, read_secret_file
+    from qwengyre.cluster.devices import require_device
     from qwengyre.engines.factory import embedded_engine
     from qwengyre.engines.server import engine_app
 
@@ -342,6 +343,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
     model = model_dir(config)
     if not (model / "config.json").exists():
         raise ValueError(f"{model} is not a HuggingFace model directory (no config.json)")
+    require_device(config.run.device)
     engine = embedded_engine(
         model,
         capacity=config.cells.capacity,

@@ -15,11 +15,11 @@ from typing import Any
 
 from aiohttp import web
 
-from qwengyre.cluster.devices import visible_gpus
+from qwengyre.cluster.devices import require_device, visible_gpus
 from qwengyre.cluster.engine_host import rollout_host
 from qwengyre.config import Config, EngineConfig
 from qwengyre.engines.base import InferenceEngine
-from qwengyre.engines.factory import embedded_engine
+from qwengyre.engines.factory import embedded_engine, server_backend
 from qwengyre.engines.http_client import HTTPEngineClient
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy.build import build_proxy
@@ -163,6 +163,10 @@ def serve(config: Config, admin_token: str | None) -> None:
     settings = config.proxy
     if settings.store is None:
         raise ValueError("proxy serve needs a store directory: --store DIR or proxy.store=DIR")
+    if settings.engine == "embedded":  # before the model loads
+        require_device(config.run.device)
+        if config.engine.backend != "embedded":
+            server_backend(config.engine.backend).require_installed()
     model = model_dir(config)
     where = f"http://{settings.host}:{settings.port}"
     tokenizer = load_tokenizer(model)
