@@ -7,8 +7,8 @@
    through both relays (in-sandbox TCP -> Unix socket -> the key-injecting relay ->
    the proxy). Prints the mean and median per call and the ratio relay / direct.
 2. start: ``true`` as the harness, K times each, unconfined and under bubblewrap with
-   its relay, limits and cgroup: the wall time of :func:`run_harness` from call to
-   return (median), and the ratio.
+   its relay, limits and cgroup: the wall time of ``supervise(prepare_harness(...))``
+   (:mod:`qwengyre.rollout.harness`) from call to return (median), and the ratio.
 
     python benchmarks/bench_sandbox.py             # N=500 calls, K=20 starts
     python benchmarks/bench_sandbox.py --calls 2000 --starts 50
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from qwengyre.rollout.harness import HarnessSpec, run_harness
+from qwengyre.rollout.harness import HarnessSpec, prepare_harness, supervise
 from qwengyre.rollout.limits import Limits
 from qwengyre.rollout.sandbox import Bubblewrap, NoSandbox, Sandbox
 
@@ -87,15 +87,17 @@ async def _harness(
 ) -> str:
     """Run ``spec`` once in a fresh workspace under ``scratch``; its stdout."""
     workspace = Path(tempfile.mkdtemp(dir=scratch))
-    run = await run_harness(
-        spec,
-        workspace=workspace,
-        logs_dir=workspace / "logs",
-        execution_id=execution_id,
-        base_url=base_url,
-        api_key="qg-bench",
-        instructions="bench",
-        hidden=(scratch,),
+    run = await supervise(
+        prepare_harness(
+            spec,
+            workspace=workspace,
+            logs_dir=workspace / "logs",
+            execution_id=execution_id,
+            base_url=base_url,
+            api_key="qg-bench",
+            instructions="bench",
+            hidden=(scratch,),
+        )
     )
     if not run.ok:
         raise RuntimeError((workspace / "logs" / "stderr.log").read_text())

@@ -18,8 +18,9 @@ from qwengyre.rollout.harness import (
     HarnessSpec,
     claude_code_spec,
     mini_swe_agent_spec,
+    prepare_harness,
     render_command,
-    run_harness,
+    supervise,
 )
 from qwengyre.rollout.limits import Limits
 
@@ -45,7 +46,7 @@ def _run(spec: HarnessSpec, tmp_path: Path, **kw: object) -> HarnessRun:
         "instructions": "write {hello} to out.txt",
     }
     args.update(kw)
-    return asyncio.run(run_harness(spec, **args))
+    return asyncio.run(supervise(prepare_harness(spec, **args)))
 
 
 def _is_gone(pid: int, within_s: float = 60.0) -> bool:
@@ -167,15 +168,17 @@ def test_cancel_mid_run(tmp_path):
     async def main() -> HarnessRun:
         cancel = asyncio.Event()
         job = asyncio.create_task(
-            run_harness(
-                spec,
-                workspace=workspace,
-                logs_dir=tmp_path / "logs",
-                execution_id="ex_2",
-                base_url=BASE_URL,
-                api_key=KEY,
-                instructions="hang",
-                cancel=cancel,
+            supervise(
+                prepare_harness(
+                    spec,
+                    workspace=workspace,
+                    logs_dir=tmp_path / "logs",
+                    execution_id="ex_2",
+                    base_url=BASE_URL,
+                    api_key=KEY,
+                    instructions="hang",
+                ),
+                cancel,
             )
         )
         await asyncio.to_thread(_wait_for_file, workspace / "grandchild.pid")
@@ -198,14 +201,16 @@ def test_cancelling_the_caller_task_still_kills_and_reaps(tmp_path):
 
     async def main() -> None:
         job = asyncio.create_task(
-            run_harness(
-                spec,
-                workspace=workspace,
-                logs_dir=tmp_path / "logs",
-                execution_id="ex_3",
-                base_url=BASE_URL,
-                api_key=KEY,
-                instructions="hang",
+            supervise(
+                prepare_harness(
+                    spec,
+                    workspace=workspace,
+                    logs_dir=tmp_path / "logs",
+                    execution_id="ex_3",
+                    base_url=BASE_URL,
+                    api_key=KEY,
+                    instructions="hang",
+                )
             )
         )
         await asyncio.to_thread(_wait_for_file, workspace / "grandchild.pid")

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from qwengyre.rollout import limits as limits_module
-from qwengyre.rollout.harness import HarnessRun, HarnessSpec, kill_orphaned_harness, run_harness
+from qwengyre.rollout.harness import (
+    HarnessRun,
+    HarnessSpec,
+    kill_orphaned_harness,
+    prepare_harness,
+    supervise,
+)
 from qwengyre.rollout.limits import CGROUP_ROOT, Limits, enforce
 
 needs_cgroups = pytest.mark.skipif(
@@ -27,14 +33,16 @@ needs_cgroups = pytest.mark.skipif(
 def _run(tmp_path: Path, code: str, limits: Limits, execution_id: str = "ex_lim") -> HarnessRun:
     spec = HarnessSpec(command=(sys.executable, "-c", code), deadline_s=60, limits=limits)
     return asyncio.run(
-        run_harness(
-            spec,
-            workspace=tmp_path,
-            logs_dir=tmp_path / "logs",
-            execution_id=execution_id,
-            base_url="http://127.0.0.1:9/x/ex_lim",
-            api_key="k",
-            instructions="limits",
+        supervise(
+            prepare_harness(
+                spec,
+                workspace=tmp_path,
+                logs_dir=tmp_path / "logs",
+                execution_id=execution_id,
+                base_url="http://127.0.0.1:9/x/ex_lim",
+                api_key="k",
+                instructions="limits",
+            )
         )
     )
 

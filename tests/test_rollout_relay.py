@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from qwengyre.rollout import netns_relay
-from qwengyre.rollout.harness import HarnessSpec, run_harness
+from qwengyre.rollout.harness import HarnessSpec, prepare_harness, supervise
 from qwengyre.rollout.relay import (
     PLACEHOLDER_KEY,
     SANDBOX_PORT,
@@ -204,15 +204,17 @@ def test_a_sandboxed_harness_streams_from_its_proxy_through_both_relays(tmp_path
 
     async def scenario(upstream: Upstream) -> None:
         job = asyncio.ensure_future(
-            run_harness(
-                spec,
-                workspace=workspace,
-                logs_dir=logs,
-                execution_id="ex_1",
-                base_url=upstream.url,
-                api_key="qg-real",
-                instructions="stream",
-                hidden=(tmp_path / "run",),
+            supervise(
+                prepare_harness(
+                    spec,
+                    workspace=workspace,
+                    logs_dir=logs,
+                    execution_id="ex_1",
+                    base_url=upstream.url,
+                    api_key="qg-real",
+                    instructions="stream",
+                    hidden=(tmp_path / "run",),
+                )
             )
         )
         while not (workspace / "first").exists() and not job.done():

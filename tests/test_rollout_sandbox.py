@@ -21,7 +21,7 @@ from qwengyre.apps.rollout import rollout
 from qwengyre.cli import main
 from qwengyre.records.trace import read_trace
 from qwengyre.rollout import netns_relay
-from qwengyre.rollout.harness import HarnessSpec, harness_spec, run_harness
+from qwengyre.rollout.harness import HarnessSpec, harness_spec, prepare_harness, supervise
 from qwengyre.rollout.relay import SANDBOX_PORT, SANDBOX_SOCKET
 from qwengyre.rollout.sandbox import Bubblewrap, NoSandbox, SandboxUnavailable, sandbox
 from qwengyre.rollout.tasks import dump_tasks, example_tasks_path, load_tasks
@@ -60,15 +60,17 @@ def probe(tmp_path: Path, spec: HarnessSpec) -> dict[str, str]:
     env["HOME_DIR"] = "{home_dir}"  # the execution's own home (under its logs)
     spec = HarnessSpec(command=("sh", "-c", PROBE), deadline_s=30, env=env, sandbox=spec.sandbox)
     run = asyncio.run(
-        run_harness(
-            spec,
-            workspace=workspace,
-            logs_dir=logs,
-            execution_id="ex_1",
-            base_url="http://127.0.0.1:9/x/ex_1",
-            api_key="k",
-            instructions="probe",
-            hidden=(run_dir,),
+        supervise(
+            prepare_harness(
+                spec,
+                workspace=workspace,
+                logs_dir=logs,
+                execution_id="ex_1",
+                base_url="http://127.0.0.1:9/x/ex_1",
+                api_key="k",
+                instructions="probe",
+                hidden=(run_dir,),
+            )
         )
     )
     assert run.ok, (logs / "stderr.log").read_text()
@@ -130,15 +132,17 @@ def test_a_tool_that_leaves_the_session_dies_with_the_sandbox(tmp_path: Path) ->
     async def scenario() -> list[Path]:
         cancel = asyncio.Event()
         job = asyncio.ensure_future(
-            run_harness(
-                spec,
-                workspace=workspace,
-                logs_dir=tmp_path / "logs",
-                execution_id="ex_2",
-                base_url="http://127.0.0.1:9/x/ex_2",
-                api_key="k",
-                instructions="escape",
-                cancel=cancel,
+            supervise(
+                prepare_harness(
+                    spec,
+                    workspace=workspace,
+                    logs_dir=tmp_path / "logs",
+                    execution_id="ex_2",
+                    base_url="http://127.0.0.1:9/x/ex_2",
+                    api_key="k",
+                    instructions="escape",
+                ),
+                cancel,
             )
         )
         while not (workspace / "started").exists():

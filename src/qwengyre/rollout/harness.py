@@ -1,6 +1,7 @@
 """Harness launching: run a black-box agent program for one execution.
 
-A harness reaches the model only through qwengyre's proxy. :func:`run_harness` starts the
+A harness reaches the model only through qwengyre's proxy. :func:`prepare_harness` builds
+one execution's launch and :func:`supervise` (``supervise(prepare_harness(...))``) starts the
 harness as a subprocess in ``workspace`` with the proxy's per-execution URL and key under
 both the Anthropic and the OpenAI variable names, sends its output straight to files, and
 waits until it exits, its deadline passes, or the caller cancels it. On deadline or cancel
@@ -57,12 +58,11 @@ __all__ = [
     "mini_swe_agent_spec",
     "prepare_harness",
     "render_command",
-    "run_harness",
     "supervise",
 ]
 
 #: Names a command or env template may use.
-#: ``home_dir`` is a private per-execution directory (created by :func:`run_harness`,
+#: ``home_dir`` is a private per-execution directory (created by :func:`prepare_harness`,
 #: default ``logs_dir / "home"``) for the harness's HOME, config and temp files.
 PLACEHOLDERS: frozenset[str] = frozenset(
     {"instructions", "workspace", "base_url", "openai_base_url", "execution_id", "home_dir"}
@@ -248,7 +248,7 @@ def _kill_orphaned_group(logs_dir: Path, execution_id: str) -> bool:
 
 def kill_orphaned_harnesses(run_dir: Path, keep: Collection[str] = ()) -> int:
     """Kill every harness process group a dead runner left under ``run_dir/logs`` (one
-    directory per execution, as :func:`run_harness` writes them) but those of the
+    directory per execution, as :func:`prepare_harness` lays them out) but those of the
     executions in ``keep``; how many."""
     logs = run_dir / "logs"
     found = [d for d in logs.glob("*") if d.name not in keep] if logs.exists() else []
@@ -336,8 +336,18 @@ def prepare_harness(
     home_dir: Path | None = None,
     hidden: Sequence[Path] = (),
 ) -> HarnessLaunch:
-    """The launch of ``spec`` for one execution (:func:`run_harness` has the contract);
-    creates the logs directory and the private home."""
+    """The launch of ``spec`` for one execution; creates the logs directory and the
+    private home (``home_dir``, else ``logs_dir/home``). Run it with :func:`supervise`.
+
+    ``hidden``: directories the spec's sandbox keeps from the harness (the run
+    directory, which holds every execution's workspace and logs).
+
+    ``base_url`` is the proxy's per-execution prefix URL (``http://127.0.0.1:P/x/ex_1``);
+    the harness sees it as ``ANTHROPIC_BASE_URL`` and, with ``/v1`` appended, as
+    ``OPENAI_BASE_URL``, and ``api_key`` as the API keys. A sandbox with namespaces of its
+    own gets instead its in-sandbox relay's URL and a placeholder key: the proxy relay
+    (:mod:`qwengyre.rollout.relay`), which :func:`supervise` runs for the harness's
+    lifetime, adds the key."""
     workspace = Path(workspace)
     logs_dir = Path(logs_dir)
     logs_dir.mkdir(parents=True, exist_ok=True)
@@ -379,60 +389,23 @@ def prepare_harness(
     )
 
 
-async def run_harness(
-    spec: HarnessSpec,
-    *,
-    workspace: Path,
-    logs_dir: Path,
-    execution_id: str,
-    base_url: str,
-    api_key: str,
-    instructions: str,
-    cancel: asyncio.Event | None = None,
-    home_dir: Path | None = None,
-    hidden: Sequence[Path] = (),
-) -> HarnessRun:
-    """Run ``spec`` for one execution and return how it ended.
-
-    ``hidden``: directories the spec's sandbox keeps from the harness (the run
-    directory, which holds every execution's workspace and logs).
-
-    ``base_url`` is the proxy's per-execution prefix URL (``http://127.0.0.1:P/x/ex_1``);
-    the harness sees it as ``ANTHROPIC_BASE_URL`` and, with ``/v1`` appended, as
-    ``OPENAI_BASE_URL``, and ``api_key`` as the API keys. A sandbox with namespaces of its
-    own gets instead its in-sandbox relay's URL and a placeholder key: the proxy relay
-    (:mod:`qwengyre.rollout.relay`), started here for the harness's lifetime, adds the
-    key. The spec's limits hold for the harness and everything it starts
-    (:mod:`qwengyre.rollout.limits`; its cgroup is removed when it ends).
-    stdout/stderr go to ``logs_dir/stdout.log`` / ``stderr.log``.
-    Returns when the harness exits, ``spec.deadline_s`` passes (``timed_out``) or
-    ``cancel`` is set (``cancelled``); in the latter two cases the whole process group is
-    killed. If the calling task itself is cancelled, the group is killed and reaped
-    before the CancelledError propagates. After the harness ends, any process it left in
-    its group is killed too, so no orphans survive a run.
-    """
-    launch = prepare_harness(
-        spec,
-        workspace=workspace,
-        logs_dir=logs_dir,
-        execution_id=execution_id,
-        base_url=base_url,
-        api_key=api_key,
-        instructions=instructions,
-        home_dir=home_dir,
-        hidden=hidden,
-    )
-    return await supervise(launch, cancel)
-
-
 async def supervise(
     launch: HarnessLaunch,
     cancel: asyncio.Event | None = None,
     on_spawn: Callable[[int], None] | None = None,
 ) -> HarnessRun:
-    """Start ``launch`` and wait until it ends (:func:`run_harness` has the contract),
-    serving its proxy relay meanwhile and holding it to its limits; ``on_spawn`` is told
-    the harness's pid (its process group) once it runs."""
+    """Start ``launch`` (:func:`prepare_harness`) and wait until it ends, serving its
+    proxy relay meanwhile; ``on_spawn`` is told the harness's pid (its process group)
+    once it runs.
+
+    The launch's limits hold for the harness and everything it starts
+    (:mod:`qwengyre.rollout.limits`; its cgroup is removed when it ends).
+    stdout/stderr go to ``logs_dir/stdout.log`` / ``stderr.log``. Returns when the
+    harness exits, its deadline passes (``timed_out``) or ``cancel`` is set
+    (``cancelled``); in the latter two cases the whole process group is killed. If the
+    calling task itself is cancelled, the group is killed and reaped before the
+    CancelledError propagates. After the harness ends, any process it left in its group
+    is killed too, so no orphans survive a run."""
     async with contextlib.AsyncExitStack() as stack:
         if launch.relay is not None:
             await stack.enter_async_context(relay(launch.relay))
@@ -448,7 +421,7 @@ async def _run(
     cancel: asyncio.Event | None,
     on_spawn: Callable[[int], None] | None,
 ) -> HarnessRun:
-    """Start the harness in a session of its own and wait (see :func:`run_harness`)."""
+    """Start the harness in a session of its own and wait (see :func:`supervise`)."""
     logs_dir = launch.logs_dir
     stdout_path, stderr_path = logs_dir / "stdout.log", logs_dir / "stderr.log"
     argv = list(launch.argv)

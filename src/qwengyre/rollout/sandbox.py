@@ -4,7 +4,7 @@ A harness is a black-box agent that runs whatever shell commands the policy bein
 trained writes, so it must not be able to read what other executions hold (their keys,
 the proxy's store, the checkpoints), write outside its workspace, reach the machine's
 other services, or undo its confinement. A :class:`Sandbox` turns the harness's command
-into one that runs it confined; :func:`run_harness <qwengyre.rollout.harness.run_harness>`
+into one that runs it confined; :func:`supervise <qwengyre.rollout.harness.supervise>`
 launches what :meth:`Sandbox.wrap` returns (a pure function of its arguments and the
 Python qwengyre runs on), and a new kind (a container runtime, gVisor) is one more class
 here.
@@ -94,8 +94,8 @@ class Sandbox(Protocol):
     @property
     def namespaced(self) -> bool:
         """True when the harness runs in user, PID and network namespaces of its own: it
-        reaches the network only through the proxy relay (:func:`run_harness
-        <qwengyre.rollout.harness.run_harness>` then starts one), and ``RLIMIT_NPROC``
+        reaches the network only through the proxy relay (:func:`supervise
+        <qwengyre.rollout.harness.supervise>` then starts one), and ``RLIMIT_NPROC``
         counts its processes only."""
         ...
 
