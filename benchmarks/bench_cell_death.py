@@ -40,10 +40,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_controller_restart import harness_states
 from qwengyre.models import cached_tiny_model
 from qwengyre.presets import preset_path
 from qwengyre.rollout import paced_harness
+from qwengyre.rollout.harnessd import recorded_states
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 
 COIN = (
@@ -114,12 +114,12 @@ class Death:
 
 
 def running_harnesses(run_dir: Path) -> set[str]:
-    return {e for e, state in harness_states(run_dir).items() if state.get("ended") is None}
+    return {e for e, state in recorded_states(run_dir).items() if state.running}
 
 
 def killed_harnesses(run_dir: Path) -> set[str]:
-    states = harness_states(run_dir).items()
-    return {e for e, state in states if state.get("cancelled") or state.get("lost")}
+    states = recorded_states(run_dir).items()
+    return {e for e, state in states if state.cancelled or state.lost}
 
 
 def run_case(case: Case, model: Path, work: Path, steps: int, in_flight: int) -> Death:

@@ -19,7 +19,6 @@ resumed from the command line. Two scenarios, in one run of this script:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -32,7 +31,7 @@ from pathlib import Path
 from qwengyre.proxy.store import Store
 from qwengyre.records.metrics import read_metrics
 from qwengyre.rollout import paced_harness
-from qwengyre.rollout.harnessd import DAEMON_DIR
+from qwengyre.rollout.harnessd import daemon_pid, recorded_states
 from qwengyre.rollout.tasks import CommandEvaluator, Task, dump_tasks
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 
@@ -63,16 +62,6 @@ def settings(root: Path, steps: int) -> list[str]:
     ]
 
 
-def harness_states(run_dir: Path) -> dict[str, dict[str, object]]:
-    states = {}
-    for path in (run_dir / DAEMON_DIR / "state").glob("*.json"):
-        try:
-            states[path.stem] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-    return states
-
-
 def calls_made(run_dir: Path, execution_id: str) -> int:
     path = run_dir / "workspaces" / execution_id / "calls"
     return len(path.read_text()) if path.exists() else 0
@@ -82,20 +71,9 @@ def in_flight(run_dir: Path) -> list[str]:
     """Executions whose harness runs and has made some but not all of its calls."""
     return [
         eid
-        for eid, state in harness_states(run_dir).items()
-        if state["ended"] is None and 0 < calls_made(run_dir, eid) < 4
+        for eid, state in recorded_states(run_dir).items()
+        if state.running and 0 < calls_made(run_dir, eid) < 4
     ]
-
-
-def daemon_pid(run_dir: Path) -> int | None:
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            words = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"qwengyre.rollout.harnessd" in words and str(run_dir).encode() in words:
-            return int(cmdline.parent.name)
-    return None
 
 
 def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str, float]:
@@ -142,7 +120,7 @@ def scenario(root: Path, steps: int, wanted: int, kill_daemon: bool) -> dict[str
     if resume.returncode != 0:
         raise RuntimeError((root / "resume.log").read_text()[-2000:])
     kept = [
-        eid for eid, state in harness_states(run_dir).items() if eid in flying and not state["lost"]
+        eid for eid, state in recorded_states(run_dir).items() if eid in flying and not state.lost
     ]
     kept = [
         eid

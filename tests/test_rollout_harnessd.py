@@ -16,7 +16,7 @@ import pytest
 from tests.test_runtime_train import running as alive
 
 from qwengyre.rollout.harness import HarnessLaunch
-from qwengyre.rollout.harnessd import DAEMON_DIR, HarnessDaemon, HarnessDaemonError
+from qwengyre.rollout.harnessd import DAEMON_DIR, HarnessDaemon, HarnessDaemonError, daemon_pid
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -151,20 +151,14 @@ def test_a_new_daemon_marks_what_a_dead_one_ran_lost(daemon: HarnessDaemon, tmp_
     async def go() -> None:
         await daemon.request("start", launch=item.to_json())
         pid = int((item.logs_dir / "harness.pgid").read_text())
-        os.kill(_daemon_pid(tmp_path), signal.SIGKILL)
+        killed = daemon_pid(tmp_path)
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        while daemon_pid(tmp_path) == killed:  # its lock goes with it
+            await asyncio.sleep(0.01)
         run = await daemon.attach("ex_l", None)  # a new daemon answers
+        assert daemon_pid(tmp_path) not in (None, killed)
         assert run.error is not None and "daemon stopped" in run.error
         assert not alive(pid)
 
     asyncio.run(go())
-
-
-def _daemon_pid(root: Path) -> int:
-    for stat in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            cmdline = stat.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"qwengyre.rollout.harnessd" in cmdline and str(root).encode() in cmdline:
-            return int(stat.parent.name)
-    raise AssertionError("no daemon")

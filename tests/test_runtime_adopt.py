@@ -7,7 +7,6 @@ re-adopts its harnesses, which kept running through the restart."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -24,7 +23,7 @@ from qwengyre.apps.train import TrainOptions, train
 from qwengyre.proxy.store import Store
 from qwengyre.records.metrics import read_metrics
 from qwengyre.rollout import paced_harness
-from qwengyre.rollout.harnessd import DAEMON_DIR
+from qwengyre.rollout.harnessd import DAEMON_DIR, recorded_states
 from qwengyre.runtime.journal import JOURNAL_FILE, LaunchJournal
 from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
@@ -33,16 +32,6 @@ pytestmark = pytest.mark.slow
 
 CALLS = 4  # the paced harness's default: 4 calls, a second apart
 STEPS = 4  # two or more steps after the death: the adopted executions have time to end
-
-
-def harness_states(run_dir: Path) -> dict[str, dict]:  # type: ignore[type-arg]
-    states = {}
-    for path in (run_dir / DAEMON_DIR / "state").glob("*.json"):
-        try:
-            states[path.stem] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced
-    return states
 
 
 def calls_made(run_dir: Path, execution_id: str) -> int:
@@ -76,9 +65,9 @@ def test_running_executions_are_adopted_after_a_controller_or_core_death(
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         running = {
-            eid: state["pid"]
-            for eid, state in harness_states(run_dir).items()
-            if state["ended"] is None and 0 < calls_made(run_dir, eid) < CALLS
+            eid: state.pid
+            for eid, state in recorded_states(run_dir).items()
+            if state.running and 0 < calls_made(run_dir, eid) < CALLS
         }
         if len(running) >= 2:
             break
@@ -105,7 +94,7 @@ def test_running_executions_are_adopted_after_a_controller_or_core_death(
     (taken_over,) = [line for line in lines if "re-adopted" in line]
     print(taken_over, f"(in flight with calls made: {len(running)})")
     assert int(re.search(r"(\d+) running executions re-adopted", taken_over)[1]) >= len(running)  # type: ignore[index]
-    states = harness_states(run_dir)
+    states = recorded_states(run_dir)
     journal = LaunchJournal(run_dir / JOURNAL_FILE).read()
     by_proxy = {record.proxy_id: record for record in journal.launches.values()}
     store = Store(run_dir / "proxy.sqlite")
@@ -113,7 +102,7 @@ def test_running_executions_are_adopted_after_a_controller_or_core_death(
         completed = set()
         for eid, pid in running.items():
             # The same harness process went on (same pid, started once) ...
-            assert states[eid]["pid"] == pid and states[eid]["ended"] is not None
+            assert states[eid].pid == pid and not states[eid].running
             # one start (a sandboxed harness sees its own PID namespace's pid there)
             assert len((run_dir / "workspaces" / eid / "starts").read_text().split()) == 1
             finish = journal.finishes.get(by_proxy[eid].execution)
@@ -122,7 +111,7 @@ def test_running_executions_are_adopted_after_a_controller_or_core_death(
                 continue  # still running when the run had trained its last step
             # ... and finished: every call it made is in its one tree.
             completed.add(eid)
-            assert states[eid]["exit_code"] == 0, run_dir / "logs" / eid / "stderr.log"
+            assert states[eid].exit_code == 0, run_dir / "logs" / eid / "stderr.log"
             assert calls_made(run_dir, eid) == CALLS
             delivered = [node for node, _ in store.calls(eid) if node.meta.delivered]
             assert len(delivered) == CALLS

@@ -4,7 +4,8 @@ controller and the proxy, so a restarted controller re-adopts the harnesses that
 One daemon serves one directory (``train``'s run directory, or ``harness.dir`` on a Ray
 node). Its files, under ``DIR/harnessd/`` (mode 0700)::
 
-    lock      held (flock) by the live daemon: at most one per directory
+    lock      held (flock) by the live daemon, which writes its pid there: at most one
+              per directory (:func:`daemon_pid`)
     token     the clients' secret (0600), new for each daemon, written before the socket
     sock      the Unix socket (0600)
     log       the daemon's own log
@@ -57,7 +58,15 @@ from typing import Any
 
 from qwengyre.rollout.harness import HarnessLaunch, HarnessRun, kill_orphaned_harness, supervise
 
-__all__ = ["DAEMON_DIR", "HarnessDaemon", "HarnessDaemonError", "HarnessState", "main"]
+__all__ = [
+    "DAEMON_DIR",
+    "HarnessDaemon",
+    "HarnessDaemonError",
+    "HarnessState",
+    "daemon_pid",
+    "main",
+    "recorded_states",
+]
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +138,7 @@ class Daemon:
         self._last = time.monotonic()
         self._stop = asyncio.Event()
         (directory / "state").mkdir(exist_ok=True)
-        for path in sorted((directory / "state").glob("*.json")):
-            state = HarnessState(**json.loads(path.read_text()))
+        for state in recorded_states(directory.parent).values():
             if state.running:  # a previous daemon's child: it cannot be waited on
                 kill_orphaned_harness(Path(state.stdout).parent, state.execution_id)
                 state.ended, state.lost = time.time(), True
@@ -256,6 +264,35 @@ class Daemon:
         return state
 
 
+def recorded_states(root: Path) -> dict[str, HarnessState]:
+    """The state of every harness the daemons of ``root`` ran, by execution id, read from
+    their files (no daemon needed; a state file is replaced whole, never torn)."""
+    found = {}
+    for path in sorted((Path(root) / DAEMON_DIR / "state").glob("*.json")):
+        state = HarnessState(**json.loads(path.read_text()))
+        found[state.execution_id] = state
+    return found
+
+
+def daemon_pid(root: Path) -> int | None:
+    """The pid of the daemon serving ``root`` now (None when none does)."""
+    path = Path(root) / DAEMON_DIR / "lock"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # held: a daemon serves, and wrote its pid
+        text = os.pread(fd, 32, 0).decode().strip()
+        return int(text) if text.isdigit() else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _daemonize(directory: Path) -> bool:
     """Fork; the parent returns False once the child serves (or found another daemon
     serving), the child returns True holding the lock. Called in a process of its own
@@ -271,6 +308,8 @@ def _daemonize(directory: Path) -> bool:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # another daemon serves this directory
         os._exit(0)
+    os.ftruncate(lock, 0)
+    os.write(lock, str(os.getpid()).encode())
     os.environ["_QWENGYRE_HARNESSD_READY_FD"] = str(ready_w)
     return True
 
