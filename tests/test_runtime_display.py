@@ -9,28 +9,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from rich.console import Console
+from tests.test_report import _step
 
 from qwengyre.records.metrics import StepRecord
 from qwengyre.runtime.display import show, step_line
-
-
-def record(step: int) -> StepRecord:
-    return StepRecord(
-        time_s=10.0 * step,
-        step=step,
-        version=step + 1,
-        reward_mean=0.5,
-        reward_std=0.25,
-        rewards=8,
-        loss=0.1,
-        clipped_fraction=0.0,
-        grad_norm=1.0,
-        tokens=512,
-        micro_steps=2,
-        cells=2,
-        train_s=3.0,
-        staleness_mean=1.0,
-    )
 
 
 def test_a_log_gets_each_step_on_one_whole_line_the_last_ones_included() -> None:
@@ -41,13 +23,13 @@ def test_a_log_gets_each_step_on_one_whole_line_the_last_ones_included() -> None
 
     async def main() -> None:
         view = asyncio.create_task(show(controller, console))
-        records.append(record(0))
+        records.append(_step(0, 10.0 * 0))
         await asyncio.sleep(1.2)  # the view prints what it has every second
-        records.extend([record(1), record(2)])  # the run ends before the next print
+        records.extend([_step(1, 10.0 * 1), _step(2, 10.0 * 2)])  # the run ends before the next print
         view.cancel()
         await asyncio.gather(view, return_exceptions=True)
 
     asyncio.run(main())
     lines = out.getvalue().splitlines()
-    assert lines == [step_line(record(s)) for s in range(3)]
+    assert lines == [step_line(_step(s, 10.0 * s)) for s in range(3)]
     assert len(lines[0]) > 40  # not wrapped at the console's width
