@@ -23,9 +23,9 @@ def test_a_log_gets_each_step_on_one_whole_line_the_last_ones_included() -> None
 
     async def main() -> None:
         view = asyncio.create_task(show(controller, console))
-        records.append(_step(0, 10.0 * 0))
+        records.append(_step(0, 0.0))
         await asyncio.sleep(1.2)  # the view prints what it has every second
-        records.extend([_step(1, 10.0 * 1), _step(2, 10.0 * 2)])  # the run ends before the next print
+        records.extend([_step(1, 10.0), _step(2, 20.0)])  # the run ends before a print
         view.cancel()
         await asyncio.gather(view, return_exceptions=True)
 
