@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwengyre.cluster.local import actor_processes
 from qwengyre.models import cached_tiny_model
 from qwengyre.presets import preset_path
 from qwengyre.rollout import paced_harness
@@ -89,20 +90,6 @@ def roles_now(run_dir: Path) -> dict[int, str]:
     for record in records(run_dir, "role"):
         now[int(record["cell"])] = str(record["role"])  # type: ignore[call-overload]
     return now
-
-
-def cells_of(pid: int) -> list[int]:
-    """The run's cell processes (spawned in rank order)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"spawn_main" in cmdline:
-            found.append(int(stat.parent.name))
-    return sorted(found)
 
 
 @dataclass(frozen=True)
@@ -162,7 +149,7 @@ def run_case(case: Case, model: Path, work: Path, steps: int, in_flight: int) ->
                 if len(flying) < in_flight:  # a death with executions in flight
                     time.sleep(0.02)
                     continue
-                os.kill(cells_of(process.pid)[case.victim], signal.SIGKILL)
+                os.kill(actor_processes(process.pid)[f"cell-{case.victim}"], signal.SIGKILL)
                 killed_at, before = now, len(seen)
             if killed_at is not None and count > before:
                 break

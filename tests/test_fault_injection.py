@@ -47,6 +47,7 @@ from typing import Any
 import pytest
 from tests.test_runtime_train import children, harness_summaries, overrides, running
 
+from qwengyre.cluster.local import actor_processes
 from qwengyre.records.assessments import AssessmentRecord, read_assessments
 from qwengyre.records.metrics import RunMetrics, read_metrics
 from qwengyre.report.html import steady_staleness
@@ -196,11 +197,12 @@ class Run:
         return traces.read_bytes().count(b"\n") if traces.exists() else 0
 
     def cells(self) -> list[int]:
-        """The cells' pids, in rank order (spawned in that order, the standalone pool's
-        host last), as first seen all alive."""
+        """The cells' pids, in rank order (the standalone pool's host last), as first
+        seen all alive."""
         if not self._cells:
-            found = [pid for pid, cmd in children(self.process.pid).items() if "spawn_main" in cmd]
-            self._cells = sorted(found)
+            found = actor_processes(self.process.pid)
+            names = [f"cell-{c}" for c in range(3)] + ["standalone"][: self._spawned - 3]
+            self._cells = [found[name] for name in names if name in found]
         assert len(self._cells) == self._spawned, self._cells
         return self._cells
 

@@ -17,9 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from tests.test_runtime_train import children, kill_group, start_train, wait_for_checkpoint
+from tests.test_runtime_train import kill_group, start_train, wait_for_checkpoint
 
 from qwengyre.apps.train import TrainOptions, train
+from qwengyre.cluster.local import actor_processes
 from qwengyre.proxy.store import Store
 from qwengyre.records.metrics import read_metrics
 from qwengyre.rollout import paced_harness
@@ -40,8 +41,8 @@ def calls_made(run_dir: Path, execution_id: str) -> int:
 
 
 def core_of(process: subprocess.Popen[bytes]) -> int:
-    """The pid of the run's core (cell processes are spawned in rank order)."""
-    return min(pid for pid, line in children(process.pid).items() if "spawn_main" in line)
+    """The pid of the run's core."""
+    return actor_processes(process.pid)["cell-0"]
 
 
 @pytest.mark.parametrize("death", ["controller", "core"])

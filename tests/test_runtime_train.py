@@ -22,6 +22,7 @@ import pytest
 
 from qwengyre.apps.train import TrainOptions, train
 from qwengyre.cli import main
+from qwengyre.cluster.local import actor_processes
 from qwengyre.config import Config, load_config
 from qwengyre.presets import preset_path
 from qwengyre.proxy.store import Store
@@ -224,6 +225,12 @@ def children(pid: int) -> dict[int, str]:
     return found
 
 
+def cell_pids(process: subprocess.Popen[bytes]) -> list[int]:
+    """The pids of the cells of the run ``process``, in rank order."""
+    found = actor_processes(process.pid)
+    return [found[f"cell-{c}"] for c in range(len(found)) if f"cell-{c}" in found]
+
+
 def running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -262,8 +269,8 @@ def test_a_dead_cell_stops_the_run_naming_it_and_the_run_resumes(
 ) -> None:
     process = start_train(tmp_path, tiny_model_dir, steps=4)
     wait_for_checkpoint(process, tmp_path / "run", version=1)
-    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
-    assert len(cells) == 3  # spawned in rank order
+    cells = cell_pids(process)
+    assert len(cells) == 3
     os.kill(cells[0], signal.SIGKILL)  # the core: the optimizer dies with it
     _, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
@@ -280,7 +287,7 @@ def test_a_run_that_loses_a_cell_resumes_itself_with_restarts_left(
     process = start_train(tmp_path, tiny_model_dir, 4, "run.restarts=1")
     wait_for_checkpoint(process, run_dir, version=1)
     finished_before = {g.group_id for g in Ledger(run_dir / LEDGER_DIR).groups()}
-    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
+    cells = cell_pids(process)
     os.kill(cells[0], signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr.decode()[-2000:]
@@ -316,7 +323,7 @@ def lose_cell(
     with no restart, no group lost or trained twice, and no harness saw an error (a
     call at the dead engine went on elsewhere, or waited for an engine); its metrics
     and the cells' pids."""
-    cells = sorted(pid for pid, cmd in children(process.pid).items() if "spawn_main" in cmd)
+    cells = cell_pids(process)
     os.kill(cells[cell], signal.SIGKILL)
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr.decode()[-2000:]
@@ -500,11 +507,8 @@ def test_crashed_sglang_servers_are_started_again_and_the_run_goes_on(
             metrics = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else None
             if metrics is not None and any(load.running for load in metrics.loads):
                 assert not metrics.switches, "too late: a cell moved"
-                # Spawned in order: cell 0, cell 1, then the pool (once the core's board exists).
-                spawned = sorted(
-                    c for c, cmd in children(os.getpid()).items() if "spawn_main" in cmd
-                )
-                for owner in spawned[1:]:
+                spawned = actor_processes(os.getpid())
+                for owner in (spawned["cell-1"], spawned["standalone"]):
                     (server,) = [c for c, cmd in children(owner).items() if "sglang" in cmd]
                     os.killpg(server, signal.SIGKILL)
                     killed.append(server)

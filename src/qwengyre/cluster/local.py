@@ -12,16 +12,21 @@ the caller's event loop. An exception inside the process comes back as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from qwengyre.durable import DiskFullError
 
-__all__ = ["ActorDied", "ActorError", "ProcessActor"]
+__all__ = ["ActorDied", "ActorError", "ProcessActor", "actor_processes"]
+
+COMM_BYTES = 15
+"""The longest process name Linux keeps (``/proc/PID/comm``)."""
 
 
 class ActorError(RuntimeError):
@@ -32,7 +37,32 @@ class ActorDied(RuntimeError):
     """The actor's process is gone (crashed or killed)."""
 
 
+def _name_process(name: str) -> None:
+    """Show ``name`` (its first 15 bytes) in ``ps``, ``top`` and ``/proc/PID/comm``
+    instead of ``python``; nothing where the platform has no ``/proc``."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_bytes(name.encode()[:COMM_BYTES])
+
+
+def actor_processes(parent: int) -> dict[str, int]:
+    """The live actor processes that process ``parent`` started, by name (Linux).
+    Names, unlike pids, do not depend on the order the kernel hands pids out in (pids
+    wrap around)."""
+    found: dict[str, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            name = (stat.parent / "comm").read_text().strip()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == parent and b"spawn_main" in cmdline:
+            found[name] = int(stat.parent.name)
+    return found
+
+
 def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    _name_process(mp.current_process().name)
     try:
         obj = factory(*args)
     except BaseException:
