@@ -6,7 +6,10 @@ weights, sharded checkpoints resumed with another number of ranks per cell."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,10 +21,10 @@ from qwengyre.cluster.cell import Cell, CellSpec
 from qwengyre.cluster.client import CellClient
 from qwengyre.cluster.local import ActorError, ProcessActor
 from qwengyre.cluster.net import free_port
-from qwengyre.cluster.placement import start_cells, stop_cells
+from qwengyre.cluster.placement import CellGroup, start_cells, stop_cells
 from qwengyre.config import CellsConfig, Config, TrainerConfig
 from qwengyre.training.buffers import BatchSummary, MicroStep, PackingBuffer, TrajectoryBuffer
-from qwengyre.training.distributed import CellComm
+from qwengyre.training.distributed import CellComm, connect_store
 from qwengyre.training.trainer import Trainer
 
 CONFIG = TrainerConfig(lr=1e-3, micro_step_tokens=160, grad_clip=1e9)
@@ -57,12 +60,20 @@ def train_alone(model_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]
     return {k: v.detach().full_tensor().clone() for k, v in model.named_parameters()}
 
 
-async def start(
-    model_dir: Path, run_dir: Path, cells: int, shards: int, *, checkpoint: str | None = None
-) -> list[CellClient]:
-    port, board = free_port(), f"qg-test-{uuid.uuid4().hex[:12]}"
+def specs(
+    model_dir: Path,
+    cells: int,
+    shards: int,
+    *,
+    port: int,
+    board: str,
+    checkpoint: str | None = None,
+    store_on_core: bool = True,
+    ranks: Sequence[int] | None = None,
+    incarnation: int = 0,
+) -> list[CellSpec]:
     config = cells_config(cells, shards)
-    specs = [
+    return [
         CellSpec(
             rank=r,
             shard=s,
@@ -71,11 +82,36 @@ async def start(
             board=board,
             config=config,
             checkpoint=checkpoint,
+            store_on_core=store_on_core,
+            incarnation=incarnation,
         )
-        for r in range(cells)
+        for r in (range(cells) if ranks is None else ranks)
         for s in range(shards)
     ]
-    handles = start_cells("local", specs, run_dir=run_dir)
+
+
+async def start(
+    model_dir: Path,
+    run_dir: Path,
+    cells: int,
+    shards: int,
+    *,
+    checkpoint: str | None = None,
+    port: int | None = None,
+) -> list[CellClient]:
+    """``cells`` cells of ``shards`` ranks, connected; the core serves the rendezvous
+    store unless ``port`` is one the caller serves."""
+    board = f"qg-test-{uuid.uuid4().hex[:12]}"
+    found = specs(
+        model_dir,
+        cells,
+        shards,
+        port=free_port() if port is None else port,
+        board=board,
+        checkpoint=checkpoint,
+        store_on_core=port is None,
+    )
+    handles = start_cells("local", found, run_dir=run_dir)
     try:
         await asyncio.gather(*(c.connect() for c in handles))
     except BaseException:
@@ -222,3 +258,110 @@ def test_a_cell_error_comes_back_and_the_cell_keeps_serving(tiny_model_dir: Path
         asyncio.run(calls())
     finally:
         cell.close()
+
+
+def rank_pids(cell: CellClient) -> list[int]:
+    handle = cell.handle
+    ranks = handle.ranks if isinstance(handle, CellGroup) else [handle]
+    return [rank.pid for rank in ranks]  # type: ignore[union-attr]
+
+
+async def after_a_death(
+    model_dir: Path,
+    run_dir: Path,
+    data: list[tuple[list[MicroStep], BatchSummary]],
+    shards: int,
+    case: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """Three cells; cells 0 and 1 train step 0; then one dies (``case``): the core, or
+    cell 1, which is replaced or left out. The live cells re-form their groups and
+    train step 1 together. Returns the core's parameters and version before step 1 and
+    its parameters after. The checkpoint is written after step 0, but for "core
+    replaced, no checkpoint". The rendezvous store is this process's, as a
+    controller holds it."""
+    port, board = free_port(), f"qg-test-{uuid.uuid4().hex[:12]}"
+    store = connect_store(f"tcp://127.0.0.1:{port}", master=True, timeout_s=60)
+    made = specs(model_dir, 3, shards, port=port, board=board, store_on_core=False)
+    cells = start_cells("local", made, run_dir=run_dir)
+    try:
+        await asyncio.gather(*(c.connect() for c in cells))
+        (first, summary0), (second, summary1) = data
+        await cells[1].join_training()
+        for i, ms in enumerate(first):
+            await cells[i % 2].train_micro_step(ms)
+        await asyncio.gather(*(c.finish_batch(summary0, 2) for c in cells[:2]))
+        path = None
+        if case != "core replaced, no checkpoint":
+            path = await cells[0].save_checkpoint(str(run_dir / "ckpt"), 1, {"version": 1}, 1)
+        victim = 0 if case.startswith("core replaced") else 1
+        for pid in rank_pids(cells[victim]):
+            os.kill(pid, signal.SIGKILL)
+        cells[victim].close()
+        members = (0, 2) if case == "cell 1 left out" else (0, 1, 2)
+        survivors = [cells[c] for c in members if c != victim]
+        regroup = [c.regroup(members, 1) for c in survivors]
+        if case == "cell 1 left out":
+            await asyncio.gather(*regroup)
+        else:
+            again = specs(
+                model_dir,
+                3,
+                shards,
+                port=port,
+                board=board,
+                checkpoint=path if victim == 0 else None,
+                store_on_core=False,
+                ranks=[victim],
+                incarnation=1,
+            )
+            (cells[victim],) = start_cells("local", again, run_dir=run_dir)
+            connect = cells[victim].connect(members, 1, takeover=victim == 0)
+            await asyncio.gather(connect, *regroup)
+        version = await cells[0].join_training()
+        before = await cells[0].parameters()
+        training = [cells[c] for c in members]
+        for cell in training[1:]:
+            assert await cell.join_training() == version
+        for i, ms in enumerate(second):
+            await training[i % len(training)].train_micro_step(ms)
+        k = len(training)
+        results = await asyncio.gather(*(c.finish_batch(summary1, k) for c in training))
+        assert {r.version for r in results} == {version + 1}
+        return before, await cells[0].parameters(), version
+    finally:
+        stop_cells([c for c in cells if c.handle is not None])
+        del store
+
+
+@pytest.mark.parametrize(
+    ("case", "shards"),
+    [
+        ("cell 1 left out", 1),
+        ("cell 1 replaced", 1),
+        ("core replaced", 1),
+        ("core replaced", 2),
+        ("core replaced, no checkpoint", 1),
+    ],
+)
+def test_cells_regroup_after_a_death_and_train_as_if_it_never_happened(
+    tiny_model_dir: Path, tmp_path: Path, case: str, shards: int
+) -> None:
+    """Without a restart: the survivors of a satellite's death (cell 1, between steps)
+    train on together, cell 2 included (cells past a dead one are no longer cut off);
+    a replacement for cell 1 joins them; the core's replacement takes over from the
+    boards (weights, version) and the checkpoint (optimizer: as new as the weights, so
+    nothing is lost). Step 1 then gives the update one unsharded trainer gives. Without a
+    checkpoint, the replacement still has the newest weights and version (no step is
+    redone); only the optimizer's moments start afresh (the update differs)."""
+    data = batches(tiny_model_dir)
+    alone = train_alone(tiny_model_dir, data)
+    before, after, version = asyncio.run(
+        after_a_death(tiny_model_dir, tmp_path, data, shards, case)
+    )
+    assert version == 1
+    step0 = train_alone(tiny_model_dir, data[:1])
+    for name, expected in step0.items():
+        torch.testing.assert_close(before[name], expected, rtol=0, atol=1e-5)
+    lagging = case == "core replaced, no checkpoint"
+    moved = max((after[k] - alone[k]).abs().max().item() for k in alone)
+    assert (moved > 1e-4) if lagging else (moved < 1e-5), moved

@@ -28,7 +28,7 @@ accelerators) and loads the newest weights. Publication is :meth:`update_engine_
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -78,6 +78,8 @@ class CellSpec:
     device: str = "cpu"  # this rank's device (placement derives it from run.device)
     version: int = 0  # policy version of the weights in model_dir
     checkpoint: str | None = None  # resume: the core loads weights and optimizer from here
+    store_on_core: bool = True  # its shard 0 serves the rendezvous store (else the controller)
+    incarnation: int = 0  # replacements of this cell so far (its own group's key)
 
     @property
     def shards(self) -> int:
@@ -119,9 +121,15 @@ class Cell:
         """Shard 0 hosts the cell's engine."""
         return self.spec.shard == 0
 
-    def connect(self) -> int:
+    def connect(
+        self, members: Sequence[int] | None = None, generation: int = 0, *, takeover: bool = False
+    ) -> int:
         """Join the cells' communication groups, build the trainer backend; the core
         opens the weights boards (and loads the checkpoint it resumes from).
+        ``members`` and ``generation``: the live cells and their groups' generation
+        (:meth:`regroup`; all cells and 0 at start-up). ``takeover``: this is the core's
+        replacement: it adopts the dead core's boards and takes their weights and
+        version, and the optimizer state of ``spec.checkpoint`` (fresh without one).
 
         Returns this process's id (for logs and kill tests).
         """
@@ -129,7 +137,8 @@ class Cell:
         core = spec.rank == 0
         name = board_name(spec.board, spec.shard)
         layout = shard_layout(self.model.named_parameters(), spec.shards, spec.shard)
-        board = open_board(spec.board_kind, name, layout, create=True) if core else None
+        owned = core and not takeover
+        board = open_board(spec.board_kind, name, layout, create=True) if owned else None
         self._comm = comm = CellComm(
             spec.rank,
             spec.config.cells.count,
@@ -138,10 +147,14 @@ class Cell:
             shards=spec.shards,
             backend=spec.backend,
             device=spec.device,
+            store_master=spec.store_on_core,
+            incarnation=spec.incarnation,
+            members=members,
+            generation=generation,
         )
         # Creating the groups is collective: once it returned everywhere the boards exist.
         if board is None:
-            board = open_board(spec.board_kind, name, layout)
+            board = open_board(spec.board_kind, name, layout, adopt=takeover)
         self._board = board
         build = trainer_backend(spec.config.trainer.backend)
         self.trainer = build(
@@ -152,8 +165,18 @@ class Cell:
         if core:
             if spec.checkpoint is not None:
                 self.trainer.load_checkpoint(spec.checkpoint)
-            self.trainer.publish_weights()
+            if takeover:
+                self.trainer.pull_weights()  # newer than the checkpoint's, if it lags
+            else:
+                self.trainer.publish_weights()
         return os.getpid()
+
+    def regroup(self, members: Sequence[int], generation: int) -> None:
+        """Re-form the groups among the live cells ``members`` (after a cell died, or
+        once its replacement is ready to connect); the trainer keeps its state."""
+        if self._comm is None:
+            raise RuntimeError(f"{self.spec.name}: connect() first")
+        self._comm.regroup(members, generation)
 
     def _trainer(self) -> TrainerBackend:
         if self.trainer is None:

@@ -15,7 +15,7 @@ A call runs on every rank of a cell and answers with shard 0's result; it raises
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
 from torch import Tensor
@@ -79,10 +79,18 @@ class EngineClient:
 class CellClient(EngineClient):
     """A cell: rollout (its engine) and training (its trainer backend)."""
 
-    async def connect(self) -> int:
+    async def connect(
+        self, members: Sequence[int] | None = None, generation: int = 0, *, takeover: bool = False
+    ) -> int:
         """Join the cells' groups and build the trainer; shard 0's process id. Call it
-        on every cell at once (creating the groups is collective)."""
-        return cast(int, await self.handle.call("connect"))
+        on every cell at once (creating the groups is collective); a replacement with
+        the live cells' ``members`` and the groups' new ``generation``, while they
+        :meth:`regroup` (see :meth:`~qwengyre.cluster.cell.Cell.connect`)."""
+        return cast(int, await self.handle.call("connect", members, generation, takeover=takeover))
+
+    async def regroup(self, members: Sequence[int], generation: int) -> None:
+        """Re-form the cells' groups among ``members`` (collective over them)."""
+        await self.handle.call("regroup", members, generation)
 
     async def release_engine(self) -> str:
         """Free the engine's memory for training (after the proxy drained it); how the

@@ -129,13 +129,16 @@ class SharedWeights:
     the :class:`~qwengyre.training.backend.WeightsBoard` of cells on one machine.
 
     ``create=True`` makes (and on :meth:`close`, unlinks) the segment: the core.
-    Others attach by name with the same layout.
+    Others attach by name with the same layout; ``adopt=True`` attaches as the owner
+    (the core's replacement, which takes over the dead core's segment).
     """
 
-    def __init__(self, name: str, layout: WeightsLayout, *, create: bool = False) -> None:
+    def __init__(
+        self, name: str, layout: WeightsLayout, *, create: bool = False, adopt: bool = False
+    ) -> None:
         self.name = name
         self.layout = layout
-        self._owner = create
+        self._owner = create or adopt
         if create:
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=layout.nbytes)
         else:
@@ -224,14 +227,23 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 
 def open_board(
-    kind: BoardKind, name: str, layout: WeightsLayout, *, create: bool = False
+    kind: BoardKind,
+    name: str,
+    layout: WeightsLayout,
+    *,
+    create: bool = False,
+    adopt: bool = False,
 ) -> WeightsBoard:
-    """A board of ``kind``: shared memory on this machine, or Ray's object store."""
+    """A board of ``kind``: shared memory on this machine, or Ray's object store.
+    ``create``: the core's, new; ``adopt``: the core's replacement's, the dead core's
+    (shared memory only: a Ray board's newest weights die with their owner)."""
     if kind == "ray":
+        if adopt:
+            raise ValueError("a Ray weights board cannot be adopted: its owner's objects died")
         from qwengyre.cluster.ray import RayWeights
 
         return RayWeights(name, create=create)
-    return SharedWeights(name, layout, create=create)
+    return SharedWeights(name, layout, create=create, adopt=adopt)
 
 
 class BoardShards:

@@ -107,6 +107,12 @@ class TrainerBackend(Protocol):
         boards (its ranks their own shards). Returns the version."""
         ...
 
+    def pull_weights(self) -> int:
+        """Take this rank's shard of the newest weights from the boards: a satellite
+        joining training, or the core's replacement taking over from the dead core's
+        last publication. Returns their version."""
+        ...
+
     def train_micro_step(self, ms: MicroStep) -> MicroStepResult:
         """Add the gradient of ``ms``'s *summed* objective (normaliser 1) to the cell's
         gradient; the result covers the whole micro-step."""

@@ -253,8 +253,8 @@ class Trainer:
         return self.version if self.is_core else self.pull_weights()
 
     def pull_weights(self) -> int:
-        """A satellite rank joining training takes its shard of the core's current
-        weights; returns the version."""
+        """Take this rank's shard of the newest weights from the board (a satellite
+        joining training, or the core's replacement); returns their version."""
         if self.board is None:
             raise RuntimeError("this trainer has no shared weights board")
         version, tensors = self.board.read()
