@@ -317,18 +317,22 @@ def wait_for_rollout(process: subprocess.Popen[bytes], run_dir: Path) -> None:
 
 
 def lose_cell(
-    process: subprocess.Popen[bytes], run_dir: Path, cell: int, steps: int
+    process: subprocess.Popen[bytes],
+    run_dir: Path,
+    cell: int,
+    steps: int,
+    then: str = "the run goes on without it",
 ) -> tuple[RunMetrics, list[int]]:
-    """SIGKILL cell ``cell``: the run goes on without it and trains its ``steps`` steps
-    with no restart, no group lost or trained twice, and no harness saw an error (a
-    call at the dead engine went on elsewhere, or waited for an engine); its metrics
-    and the cells' pids."""
+    """SIGKILL cell ``cell``: the run goes on without it (or with its replacement: what
+    it says ``then``) and trains its ``steps`` steps with no restart, no group lost or
+    trained twice, and no harness saw an error (a call at the dead engine went on
+    elsewhere, or waited for an engine); its metrics and the cells' pids."""
     cells = cell_pids(process)
     os.kill(cells[cell], signal.SIGKILL)
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr.decode()[-2000:]
-    said = f"cell-{cell} (pid {cells[cell]}) died (exit code -9); the run goes on without it"
-    assert said in stderr.decode()
+    said = f"cell-{cell} (pid {cells[cell]}) died (exit code -9); {then}"
+    assert said in stderr.decode(), stderr.decode()[-3000:]
     metrics = read_metrics(run_dir)
     assert len(metrics.runs) == 1
     assert [s.version for s in metrics.steps] == list(range(1, steps + 1))
@@ -346,16 +350,16 @@ def test_a_run_goes_on_without_a_rollout_cell_that_died(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Cell 1 dies serving rollout, before any cell moved: the run trains every step
-    without a restart, on the core alone (training stays a prefix, which now ends
-    before cell 1), while cell 2 serves rollout for good."""
+    without a restart; the core and cell 2 re-form their groups without it, and cell 2
+    trains with the core (training is a prefix of the live cells)."""
     run_dir = tmp_path / "run"
-    process = start_train(tmp_path, tiny_model_dir, 3)
+    process = start_train(tmp_path, tiny_model_dir, 4)
     wait_for_rollout(process, run_dir)
-    metrics, cells = lose_cell(process, run_dir, 1, 3)
-    assert all(s.cells == 1 for s in metrics.steps)  # the core alone
+    metrics, cells = lose_cell(process, run_dir, 1, 4)
     roles = {cell: [r.role for r in metrics.roles if r.cell == cell] for cell in range(3)}
-    assert roles[1] == ["rollout", "lost"] and set(roles[2]) == {"rollout"}
-    assert "training" in roles[0]
+    assert roles[1] == ["rollout", "lost"]
+    assert "training" in roles[0] and "training" in roles[2], roles
+    assert any(s.cells == 2 for s in metrics.steps), metrics.steps  # the core and cell 2
     assert not running(cells[1])
 
 
@@ -388,17 +392,40 @@ def test_the_only_rollout_cell_dies_and_the_core_comes_back_to_serve_and_train(
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
-def test_a_training_satellite_that_dies_leaves_its_step_to_the_core(
+def test_a_training_satellite_that_dies_leaves_its_step_to_the_others(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Cell 1 dies once it trains: the micro-steps it claimed go back to the core, cell 2
-    serves rollout for good, and the run trains every step without a restart."""
+    """Cell 1 dies once it trains: the micro-steps it claimed go back to the cells that
+    stay, the core and cell 2 re-form their groups without it, and the run trains every
+    step without a restart, on at most those two."""
     run_dir = tmp_path / "run"
     process = start_train(tmp_path, tiny_model_dir, 4)
     wait_for_role(process, run_dir, 1, "training")
     metrics, _ = lose_cell(process, run_dir, 1, 4)
     lost = next(r.time_s for r in metrics.roles if r.cell == 1 and r.role == "lost")
-    assert all(s.cells == 1 for s in metrics.steps if s.time_s > lost)
+    assert all(s.cells <= 2 for s in metrics.steps if s.time_s > lost)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find cells")
+@pytest.mark.parametrize("cell", [1, 0], ids=["satellite", "core"])
+def test_a_cell_that_dies_training_is_replaced_without_a_restart(
+    tiny_model_dir: Path, tmp_path: Path, cell: int
+) -> None:
+    """``run.replace_dead_cells=1``: cell 1 (a satellite) or the core dies once it
+    trains. A new process takes its place, the live cells re-form their groups with it,
+    and the run trains every step, none twice and no group lost, with no restart; the
+    replacement trains (the core's took over the newest weights and version)."""
+    run_dir = tmp_path / "run"
+    process = start_train(tmp_path, tiny_model_dir, 5, "run.replace_dead_cells=1")
+    wait_for_role(process, run_dir, 1, "training")
+    before = len(read_metrics(run_dir).steps)
+    then = f"a new cell-{cell} takes its place (replacement 1 of 1)"
+    metrics, pids = lose_cell(process, run_dir, cell, 5, then)
+    assert not any(r.role == "lost" for r in metrics.roles)
+    assert not running(pids[cell])
+    # A step of two cells or more after the death: the replacement of cell 1 trained
+    # (training is a prefix of cells 0, 1, 2); every step is the core's.
+    assert cell == 0 or any(s.cells >= 2 for s in metrics.steps[before:]), metrics.steps
 
 
 def served_calls(run_dir: Path) -> list[tuple[str, int]]:

@@ -365,3 +365,50 @@ def test_cells_regroup_after_a_death_and_train_as_if_it_never_happened(
     lagging = case == "core replaced, no checkpoint"
     moved = max((after[k] - alone[k]).abs().max().item() for k in alone)
     assert (moved > 1e-4) if lagging else (moved < 1e-5), moved
+
+
+async def a_death_in_the_update(
+    model_dir: Path, run_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Cells 0, 1 and 2 train step 0; cell 1 dies as the update begins: the update of
+    cells 0 and 2 fails, not hangs, and does not happen. They drop their gradients,
+    re-form their groups and train the step again. Returns the core's parameters and
+    its version after the failed update."""
+    port, board = free_port(), f"qg-test-{uuid.uuid4().hex[:12]}"
+    cells = start_cells("local", specs(model_dir, 3, 1, port=port, board=board), run_dir=run_dir)
+    try:
+        await asyncio.gather(*(c.connect() for c in cells))
+        micro, summary = data[0]
+        for cell in cells[1:]:
+            await cell.join_training()
+        for i, ms in enumerate(micro):
+            await cells[i % 3].train_micro_step(ms)
+        for pid in rank_pids(cells[1]):
+            os.kill(pid, signal.SIGKILL)
+        failed = await asyncio.gather(
+            cells[0].finish_batch(summary, 3),
+            cells[2].finish_batch(summary, 3),
+            return_exceptions=True,
+        )
+        assert all(isinstance(f, ActorError) for f in failed), failed
+        version = await cells[0].join_training()
+        await asyncio.gather(*(cells[c].discard_gradient() for c in (0, 2)))
+        await asyncio.gather(*(cells[c].regroup((0, 2), 1) for c in (0, 2)))
+        await cells[2].join_training()
+        for i, ms in enumerate(micro):
+            await cells[(0, 2)[i % 2]].train_micro_step(ms)
+        await asyncio.gather(*(cells[c].finish_batch(summary, 2) for c in (0, 2)))
+        return await cells[0].parameters(), version
+    finally:
+        stop_cells(cells)
+
+
+def test_a_death_in_the_update_fails_it_and_the_survivors_train_the_step_again(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    data = batches(tiny_model_dir)
+    alone = train_alone(tiny_model_dir, data[:1])
+    params, version = asyncio.run(a_death_in_the_update(tiny_model_dir, tmp_path, data))
+    assert version == 0
+    for name, expected in alone.items():
+        torch.testing.assert_close(params[name], expected, rtol=0, atol=1e-5)

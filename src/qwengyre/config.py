@@ -265,10 +265,28 @@ class RunConfig(_Section):
     restarts: int = Field(
         0,
         ge=0,
-        description="times a run that lost its core or a cell in training resumes itself from"
-        " its newest checkpoint (as --resume does) before it gives up; a rollout cell that"
-        " dies is left behind and the run goes on without it",
+        description="times a run whose core died (with no replacement left), or a cell during"
+        " an update, resumes itself from its newest checkpoint (as --resume does) before it"
+        " gives up",
     )
+    replace_dead_cells: int = Field(
+        0,
+        ge=0,
+        description="dead cells (the core included) the run replaces with a new process, with"
+        " no restart: the live cells re-form their groups with it; the core's replacement"
+        " takes over the newest published weights and the newest checkpoint's optimizer state"
+        " (local placement only). Past that, a dead cell other than the core is left behind"
+        " (the others re-form their groups without it) and the core's death stops the run",
+    )
+
+    @model_validator(mode="after")
+    def _replacements_are_local(self) -> RunConfig:
+        if self.replace_dead_cells and self.placement != "local":
+            raise ValueError(
+                "run.replace_dead_cells needs run.placement=local: a replacement under Ray"
+                " placement is not built yet (use run.restarts)"
+            )
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -40,8 +40,9 @@ import json
 import math
 import os
 import uuid
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from aiohttp import web
 from qwengyre.apps.preflight import preflight
 from qwengyre.cluster.cell import CellSpec
 from qwengyre.cluster.client import CellClient, EngineClient
+from qwengyre.cluster.devices import rank_device
 from qwengyre.cluster.local import ActorDied
 from qwengyre.cluster.net import advertised, free_port
 from qwengyre.cluster.placement import engine_name, start_cells, start_standalone, stop_cells
@@ -72,6 +74,7 @@ from qwengyre.scheduler.events import STANDALONE, Start
 from qwengyre.scheduler.staleness import predicted_staleness
 from qwengyre.training.buffers import TrajectoryBuffer
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
+from qwengyre.training.distributed import connect_store
 
 __all__ = ["Resumed", "TrainOptions", "train"]
 
@@ -258,10 +261,36 @@ def _harness_hosts(config: Config, run_dir: Path, proxy: ProxyServer) -> HostPoo
 @dataclass
 class Engines:
     """The actors that serve rollout and train: the K cells, and the standalone pool
-    when ``cells.standalone_capacity > 0``."""
+    when ``cells.standalone_capacity > 0``; how to start a cell again (``specs``, its
+    ranks as first started) and the rendezvous store when this process serves it."""
 
     cells: list[CellClient]
     standalone: EngineClient | None = None
+    specs: list[CellSpec] = field(default_factory=list)
+    run_dir: Path = Path()
+    store: object = None  # a TCPStore: held here, no cell's death takes it with it
+    _incarnations: Counter[int] = field(default_factory=Counter)
+
+    async def replacement(self, cell: int) -> CellClient:
+        """New processes for the ranks of ``cell`` (to connect): on the dead ones'
+        devices, the core's with the newest checkpoint (its optimizer state)."""
+        self._incarnations[cell] += 1
+        latest = latest_checkpoint(self.run_dir / "checkpoints") if cell == 0 else None
+        config = self.specs[0].config
+        shards = config.cells.devices_per_cell
+        again = [
+            replace(
+                spec,
+                device=rank_device(spec.device, spec.rank * shards + spec.shard),
+                checkpoint=str(latest) if latest is not None else None,
+                incarnation=self._incarnations[cell],
+            )
+            for spec in self.specs
+            if spec.rank == cell
+        ]
+        placement = config.run.placement
+        (client,) = await asyncio.to_thread(start_cells, placement, again, run_dir=self.run_dir)
+        return client
 
     def stop(self) -> None:
         stop_cells([*self.cells, *([self.standalone] if self.standalone else [])])
@@ -286,11 +315,17 @@ async def _start_engines(
     proxy. Routing preference follows the paper: the standalone pool first, then the
     rollout cells in descending index."""
     port, board = free_port(), f"qg-{uuid.uuid4().hex[:16]}"
+    init_method = f"tcp://127.0.0.1:{port}"
+    # Locally this process serves the rendezvous: a cell's death, the core's included,
+    # leaves it for the others to re-form their groups (Ray: the core, on its node).
+    local = config.run.placement == "local"
+    store = connect_store(init_method, master=True, timeout_s=600.0) if local else None
     specs = [
         CellSpec(
             rank=rank,
             shard=shard,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=init_method,
+            store_on_core=not local,
             model_dir=str(resumed.model_dir),
             board=board,
             config=config,
@@ -301,7 +336,8 @@ async def _start_engines(
         for rank in range(config.cells.count)
         for shard in range(config.cells.devices_per_cell)
     ]
-    engines = Engines(start_cells(config.run.placement, specs, run_dir=run_dir))
+    cells = start_cells(config.run.placement, specs, run_dir=run_dir)
+    engines = Engines(cells, specs=specs, run_dir=run_dir, store=store)
     try:
         await asyncio.gather(*(cell.connect() for cell in engines.cells))
         for rank, cell in enumerate(engines.cells):
@@ -441,6 +477,7 @@ async def _train_once(options: TrainOptions, restarts: int) -> Controller:
             trained=resumed.trained,
             standalone=engines.standalone,
             adoption=taken_over,
+            replacement=engines.replacement,
         )
         view = asyncio.create_task(show(controller)) if options.display else None
         try:

@@ -193,6 +193,10 @@ class Cell:
     def finish_batch(self, summary: BatchSummary, cells: int) -> StepResult:
         return self._trainer().finish_batch(summary, cells)
 
+    def discard_gradient(self) -> None:
+        """Drop the gradient of the open step (it is trained again)."""
+        self._trainer().discard_gradient()
+
     # ------------------------------------------------------------------ rollout
 
     def _engine(self) -> RolloutHost:

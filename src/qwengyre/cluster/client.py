@@ -113,6 +113,10 @@ class CellClient(EngineClient):
         """Reduce over the prefix of ``cells`` cells and update (all of them call it)."""
         return cast(StepResult, await self.handle.call("finish_batch", summary, cells))
 
+    async def discard_gradient(self) -> None:
+        """Drop the gradient of the open step (it is trained again)."""
+        await self.handle.call("discard_gradient")
+
     async def save_checkpoint(
         self, root: str, step: int, state: Mapping[str, Any], keep: int
     ) -> str:

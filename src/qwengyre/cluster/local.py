@@ -128,6 +128,8 @@ class ProcessActor:
     def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` in the actor's process and return its result (blocking)."""
         with self._lock:
+            if self._conn.closed:  # closed after it died (the runtime replaced it)
+                raise self._died()
             if not self._started:
                 self._receive()  # construction result
                 self._started = True

@@ -120,6 +120,18 @@ class Router:
         self._slots[engine.name] = _Slot(engine=engine, preference=preference)
         self._wake_waiting()  # a call that came before any engine (a restarted run's)
 
+    async def replace(self, engine: InferenceEngine) -> None:
+        """A new server of the drained engine of the same name (its cell's replacement)
+        takes its place and accepts calls, with its preference; the old client's
+        connections are closed."""
+        slot = self._slots[engine.name]
+        if slot.accepting:  # calls still in flight there end on the old server's slot
+            raise ValueError(f"engine {engine.name!r} must be drained before it is replaced")
+        self._slots[engine.name] = _Slot(engine=engine, preference=slot.preference)
+        self._wake_waiting()
+        if (close := getattr(slot.engine, "close", None)) is not None:  # an HTTP client's
+            await close()
+
     def route_of(self, execution_id: str) -> str | None:
         return self._routes.get(execution_id)
 

@@ -46,12 +46,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from qwengyre.cluster.client import CellClient, EngineClient
 from qwengyre.cluster.local import ActorDied
@@ -95,7 +96,7 @@ from qwengyre.scheduler.events import (
     Tick,
     WakeAt,
 )
-from qwengyre.training.backend import MicroStepResult
+from qwengyre.training.backend import MicroStepResult, StepResult
 from qwengyre.training.buffers import (
     ExecutionSample,
     GroupSample,
@@ -178,7 +179,7 @@ class Controller:
         config: Config,
         scheduler: Scheduler,
         proxy: ProxyServer,
-        cells: Sequence[CellClient],
+        cells: list[CellClient],
         tasks: Sequence[Task],
         harness: HarnessSpec,
         outputs: RunOutputs,
@@ -188,11 +189,14 @@ class Controller:
         trained: Sequence[int] = (),
         standalone: EngineClient | None = None,
         adoption: Adoption | None = None,
+        replacement: Callable[[int], Awaitable[CellClient]] | None = None,
     ) -> None:
+        """``cells``: the run's list of cells, which a replacement's process takes its
+        cell's place in (``replacement`` starts it: ``run.replace_dead_cells``)."""
         self.config = config
         self.scheduler = scheduler
         self.proxy = proxy
-        self.cells = list(cells)
+        self.cells = cells
         self.standalone = standalone  # the standalone pool's actor: rollout only
         self.tasks = list(tasks)
         self.harness = harness
@@ -231,6 +235,7 @@ class Controller:
         self._pull_queued = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._freed: dict[int, str] = {}  # cell: how its engine freed memory (SwitchRecord)
+        self._fresh: set[int] = set()  # replacements that have not served yet: no engine
         self.failure: BaseException | None = None
         self.observer = Observer(outputs.metrics, scheduler, self.now)
         self.supervisor = Supervisor(
@@ -241,6 +246,10 @@ class Controller:
             spawn=self._spawn,
             emit=self._emit,
             leave=self._leave_step,
+            start=replacement,
+            adopt=self._adopt_replacement,
+            rejoin=self._rejoin,
+            replacements=config.run.replace_dead_cells,
         )
 
     # ------------------------------------------------------------------ clock
@@ -302,9 +311,7 @@ class Controller:
         for action in actions:
             await self.execute(action)
         self.observer.observe()
-        if self._step is not None and self._step.window_open:  # cells that joined training
-            for cell in self._training_prefix():
-                self._start_worker(cell)
+        self._rejoin()  # cells that joined training
         self._maybe_pull()
 
     async def execute(self, action: Action) -> None:
@@ -456,31 +463,80 @@ class Controller:
     # ------------------------------------------------------------------ cells
 
     async def _move(self, cell: int, role: Role) -> None:
-        """A role switch (the paper §role transitions); answers with CellMoved."""
+        """A role switch (the paper §role transitions); answers with CellMoved. A cell
+        that dies switching is lost (the core stops the run), or its replacement
+        switches."""
         start = self.now()
-        name = engine_name(cell)
-        try:
-            if role is Role.TRAINING:
-                await self.proxy.router.drain(name)  # calls in flight retry elsewhere
-                self._freed[cell] = await self.cells[cell].release_engine()
-            else:
-                await self.cells[cell].resume_engine()
-                self.proxy.router.resume(name)
-        except ActorDied as died:  # died switching: lost (the core stops the run)
-            await self.supervisor.lose(cell, died)
-            return
+        while True:
+            try:
+                await self._switch(cell, role)
+                break
+            except ActorDied as died:
+                await self.supervisor.lose(cell, died)
+                if cell in self.supervisor.lost:
+                    return
         to = "training" if role is Role.TRAINING else "rollout"
         how = self._freed.get(cell, "")  # the way back undoes what the way out did
         self.observer.switch(cell, to, self.now() - start, how)
         self._emit(lambda t: CellMoved(t, cell))
 
+    async def _switch(self, cell: int, role: Role) -> None:
+        name = engine_name(cell)
+        if role is Role.TRAINING:
+            await self.proxy.router.drain(name)  # calls in flight retry elsewhere
+            fresh = cell in self._fresh  # a replacement that never served: nothing to free
+            self._freed[cell] = "" if fresh else await self.cells[cell].release_engine()
+        elif cell in self._fresh:
+            await self._serve(cell, self.cells[cell])
+        else:
+            await self.cells[cell].resume_engine()
+            self.proxy.router.resume(name)
+
+    async def _serve(self, cell: int, client: CellClient) -> None:
+        """A replacement starts its engine with the newest weights; the proxy routes
+        to it in its predecessor's place."""
+        endpoint = await client.start_engine()
+        capacity, version = self.config.cells.capacity, self.scheduler.version
+        await self.proxy.router.replace(endpoint.client(engine_name(cell), capacity, version))
+        self._fresh.discard(cell)
+
+    async def _adopt_replacement(self, cell: int, client: CellClient) -> None:
+        """``client``, connected in the place of ``cell``'s dead process, takes its
+        role: in rollout it serves (the proxy routes to it again), in training it
+        claims micro-steps of the open step (a satellite takes the core's weights
+        first), moving it is switched by the move (:meth:`_move`). The core's
+        replacement holds the boards' weights: those of the run's version (or the next
+        one, if the core died in an update after writing them)."""
+        if cell == 0:
+            version, now = await client.join_training(), self.scheduler.version
+            updating = self._step is not None and self._step.updating
+            if version not in ((now, now + 1) if updating else (now,)):
+                raise RuntimeError(
+                    f"the core's replacement took over version {version}, the run is at {now}"
+                )
+        if self.scheduler.roles[cell] is Role.ROLLOUT:
+            await self._serve(cell, client)
+        else:
+            self._fresh.add(cell)
+        self.cells[cell] = client
+        self._synced.discard(cell)
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        """The training cells claim micro-steps of the open step (again: once the
+        groups are re-formed after a death, cells past the dead one take part)."""
+        for cell in self._training_prefix():
+            self._start_worker(cell)
+
     def _training_prefix(self) -> list[int]:
-        """The training cells that may work on a step: cells 0..k-1, core first. A
-        colocated pool's cells end their moves in any order; each waits for those below
-        it, since a step's update reduces over a prefix of cells."""
+        """The training cells that may work on a step: the first of the cells in the
+        groups now (:attr:`Supervisor.members`, core first). A colocated pool's cells
+        end their moves in any order; each waits for those before it, since a step's
+        update reduces over a prefix of the members."""
+        training = set(self.scheduler.training_cells)
         prefix: list[int] = []
-        for cell in self.scheduler.training_cells:  # in index order
-            if cell != len(prefix) or cell in self.supervisor.lost:  # not heard of yet
+        for cell in self.supervisor.members:
+            if cell not in training or cell in self.supervisor.lost:  # not heard of yet
                 break
             prefix.append(cell)
         return prefix
@@ -513,8 +569,7 @@ class Controller:
         if self._step is None or self._step.step != action.step:
             self.queue.open(action.step)
             self._step = _Step(step=action.step, started_s=self.now())
-            for cell in self._training_prefix():
-                self._start_worker(cell)
+            self._rejoin()
             self._spawn(self._finish_step(self._step))
         for ms in self.packing.assign(action.step, action.group_ids, action.closes_batch):
             await self.queue.put(ms)
@@ -592,26 +647,43 @@ class Controller:
             step.window_open = False  # the joining window closes before the update
             if step.workers:
                 await asyncio.wait([*step.workers.values()])
-            if self.queue.drained and not await self._lost_any(step):
+            if not self.queue.drained or await self._lost_any(step):
+                # A cell left after the last claim: the others train what it gave back.
+                step.window_open = True
+                self._rejoin()
+                continue
+            workers, k = sorted(step.workers), len(step.workers)
+            async with self.supervisor.groups:  # no regroup during the update's collectives
+                if workers != list(self.supervisor.members[:k]):
+                    raise RuntimeError(f"step {step.step}: cells {workers} are not a prefix")
+                step.updating = True
+                outcomes = await asyncio.gather(
+                    *(
+                        self.observer.timed(c, self.cells[c].finish_batch(summary, k))
+                        for c in workers
+                    ),
+                    return_exceptions=True,
+                )
+            done: dict[int, tuple[StepResult, float]] = {
+                c: o for c, o in zip(workers, outcomes, strict=True) if isinstance(o, tuple)
+            }
+            if len(done) == k:
+                self._synced = set(workers)
+                updates = list(done.values())
                 break
-            # A cell left after the last claim: the others train what it gave back.
-            step.window_open = True
-            for cell in self._training_prefix():
-                self._start_worker(cell)
-        k = len(step.workers)
-        if sorted(step.workers) != list(range(k)):
-            raise RuntimeError(f"step {step.step}: cells {sorted(step.workers)} are not a prefix")
-        step.updating = True
-        updates = await asyncio.gather(
-            *(self.observer.timed(c, self.cells[c].finish_batch(summary, k)) for c in range(k))
-        )
-        self._synced = set(range(k))
+            happened = await self._after_a_death_in_update(step, workers, outcomes)
+            if happened is not None:  # the core's update, then the satellites'
+                self._synced = {0, *done}
+                updates = [happened, *(o for c, o in done.items() if c != 0)]
+                break
+            step.window_open = True  # trained again, from the same weights
+            self._rejoin()
         self.trained += list(summary.group_ids)
         launched = {
             g: [v for e in self.scheduler.groups[g].valid if (v := self._launch_version(e)) >= 0]
             for g in summary.group_ids
         }
-        core, _ = updates[0]
+        version = updates[0][0].version
         self.observer.step(
             step.step,
             step.started_s,
@@ -621,10 +693,45 @@ class Controller:
             updates,
             launched,
         )
-        if core.version % self.config.checkpoint.every == 0 or self.last_step(core.version):
-            await self._checkpoint(core.version)
+        if version % self.config.checkpoint.every == 0 or self.last_step(version):
+            await self._checkpoint(version)
         self._step = None
         self._emit(lambda t: StepDone(t, step.step))
+
+    async def _after_a_death_in_update(
+        self, step: _Step, workers: list[int], outcomes: Sequence[object]
+    ) -> tuple[StepResult, float] | None:
+        """An update that failed: the cells that died in it are replaced or lost (a
+        failure without a death is raised). The core writes its board before it
+        broadcasts, so whoever holds the core's weights now (the core, or its
+        replacement) tells whether the update happened: then the core's result (its
+        replacement's version, if it died) is returned; else every participant drops
+        its gradient, their micro-steps go back on the queue and None is returned."""
+        dead: list[tuple[int, ActorDied]] = []
+        for cell in workers:
+            try:
+                await self.cells[cell].check_alive()
+            except ActorDied as died:
+                dead.append((cell, died))
+        if not dead:
+            raise next(o for o in outcomes if isinstance(o, BaseException))
+        for cell, death in dead:
+            await self.supervisor.lose(cell, death)  # the core without a replacement: raises
+        step.updating = False
+        version = await self.cells[0].join_training()
+        if version == step.step + 1:
+            core = outcomes[0]
+            if isinstance(core, tuple):
+                return cast(tuple[StepResult, float], core)
+            return StepResult(
+                step=step.step, version=version, cells=len(workers), grad_norm=math.nan, seconds=0.0
+            ), 0.0
+        log.warning("step %d: a cell died in its update; it is trained again", step.step)
+        alive = [c for c in workers if c not in self.supervisor.lost]
+        await asyncio.gather(*(self.cells[c].discard_gradient() for c in alive))
+        self._synced = {0}
+        await self._leave_step(0)  # every micro-step back on the queue
+        return None
 
     def _launch_version(self, execution: int) -> int:
         """The version ``execution`` launched at; a resumed ready group's were launched
@@ -644,7 +751,12 @@ class Controller:
             "next_execution": max(self.scheduler.executions, default=-1) + 1,
         }
         root, keep = str(self.outputs.checkpoints), self.config.checkpoint.keep
-        await self.cells[0].save_checkpoint(root, version, state, keep)
+        while True:
+            try:
+                await self.cells[0].save_checkpoint(root, version, state, keep)
+                return
+            except ActorDied as died:  # its replacement, if any, writes it
+                await self.supervisor.lose(0, died)
 
     async def shutdown(self, *, keep_harnesses: bool = False) -> None:
         """Stop every execution (their harnesses are killed) and every background task.

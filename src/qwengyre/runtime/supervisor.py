@@ -1,23 +1,35 @@
-"""Supervision of a live run's cells: seen dead at once, lost or the run stops; crashed
-engine servers started again.
+"""Supervision of a live run's cells: seen dead at once, replaced, lost or the run stops;
+crashed engine servers started again.
 
 :class:`Supervisor` checks every cell (and the standalone pool) each
-:data:`CELL_WATCH_S`. A cell other than the core that died, in any role, is lost: the
-proxy stops routing to it, the open training step goes on without it (``leave``: the
-micro-steps it claimed go back to the cells that stay) and the scheduler hears
-:class:`~qwengyre.scheduler.events.CellLost`, so the run goes on without it. The core's
-death, or one the scheduler refuses (:meth:`~qwengyre.scheduler.core.Scheduler.why_not_lose`),
-stops the run. An engine the proxy drained for failing, on a rollout cell or the
-standalone pool, is asked to start its server again if it crashed (a publication that
-found its server dead drains it so: nothing calls a dead server, and it serves again
-with the newest weights).
+:data:`CELL_WATCH_S`. A cell that died, in any role, leaves the open training step at
+once (``leave``: the micro-steps it claimed, and those of the cells past it, go back to
+the cells that stay) and the proxy stops routing to it. Then:
+
+- with a replacement left (``run.replace_dead_cells``), a new process takes its place
+  (``start``), the core's included: the live cells re-form their groups with it
+  (:meth:`~qwengyre.cluster.cell.Cell.regroup`) and the controller puts it in the dead
+  cell's role (``adopt``). The core's replacement takes over the newest published
+  weights and the newest checkpoint's optimizer state. The scheduler never hears of it.
+- else a cell other than the core is lost: the scheduler hears
+  :class:`~qwengyre.scheduler.events.CellLost` and the survivors re-form their groups
+  without it, so that the cells past it train again. The core's death, or one the
+  scheduler refuses (:meth:`~qwengyre.scheduler.core.Scheduler.why_not_lose`), stops
+  the run.
+
+The groups are re-formed under :attr:`Supervisor.groups`, which an update's collectives
+hold too: a regroup never interleaves with one. An engine the proxy drained for failing,
+on a rollout cell or the standalone pool, is asked to start its server again if it
+crashed (a publication that found its server dead drains it so: nothing calls a dead
+server, and it serves again with the newest weights).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from qwengyre.cluster.client import CellClient, EngineClient
@@ -37,11 +49,15 @@ CELL_WATCH_S = 1.0
 
 class Supervisor:
     """Watches ``cells`` and ``standalone`` for the controller: ``spawn`` runs a
-    background task of the controller's, ``emit`` puts an event on its queue."""
+    background task of the controller's, ``emit`` puts an event on its queue, ``leave``
+    takes a cell (and those past it) out of the open step, ``rejoin`` lets the training
+    cells take part again once the groups are re-formed, ``start`` starts a cell's
+    replacement (``replacements`` of them in all) and ``adopt`` gives it its cell's role.
+    ``cells`` is the controller's list: a replacement takes its cell's place in it."""
 
     def __init__(
         self,
-        cells: Sequence[CellClient],
+        cells: list[CellClient],
         standalone: EngineClient | None,
         scheduler: Scheduler,
         router: Router,
@@ -49,15 +65,28 @@ class Supervisor:
         spawn: Callable[[Coroutine[Any, Any, Any]], object],
         emit: Callable[[Callable[[float], Event]], None],
         leave: Callable[[int], Awaitable[None]],
+        start: Callable[[int], Awaitable[CellClient]] | None = None,
+        adopt: Callable[[int, CellClient], Awaitable[None]] | None = None,
+        rejoin: Callable[[], None] = lambda: None,
+        replacements: int = 0,
     ) -> None:
-        self.cells = list(cells)
+        self.cells = cells
         self.standalone = standalone
         self.scheduler = scheduler
         self.router = router
         self._spawn = spawn
         self._emit = emit
         self._leave = leave  # the cell leaves the open training step, at once
+        self._start = start
+        self._adopt = adopt
+        self._rejoin = rejoin  # the training cells take part in the open step again
+        self.replacements = replacements if start is not None and adopt is not None else 0
+        self.replaced = 0  # replacements started so far
         self.lost: dict[int, ActorDied] = {}  # cells given up for dead: why
+        self.members: tuple[int, ...] = tuple(range(len(cells)))  # of the groups now
+        self.generation = 0  # of the groups now
+        self.groups = asyncio.Lock()  # the cells' groups: held by an update, or a regroup
+        self._replacing: dict[int, asyncio.Future[None]] = {}
         self._reviving: set[int] = set()  # cells starting a crashed engine again
 
     async def watch(self) -> None:
@@ -76,8 +105,9 @@ class Supervisor:
             await asyncio.sleep(CELL_WATCH_S)
 
     def _watched(self) -> list[tuple[int, CellClient]]:
-        """The cells not lost, by index."""
-        return [(cell, actor) for cell, actor in enumerate(self.cells) if cell not in self.lost]
+        """The cells not lost nor being replaced, by index."""
+        gone = self.lost.keys() | self._replacing.keys()
+        return [(cell, actor) for cell, actor in enumerate(self.cells) if cell not in gone]
 
     def _revive_failed_engines(self) -> None:
         """A rollout cell (or the standalone pool) whose engine the proxy drained for
@@ -108,8 +138,25 @@ class Supervisor:
             self._reviving.discard(engine)
 
     async def lose(self, cell: int, died: ActorDied) -> None:
-        """Go on without ``cell``, which ``died``; re-raise it if the run cannot."""
+        """Go on without the process of ``cell``, which ``died``: replace it, or leave
+        the cell behind (see the module docstring); re-raise ``died`` if the run cannot
+        go on. A death seen again, or seen only now of a process already replaced, is
+        ignored once it is handled."""
         if cell in self.lost:
+            return
+        if (replacing := self._replacing.get(cell)) is not None:
+            await asyncio.shield(replacing)
+            return
+        with contextlib.suppress(ActorDied):
+            await self.cells[cell].check_alive()
+            return  # ``died`` was its predecessor: replaced since
+        if self.replaced < self.replacements:
+            replacing = self._replacing[cell] = asyncio.ensure_future(self._replace(cell, died))
+            try:
+                await asyncio.shield(replacing)
+            finally:
+                if replacing.done():
+                    del self._replacing[cell]
             return
         if self.scheduler.why_not_lose(cell) is not None:
             raise died
@@ -119,6 +166,43 @@ class Supervisor:
         await self.router.drain(engine_name(cell), wait=False)
         await asyncio.to_thread(self.cells[cell].close)  # its other ranks, if any
         self._emit(lambda t: CellLost(t, cell))
+        await self._regroup(tuple(c for c in self.members if c != cell))
+
+    async def _replace(self, cell: int, died: ActorDied) -> None:
+        """A new process takes the place of ``cell``'s dead one; ``died`` if it cannot."""
+        assert self._start is not None and self._adopt is not None
+        self.replaced += 1
+        log.warning(
+            "%s; a new %s takes its place (replacement %d of %d)",
+            died,
+            engine_name(cell),
+            self.replaced,
+            self.replacements,
+        )
+        await self._leave(cell)
+        await self.router.drain(engine_name(cell), wait=False)
+        await asyncio.to_thread(self.cells[cell].close)  # its other ranks, if any
+        try:
+            new = await self._start(cell)
+            async with self.groups:
+                self.generation += 1
+                members, generation = self.members, self.generation
+                await asyncio.gather(
+                    new.connect(members, generation, takeover=cell == 0),
+                    *(self.cells[c].regroup(members, generation) for c in members if c != cell),
+                )
+            await self._adopt(cell, new)
+        except Exception as exc:
+            raise died from exc  # the run stops (or restarts: run.restarts)
+
+    async def _regroup(self, members: tuple[int, ...]) -> None:
+        """The live cells ``members`` re-form their groups without the others."""
+        async with self.groups:
+            self.generation += 1
+            generation = self.generation
+            await asyncio.gather(*(self.cells[c].regroup(members, generation) for c in members))
+            self.members = members
+        self._rejoin()
 
     async def _check_cells(self) -> None:
         """Raise ``ActorDied`` for the first cell (or the standalone pool) that is gone,
@@ -135,6 +219,7 @@ class Supervisor:
         try:
             await self._check_cells()
         except ActorDied as died:
+            log.warning("%s, after which: %r", died, failure)
             return died
         except Exception:
             pass

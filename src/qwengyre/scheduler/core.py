@@ -59,13 +59,15 @@ Policies share everything but the grouping of cells into *units* that move toget
   still running fits on the standalone engines, which keep those harnesses running;
 - ``async``: no unit moves; cells 0..T-1 train for the whole run.
 
-Any cell other than the core may be lost (:class:`CellLost`), whatever its role: the
-units are cut to the cells before it (a prefix), the cells past it serve rollout for the
-rest of the run (those in training, or on their way, return at once), a switch it was
-making never ends, and its executions move to the engines that serve, to ones with room
-first: a loss is not planned by Eq 5, so an engine may hold more than its capacity until
-its executions end (nothing new launches there meanwhile). A cell lost in training
-leaves the step: the driver gives the micro-steps it claimed to the cells that stay.
+Any cell other than the core may be lost (:class:`CellLost`), whatever its role: it
+leaves its unit, and training stays a prefix of the live cells (the runtime re-forms the
+cells' groups without it, so the cells past it train on; under ``async`` the cells past
+it serve rollout for the rest of the run, those in training returning at once), a switch
+it was making never ends, and its executions move to the engines that serve, to ones
+with room first: a loss is not planned by Eq 5, so an engine may hold more than its
+capacity until its executions end (nothing new launches there meanwhile). A cell lost in
+training leaves the step: the driver gives the micro-steps it claimed, and those of the
+cells past it until the groups are re-formed, to the cells that stay.
 
 No engine left to serve: when no cell serves rollout or is on its way back and there is
 no standalone pool, while executions wait for an engine (the lost cell's, or queued
@@ -653,11 +655,14 @@ class Scheduler:
             raise SchedulerError(why)
         self._set_role(cell, Role.LOST)  # a switch it was making never ends
         self._return_after_move.discard(cell)
-        self._fixed_training = min(self._fixed_training, cell)
-        for past in range(cell + 1, len(self.roles)):  # (still in their units: counted out)
-            if self.roles[past] in (Role.TO_TRAINING, Role.TRAINING):
-                self._move(past, Role.ROLLOUT)  # no prefix without ``cell`` reaches them
-        self._cut_units(cell)
+        if self.params.policy == "async":  # cells 0..T-1 train for good: fewer now
+            self._fixed_training = min(self._fixed_training, cell)
+            for past in range(cell + 1, len(self.roles)):
+                if self.roles[past] in (Role.TO_TRAINING, Role.TRAINING):
+                    self._move(past, Role.ROLLOUT)
+            self._cut_units(cell)
+        else:  # the live cells re-form their groups: training is a prefix of them
+            self._cut_units(len(self.roles), without=cell)
         self._parked.update({eid: cell for eid in self._load[cell]})
         self._load[cell].clear()
 
@@ -697,10 +702,14 @@ class Scheduler:
                 return  # nothing serves yet: they wait
             self._reroute(eid, self._parked.pop(eid), destination)
 
-    def _cut_units(self, end: int) -> None:
-        """Units hold only cells before ``end`` (training stays a prefix); the cells in
-        no unit that are not lost serve rollout for good."""
-        self.units = [cut for unit in self.units if (cut := tuple(c for c in unit if c < end))]
+    def _cut_units(self, end: int, without: int | None = None) -> None:
+        """Units hold only cells before ``end`` (training stays a prefix), ``without``
+        one; the cells in no unit that are not lost serve rollout for good."""
+        self.units = [
+            cut
+            for unit in self.units
+            if (cut := tuple(c for c in unit if c < end and c != without))
+        ]
         self._leads = {unit[0] for unit in self.units}
         sizes = [len(unit) for unit in self.units]
         self._cells_from = [*itertools.accumulate(reversed(sizes), initial=0)][::-1]

@@ -17,10 +17,12 @@ participating cell calls :meth:`Trainer.finish_batch` with the same prefix size 
    or its target tokens for ``token_sum``: see :mod:`qwengyre.training.objective`), clip
    the global norm and make the single optimizer update (version + 1) on their shards,
    at the learning rate :meth:`~qwengyre.config.TrainerConfig.lr_at` gives for it;
-3. the core's ranks broadcast the new shards to their satellite peers and write them
-   to their weights boards (:class:`~qwengyre.training.backend.WeightsBoard`, one per
-   shard index), where a satellite rank joining a later batch
-   (:meth:`Trainer.pull_weights`) and the rollout engines read them.
+3. the core's ranks write the new shards to their weights boards
+   (:class:`~qwengyre.training.backend.WeightsBoard`, one per shard index), where a
+   satellite rank joining a later batch (:meth:`Trainer.pull_weights`), the rollout
+   engines and a replacement of the core read them, then broadcast them to their
+   satellite peers. (Board first: an update whose broadcast a satellite's death broke
+   still happened, whoever holds the core's weights.)
 
 Since the update is a sum over micro-steps, who trained which micro-step changes the
 result only by float rounding: one cell of one rank and three cells of two give the
@@ -217,12 +219,12 @@ class Trainer:
                 [float(full_tensor(norm)), float(self.version)], device=stats.device
             )
         self._zero_grads()
+        if self.is_core and self.board is not None:  # first: the update outlives a
+            self.board.write(self.local_shards(), self.version)  # satellite's death
         shards = [local(p) for p in self.params]
         self.comm.broadcast_from_core([stats, *shards], cells)
         if not self.is_core:
             self.version = int(stats[1])
-        elif self.board is not None:
-            self.board.write(self.local_shards(), self.version)
         return StepResult(
             step=summary.step,
             version=self.version,
