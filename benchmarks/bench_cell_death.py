@@ -16,6 +16,9 @@ the step records seen before the kill):
   path the only rollout cell and a training satellite took before their death became a
   scheduler event (run this script with an older qwengyre on ``PYTHONPATH`` to see it).
 
+With ``--replace`` the runs have ``run.replace_dead_cells=1``: the dead cell, the core
+included, is replaced by a new process with no restart.
+
 It also counts the executions whose harnesses ran at the kill and, at the next step,
 how many of those harnesses were killed (cancelled, or lost with their daemon): those
 executions were thrown away (the run directory's harness daemon's state).
@@ -23,6 +26,7 @@ executions were thrown away (the run directory's harness daemon's state).
     python benchmarks/bench_cell_death.py            # all four, about 2 min each
     python benchmarks/bench_cell_death.py --cases core "only rollout cell"
     python benchmarks/bench_cell_death.py --cases core --in-flight 4
+    python benchmarks/bench_cell_death.py --replace
 """
 
 from __future__ import annotations
@@ -109,7 +113,9 @@ def killed_harnesses(run_dir: Path) -> set[str]:
     return {e for e, state in states if state.cancelled or state.lost}
 
 
-def run_case(case: Case, model: Path, work: Path, steps: int, in_flight: int) -> Death:
+def run_case(
+    case: Case, model: Path, work: Path, steps: int, in_flight: int, replace: bool
+) -> Death:
     tasks = work / "tasks.jsonl"
     evaluator = CommandEvaluator(command=[sys.executable, "-c", COIN], timeout_s=30)
     dump_tasks(
@@ -130,6 +136,7 @@ def run_case(case: Case, model: Path, work: Path, steps: int, in_flight: int) ->
         f"run.steps={steps}",
         f"cells.count={case.cells}",
         "run.restarts=1",
+        f"run.replace_dead_cells={int(replace)}",
     ]
     stderr = (work / "stderr.log").open("wb")
     process = subprocess.Popen(
@@ -182,6 +189,9 @@ def main() -> None:
     parser.add_argument(
         "--in-flight", type=int, default=1, help="kill once this many harnesses run"
     )
+    parser.add_argument(
+        "--replace", action="store_true", help="run.replace_dead_cells=1: no restart"
+    )
     args = parser.parse_args()
     model = cached_tiny_model("test")
     print(
@@ -192,7 +202,7 @@ def main() -> None:
         if case.name not in args.cases:
             continue
         with tempfile.TemporaryDirectory(prefix="qg-death-") as work:
-            d = run_case(case, model, Path(work), args.steps, args.in_flight)
+            d = run_case(case, model, Path(work), args.steps, args.in_flight, args.replace)
         print(
             f"{case.name:<20} {d.gap_s:>17.1f} s {d.cadence_s:>6.1f} s"
             f" {d.gap_s / d.cadence_s:>6.1f} {d.in_flight:>9} {d.thrown_away:>11}"

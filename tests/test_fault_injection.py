@@ -12,18 +12,21 @@ running harnesses, and, by case:
   rollout);
 - ``and-the-core``: those, then the core, once both satellites are dead
   (``run.restarts=1``: its death resumes the run from the newest checkpoint);
+- ``replaced``: the satellites and the core as in ``and-the-core``, but with
+  ``run.replace_dead_cells=3`` and no restart: each is replaced by a new process and
+  the run never stops (no step is trained twice);
 - ``servers``: engine servers (the SGLang stand-in, tests/fake_sglang, and a standalone
   pool of its own): cell 2's once it serves rollout, then the pool's; their hosts start
   them again.
 
-The run trains all its steps (without a restart but for the core's death), every
-trained group is a ready group of the ledger trained exactly once (a step the core
-trained but had not checkpointed when it died is redone, to the same loss; every group
-ready at its death is trained), no surviving harness saw an error, a killed
-harness's execution is not retried: it ends ``failed`` and is evaluated, or gets the
-zero placeholder when it had made no model call (an infrastructure failure), every
-faulty evaluation is retried until valid (never scored for the fault), and the
-measured steady-state staleness is Eq 2's within 0.25.
+The run trains all its steps (without a restart but for the core's death in
+``and-the-core``), every trained group is a ready group of the ledger trained exactly
+once (a step the core trained but had not checkpointed when it died is redone by the
+restart, to the same loss; every group ready at its death is trained), no surviving
+harness saw an error, a killed harness's execution is not retried: it ends ``failed``
+and is evaluated, or gets the zero placeholder when it had made no model call (an
+infrastructure failure), every faulty evaluation is retried until valid (never scored
+for the fault), and the measured steady-state staleness is Eq 2's within 0.25.
 
 Replay a failure with its seed: ``QWENGYRE_FAULT_SEED=<seed> pytest tests/test_fault_injection.py``
 (the test id shows the seed).
@@ -91,7 +94,8 @@ print(json.dumps({"score": float(rng.random() < 0.5), "valid": True}))
 EVALUATOR_TIMEOUT_S = 5.0
 
 
-KINDS = ["satellites", "and-the-core", "servers"]
+KINDS = ["satellites", "and-the-core", "replaced", "servers"]
+CORE_DIES = {"and-the-core", "replaced"}
 SERVERS = ["cell-2", "standalone"]
 
 
@@ -106,6 +110,7 @@ class Plan:
     harness_picks: random.Random
     core_after: int | None = None  # steps after cell 2's death before the core is killed
     killed_servers: dict[str, int] = field(default_factory=dict)  # engine -> server pid
+    server_steps: dict[str, int] = field(default_factory=dict)  # engine -> steps before
     done: list[str] = field(default_factory=list)
     killed_harnesses: list[str] = field(default_factory=list)  # execution ids
     killed_cells: dict[int, int] = field(default_factory=dict)  # cell -> pid
@@ -123,7 +128,7 @@ class Plan:
             satellite_rollout_at=rng.randint(4, 6),
             harnesses_at=sorted(rng.sample(range(2, 40), HARNESS_KILLS)),
             harness_picks=random.Random(seed + 1),
-            core_after=random.Random(seed + 2).randint(0, 1) if kind == "and-the-core" else None,
+            core_after=random.Random(seed + 2).randint(0, 1) if kind in CORE_DIES else None,
         )
 
     def core_due(self, steps: int) -> bool:
@@ -173,6 +178,8 @@ class Run:
             "cells.capacity=4",  # 12 executions at once: a 2-core machine keeps up
             f"seed={seed}",
         ]
+        if kind == "replaced":
+            command += ["run.restarts=0", "run.replace_dead_cells=3"]
         env = dict(os.environ)
         if kind == "servers":
             command += ["engine.backend=sglang", "cells.standalone_capacity=2"]
@@ -277,6 +284,7 @@ def kill_server(run: Run, plan: Plan, engine: str, steps: int) -> None:
         return  # being started again: later
     os.killpg(pid, signal.SIGKILL)  # the server and what it started
     plan.killed_servers[engine] = pid
+    plan.server_steps[engine] = steps
     plan.done.append(f"step {steps}: the SGLang server of {engine} (pid {pid})")
 
 
@@ -300,9 +308,10 @@ def test_a_run_under_seeded_faults_trains_every_ready_group_once(
     resumes the run: that death is not yet an elastic event); two more steps, so that
     every group ready at its death is trained before the end."""
     print(f"fault injection seed {seed} (replay: QWENGYRE_FAULT_SEED={seed})")
-    core = kind == "and-the-core"
+    core = kind == "and-the-core"  # a restart
+    replaced = kind == "replaced"
     plan = Plan.draw(seed, kind)
-    steps = STEPS + 2 if core else STEPS
+    steps = STEPS + 2 if kind in CORE_DIES else STEPS
     run = Run(tmp_path, tiny_model_dir, seed, steps, kind)
     try:
         drive(run, plan)
@@ -313,19 +322,24 @@ def test_a_run_under_seeded_faults_trains_every_ready_group_once(
     assert run.process.returncode == 0, said[-3000:]
     assert plan.complete(), plan.done  # every fault was injected before the run ended
 
-    # A satellite's death was an elastic event: the run went on without it. The core's
-    # resumed the run.
+    # A satellite's death was an elastic event: the run went on without it (or with its
+    # replacement). The core's resumed the run, or its replacement took over.
     for cell, pid in plan.killed_cells.items():
         died = f"cell-{cell} (pid {pid}) died (exit code -9); "
-        then = "restart 1 of 1: resuming the run" if cell == 0 else "the run goes on without it"
-        assert died + then in said
+        if replaced:
+            then = f"a new cell-{cell} takes its place"
+        else:
+            then = "restart 1 of 1: resuming the run" if cell == 0 else "the run goes on without it"
+        assert died + then in said, said[-3000:]
         assert not running(pid)
-    # A server's death: its host started it again (or, had its cell moved to training
-    # first, released it as stopped and started it on the way back).
+    # A server's death: its host started it again (or, had its cell begun a move to
+    # training first, released it as stopped, to start it on the way back).
     metrics = read_metrics(run.dir)
     for engine, pid in plan.killed_servers.items():
-        moved_dead = engine == "cell-2" and any(
-            s.cell == 2 and s.engine == "stopped" for s in metrics.switches
+        killed_after = metrics.steps[plan.server_steps[engine] - 1].time_s
+        moved_dead = engine == "cell-2" and any(  # to training instead: no revival
+            r.cell == 2 and r.role == "to_training" and r.time_s >= killed_after
+            for r in metrics.roles
         )
         engines_said = [line for line in said.splitlines() if "server" in line or "engine" in line]
         revived = f"{engine}: its engine crashed and was started again" in said

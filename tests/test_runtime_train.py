@@ -297,9 +297,18 @@ def test_a_run_that_loses_a_cell_resumes_itself_with_restarts_left(
     assert state["version"] == 4
     trained = state["trained_groups"]
     assert len(set(trained)) == len(trained) and finished_before <= set(trained)
-    counts = Counter(g.group_id for g in read_metrics(run_dir).groups)
-    assert set(counts) == set(trained) and set(counts.values()) == {1}
-    assert len(read_metrics(run_dir).runs) == 2  # the run and its restart
+    metrics = read_metrics(run_dir)
+    counts = Counter(g.group_id for g in metrics.groups)
+    assert set(counts) == set(trained)
+    # Only a step the core had trained but not checkpointed (it died writing it) is
+    # trained again by the restart, on the same groups.
+    versions = [s.version for s in metrics.steps]
+    redone = {v for v in versions if versions.count(v) == 2}
+    assert {g for g, n in counts.items() if n > 1} == {
+        g.group_id for g in metrics.groups if g.step + 1 in redone
+    }
+    assert redone <= {2}, versions
+    assert len(metrics.runs) == 2  # the run and its restart
 
 
 def wait_for_rollout(process: subprocess.Popen[bytes], run_dir: Path) -> None:
@@ -568,9 +577,10 @@ def test_crashed_sglang_servers_are_started_again_and_the_run_goes_on(
 
     assert revived("standalone")
     # Cell 1 is revived where it serves, or, when it moves to training first (a loaded
-    # machine), released as stopped and started again when it returns to rollout.
-    moved_dead = [s for s in metrics.switches if s.cell == 1 and s.engine == "stopped"]
-    assert revived("cell-1") or moved_dead, said
+    # machine), released as stopped and started again when it returns to rollout (if
+    # the run lasts until then).
+    moved = [r for r in metrics.roles if r.cell == 1 and r.role == "to_training"]
+    assert revived("cell-1") or moved, said
 
 
 def test_sglang_cells_switch_roles_and_take_every_publication(

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import multiprocessing as mp
 import threading
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,7 @@ class ProcessActor:
         self._process.start()
         child.close()
         self._lock = threading.Lock()
+        self._caller = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._started = False
 
     @property
@@ -140,8 +143,17 @@ class ProcessActor:
             return self._receive()
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`call_sync` without blocking the event loop."""
-        return await asyncio.to_thread(self.call_sync, method, *args, **kwargs)
+        """:meth:`call_sync` without blocking the event loop, on the actor's own thread:
+        calls run in the order they were made, and a slow call of one actor never
+        holds up another's behind it in a shared thread pool."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(self.call_sync, method, *args, **kwargs)
+        try:
+            return await loop.run_in_executor(self._caller, call)
+        except RuntimeError as exc:  # closed: after it died (the runtime replaced it)
+            if self._conn.closed:
+                raise self._died() from exc
+            raise
 
     async def check_alive(self) -> None:
         """Raise :class:`ActorDied` if the process has ended (also during a call)."""
@@ -172,3 +184,4 @@ class ProcessActor:
             self._process.kill()
             self._process.join(timeout_s)
         self._conn.close()
+        self._caller.shutdown(wait=False)

@@ -21,17 +21,21 @@ scheduler assigns ready groups to the open step; the packing buffer turns them i
 micro-steps on the queue; every cell in training claims micro-steps; once the batch is
 closed and drained, the participating prefix of cells reduces and the core updates.
 
-A cell other than the core that dies, in any role, is lost, and the run goes on without
-it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends its calls elsewhere
-(or holds them until an engine serves), its harnesses keep running, and training keeps
-to the cells before it. A cell that leaves the open step before its update (it died, a
-cell before it died, or the scheduler sent it back to rollout because no engine was
-left) gives the micro-steps it claimed back to the queue, and the cells that stay train
-them (:meth:`Controller._leave_step`): the update sums whole micro-steps, so it is the
-same as if the cell had never joined. The core's death stops the run (``run.restarts``
-may resume it from its checkpoint: :meth:`shutdown` then leaves the harnesses running
-for the resumed run to re-adopt), and so does a satellite's death during the update's
-collectives, whose survivors could not tell how far the reduction got.
+A cell that dies, in any role, is replaced by a new process while
+``run.replace_dead_cells`` allows, the core included (its replacement takes over the
+newest published weights); otherwise a cell other than the core is lost, and the run
+goes on without it (:class:`~qwengyre.scheduler.events.CellLost`): the proxy sends its
+calls elsewhere (or holds them until an engine serves), its harnesses keep running, and
+the live cells re-form their groups without it (:mod:`qwengyre.runtime.supervisor`). A
+cell that leaves the open step before its update (it died, a cell before it died, or
+the scheduler sent it back to rollout because no engine was left) gives the micro-steps
+it claimed back to the queue, and the cells that stay train them
+(:meth:`Controller._leave_step`): the update sums whole micro-steps, so it is the same as
+if the cell had never joined. A death during the update fails it everywhere; the step is
+then done if the core's weights moved on, else trained again
+(:meth:`Controller._after_a_death_in_update`). The core's death with no replacement left
+stops the run (``run.restarts`` may resume it from its checkpoint: :meth:`shutdown` then
+leaves the harnesses running for the resumed run to re-adopt).
 Every launch is journaled before its harness starts and every outcome before it counts
 (:mod:`qwengyre.runtime.journal`): a controller resumed after its predecessor was killed
 re-adopts the executions whose harnesses still run (the scheduler's :class:`Adopt`)

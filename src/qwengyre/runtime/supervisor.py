@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 from qwengyre.cluster.client import CellClient, EngineClient
 from qwengyre.cluster.local import ActorDied
@@ -86,7 +86,7 @@ class Supervisor:
         self.members: tuple[int, ...] = tuple(range(len(cells)))  # of the groups now
         self.generation = 0  # of the groups now
         self.groups = asyncio.Lock()  # the cells' groups: held by an update, or a regroup
-        self._replacing: dict[int, asyncio.Future[None]] = {}
+        self._handling: dict[int, asyncio.Task[None]] = {}  # deaths being handled
         self._reviving: set[int] = set()  # cells starting a crashed engine again
 
     async def watch(self) -> None:
@@ -106,7 +106,7 @@ class Supervisor:
 
     def _watched(self) -> list[tuple[int, CellClient]]:
         """The cells not lost nor being replaced, by index."""
-        gone = self.lost.keys() | self._replacing.keys()
+        gone = self.lost.keys() | self._handling.keys()
         return [(cell, actor) for cell, actor in enumerate(self.cells) if cell not in gone]
 
     def _revive_failed_engines(self) -> None:
@@ -144,19 +144,20 @@ class Supervisor:
         ignored once it is handled."""
         if cell in self.lost:
             return
-        if (replacing := self._replacing.get(cell)) is not None:
-            await asyncio.shield(replacing)
-            return
+        handling = self._handling.get(cell)
+        if handling is None:
+            # The controller's task: its failure stops the run even if no caller waits.
+            handling = cast(asyncio.Task[None], self._spawn(self._handle(cell, died)))
+            self._handling[cell] = handling
+            handling.add_done_callback(lambda _: self._handling.pop(cell, None))
+        await asyncio.shield(handling)  # a caller cancelled (a worker) leaves it be
+
+    async def _handle(self, cell: int, died: ActorDied) -> None:
         with contextlib.suppress(ActorDied):
             await self.cells[cell].check_alive()
-            return  # ``died`` was its predecessor: replaced since
+            return  # ``died`` was its predecessor's: replaced since
         if self.replaced < self.replacements:
-            replacing = self._replacing[cell] = asyncio.ensure_future(self._replace(cell, died))
-            try:
-                await asyncio.shield(replacing)
-            finally:
-                if replacing.done():
-                    del self._replacing[cell]
+            await self._replace(cell, died)
             return
         if self.scheduler.why_not_lose(cell) is not None:
             raise died
