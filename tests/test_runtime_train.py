@@ -307,7 +307,7 @@ def test_a_run_that_loses_a_cell_resumes_itself_with_restarts_left(
     assert {g for g, n in counts.items() if n > 1} == {
         g.group_id for g in metrics.groups if g.step + 1 in redone
     }
-    assert redone <= {2}, versions
+    assert len(redone) <= 1, versions
     assert len(metrics.runs) == 2  # the run and its restart
 
 
