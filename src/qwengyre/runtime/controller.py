@@ -507,8 +507,9 @@ class Controller:
     async def _adopt_replacement(self, cell: int, client: CellClient) -> None:
         """``client``, connected in the place of ``cell``'s dead process, takes its
         role: in rollout it serves (the proxy routes to it again), in training it
-        claims micro-steps of the open step (a satellite takes the core's weights
-        first), moving it is switched by the move (:meth:`_move`). The core's
+        claims micro-steps of the open step once its death is handled (a satellite
+        takes the core's weights first), moving it is switched by the move
+        (:meth:`_move`). The core's
         replacement holds the boards' weights: those of the run's version (or the next
         one, if the core died in an update after writing them)."""
         if cell == 0:
@@ -524,7 +525,6 @@ class Controller:
             self._fresh.add(cell)
         self.cells[cell] = client
         self._synced.discard(cell)
-        self._rejoin()
 
     def _rejoin(self) -> None:
         """The training cells claim micro-steps of the open step (again: once the
@@ -540,7 +540,7 @@ class Controller:
         training = set(self.scheduler.training_cells)
         prefix: list[int] = []
         for cell in self.supervisor.members:
-            if cell not in training or cell in self.supervisor.lost:  # not heard of yet
+            if cell not in training or self.supervisor.gone(cell):  # or not heard of yet
                 break
             prefix.append(cell)
         return prefix

@@ -51,7 +51,7 @@ class Supervisor:
     """Watches ``cells`` and ``standalone`` for the controller: ``spawn`` runs a
     background task of the controller's, ``emit`` puts an event on its queue, ``leave``
     takes a cell (and those past it) out of the open step, ``rejoin`` lets the training
-    cells take part again once the groups are re-formed, ``start`` starts a cell's
+    cells take part again once a death is handled, ``start`` starts a cell's
     replacement (``replacements`` of them in all) and ``adopt`` gives it its cell's role.
     ``cells`` is the controller's list: a replacement takes its cell's place in it."""
 
@@ -104,10 +104,13 @@ class Supervisor:
             self._revive_failed_engines()
             await asyncio.sleep(CELL_WATCH_S)
 
+    def gone(self, cell: int) -> bool:
+        """``cell`` is lost, or its death is being handled (it may be replaced)."""
+        return cell in self.lost or cell in self._handling
+
     def _watched(self) -> list[tuple[int, CellClient]]:
         """The cells not lost nor being replaced, by index."""
-        gone = self.lost.keys() | self._handling.keys()
-        return [(cell, actor) for cell, actor in enumerate(self.cells) if cell not in gone]
+        return [(cell, actor) for cell, actor in enumerate(self.cells) if not self.gone(cell)]
 
     def _revive_failed_engines(self) -> None:
         """A rollout cell (or the standalone pool) whose engine the proxy drained for
@@ -149,8 +152,12 @@ class Supervisor:
             # The controller's task: its failure stops the run even if no caller waits.
             handling = cast(asyncio.Task[None], self._spawn(self._handle(cell, died)))
             self._handling[cell] = handling
-            handling.add_done_callback(lambda _: self._handling.pop(cell, None))
+            handling.add_done_callback(lambda _: self._handled(cell))
         await asyncio.shield(handling)  # a caller cancelled (a worker) leaves it be
+
+    def _handled(self, cell: int) -> None:
+        del self._handling[cell]
+        self._rejoin()  # a replacement in training claims micro-steps now
 
     async def _handle(self, cell: int, died: ActorDied) -> None:
         with contextlib.suppress(ActorDied):
@@ -203,7 +210,6 @@ class Supervisor:
             generation = self.generation
             await asyncio.gather(*(self.cells[c].regroup(members, generation) for c in members))
             self.members = members
-        self._rejoin()
 
     async def _check_cells(self) -> None:
         """Raise ``ActorDied`` for the first cell (or the standalone pool) that is gone,
