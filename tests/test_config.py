@@ -64,6 +64,8 @@ def test_cross_field_rules():
         ConfigError, match=r"harness\.deadline_s \(400\.0\) must not exceed harness\.budget_s"
     ):
         load_config(None, ["harness.deadline_s=400"])
+    with pytest.raises(ConfigError, match=r"run\.replace_dead_cells needs run\.placement=local"):
+        load_config(None, ["run.placement=ray", "run.replace_dead_cells=1"])
 
 
 def test_target_staleness_derives_mu_and_phi_per_policy():

@@ -197,6 +197,25 @@ def test_an_engine_drained_for_a_move_is_not_taken_back_even_if_a_call_then_fail
     assert router.route("newer") == "a"
 
 
+def test_a_replacement_takes_a_drained_engines_place_and_preference() -> None:
+    """A dead cell's replacement serves under its name: calls go to it, as preferred
+    as its predecessor; an engine still accepting cannot be replaced."""
+    a = FakeEngine("a", [[ConnectionResetError("gone")]])
+    b = FakeEngine("b", [[((2, 3), "length")]])
+    router = router_with(a, b)
+    again = FakeEngine("a", [[((4,), "stop")]])
+
+    async def scenario() -> list[tuple[str, TokenDelta]]:
+        await consume(router, 2)  # "a" fails: drained, the call ends at "b"
+        with pytest.raises(ValueError, match="must be drained"):
+            await router.replace(FakeEngine("b", []))
+        await router.replace(again)
+        assert router.failed() == []  # nothing left to revive
+        return [item async for item in router.stream("new", request(1))]
+
+    assert asyncio.run(scenario()) == [("a", delta((4,), "stop"))]  # preferred, as "a" was
+
+
 def test_keep_recovering_takes_an_engine_back_on_its_own() -> None:
     a = FakeEngine("a", [[ConnectionResetError("gone")]], healthy=True)
     b = FakeEngine("b", [[((2,), "stop")]])
