@@ -171,6 +171,9 @@ class Cell:
                 self.trainer.publish_weights()
         return os.getpid()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def regroup(self, members: Sequence[int], generation: int) -> None:
         """Re-form the groups among the live cells ``members`` (after a cell died, or
         once its replacement is ready to connect); the trainer keeps its state."""

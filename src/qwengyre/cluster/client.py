@@ -68,6 +68,11 @@ class EngineClient:
         """Start the engine's server again if it crashed; True if it did."""
         return cast(bool, await self.handle.call("revive_engine"))
 
+    async def pid(self) -> int:
+        """The process id of the actor (shard 0's), once its object is built: a new
+        process has loaded its model."""
+        return cast(int, await self.handle.call("pid"))
+
     async def check_alive(self) -> None:
         """Raise ``ActorDied`` if the actor is gone (also while a call runs)."""
         await self.handle.check_alive()

@@ -192,6 +192,7 @@ class Supervisor:
         await asyncio.to_thread(self.cells[cell].close)  # its other ranks, if any
         try:
             new = await self._start(cell)
+            await new.pid()  # built, its model loaded: the others wait for it no longer
             async with self.groups:
                 self.generation += 1
                 members, generation = self.members, self.generation
