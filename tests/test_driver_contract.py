@@ -245,6 +245,12 @@ class ScriptedCell:
     async def save_checkpoint(self, root: str, step: int, state: object, keep: int) -> str:
         return f"{root}/{step:06d}"
 
+    async def regroup(self, members: Sequence[int], generation: int) -> None:
+        self.members = tuple(members)  # the live cells it re-formed its groups with
+
+    async def discard_gradient(self) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class IdleEngine:

@@ -55,6 +55,7 @@ class Cells:
     def __init__(self) -> None:
         self.trained: list[tuple[int, int, int]] = []  # (cell, step, micro-step index)
         self.updates: dict[int, int] = {}  # step -> cells in its update
+        self.prefixes: dict[int, tuple[int, ...]] = {}  # step -> the cells in its update
         self.dead: set[int] = set()
         self.kill: Kill | None = None
         self.crash_server = False  # the next publication to a satellite finds it crashed
@@ -122,6 +123,9 @@ class MortalCell(ScriptedCell):
 
     async def finish_batch(self, summary: BatchSummary, cells: int) -> StepResult:
         self.cells.updates[summary.step] = cells
+        if self.index == 0:  # the live cells it last re-formed its groups with
+            members = getattr(self, "members", range(cells))
+            self.cells.prefixes[summary.step] = tuple(members)[:cells]
         return await super().finish_batch(summary, cells)
 
 
@@ -137,11 +141,12 @@ async def run(config: Config, run_dir: Path, cells: Cells) -> Controller:
 
 
 def check_every_micro_step_trained_once(cells: Cells, controller: Controller) -> None:
-    """Each step's micro-steps were trained once, all by cells of its update's prefix."""
+    """Each step's micro-steps were trained once, all by cells of its update's prefix
+    (of the live cells)."""
     by_step = Counter((step, index) for _, step, index in cells.trained)
     assert set(by_step.values()) == {1}, by_step
     for cell, step, _ in cells.trained:
-        assert cell < cells.updates[step], (cell, step, cells.updates)
+        assert cell in cells.prefixes[step], (cell, step, cells.prefixes)
     assert sorted(cells.updates) == list(range(STEPS))
     trained = controller.trained
     assert len(trained) == len(set(trained)) == STEPS * 2
@@ -168,7 +173,10 @@ def test_a_satellite_that_dies_mid_step_gives_its_micro_steps_to_the_cells_that_
     assert cells.dead == {1} and set(controller.supervisor.lost) == {1}
     assert controller.scheduler.roles[1] is Role.LOST
     check_every_micro_step_trained_once(cells, controller)
-    assert cells.updates[1] == 1  # the step it died in: the core alone (cell 2 left too)
+    # The step it died in: the core, and cell 2 (which left too) once the groups were
+    # re-formed without cell 1.
+    assert cells.prefixes[1] in ((0,), (0, 2)), cells.prefixes
+    assert any(p == (0, 2) for p in cells.prefixes.values()), cells.prefixes  # it trains on
     assert left(caplog)[0] == "cell 1 left step 1: 1 micro-steps go to others"
 
 

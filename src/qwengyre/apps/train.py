@@ -314,12 +314,13 @@ async def _start_engines(
     """Start the cells (and the standalone pool) and register their engines with the
     proxy. Routing preference follows the paper: the standalone pool first, then the
     rollout cells in descending index."""
-    port, board = free_port(), f"qg-{uuid.uuid4().hex[:16]}"
-    init_method = f"tcp://127.0.0.1:{port}"
-    # Locally this process serves the rendezvous: a cell's death, the core's included,
+    board = f"qg-{uuid.uuid4().hex[:16]}"
+    # Locally this process serves the rendezvous (on a port the kernel picks as it
+    # binds: no other process can take it first): a cell's death, the core's included,
     # leaves it for the others to re-form their groups (Ray: the core, on its node).
     local = config.run.placement == "local"
-    store = connect_store(init_method, master=True, timeout_s=600.0) if local else None
+    store = connect_store("tcp://127.0.0.1:0", master=True, timeout_s=600.0) if local else None
+    init_method = f"tcp://127.0.0.1:{store.port if store is not None else free_port()}"
     specs = [
         CellSpec(
             rank=rank,
