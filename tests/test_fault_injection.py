@@ -42,13 +42,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.test_runtime_train import children, harness_summaries, overrides, running
+from tests.test_runtime_train import (
+    children,
+    harness_summaries,
+    overrides,
+    redone_steps,
+    running,
+)
 
 from qwengyre.cluster.local import actor_processes
 from qwengyre.records.assessments import AssessmentRecord, read_assessments
@@ -360,12 +365,7 @@ def test_a_run_under_seeded_faults_trains_every_ready_group_once(
     assert len(trained) == steps * 2 and len(set(trained)) == len(trained)
     assert set(trained) <= {g.group_id for g in Ledger(run.dir / LEDGER_DIR).groups()}
     assert plan.ready_at_core_death <= set(trained)
-    counts = Counter(g.group_id for g in metrics.groups)
-    assert set(counts) == set(trained)
-    redone = {v for v in versions if versions.count(v) == 2}
-    assert {g for g, n in counts.items() if n > 1} == {
-        g.group_id for g in metrics.groups if g.step + 1 in redone
-    }
+    redone = redone_steps(metrics, trained)
     if core:
         # A step the core trained but did not checkpoint died with it: the resumed run
         # trains it again, from the same checkpoint on the same groups, to the same loss.
