@@ -355,7 +355,10 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
         api_key = secrets.token_urlsafe(24)
         print(f"api key: {api_key}", flush=True)
     print(f"engine on http://{settings.host}:{settings.port} (SGLang HTTP API)", flush=True)
-    web.run_app(engine_app(engine, api_key), host=settings.host, port=settings.port, print=None)
+    try:
+        web.run_app(engine_app(engine, api_key), host=settings.host, port=settings.port, print=None)
+    finally:  # its worker must not be in a torch call when the interpreter exits
+        engine.close()
     return 0
 
 

@@ -90,15 +90,23 @@ def model_engine(
     launched for the block on ``device`` (tensor parallel over all visible GPUs for
     ``cuda``) with a fresh API key, serving the model's weights as policy version 0, and
     stopped when the block ends. ``capacity`` concurrent requests, each capped at
-    ``max_context`` tokens (None: the model's limit)."""
+    ``max_context`` tokens (None: the model's limit).
+
+    The embedded engine's worker thread is stopped and joined when the block ends: a
+    daemon thread still in a torch call when the interpreter exits aborts the process
+    ("terminate called without an active exception", exit 134)."""
     if settings.backend == "embedded":
-        yield embedded_engine(
+        engine = embedded_engine(
             model,
             capacity=capacity,
             device=device,
             dtype=settings.dtype,
             max_context=max_context,
         )
+        try:
+            yield engine
+        finally:
+            engine.close()
         return
     host = rollout_host(
         settings.backend,
