@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from _smoke import parse
 from qwengyre.cluster.local import actor_processes
 from qwengyre.models import cached_tiny_model
 from qwengyre.presets import preset_path
@@ -163,6 +164,11 @@ def run_case(
             time.sleep(0.02)
         else:
             said = stderr_text(work)[-2000:]
+            if killed_at is None:
+                raise RuntimeError(
+                    f"{case.name}: the run ended before the kill (after {STEPS_BEFORE} steps,"
+                    f" with roles {case.roles} and {in_flight} harnesses running): {said}"
+                )
             raise RuntimeError(f"{case.name}: the run ended before a step followed: {said}")
         assert killed_at is not None
         gaps = [b - a for a, b in itertools.pairwise(seen[:before])]
@@ -192,7 +198,7 @@ def main() -> None:
     parser.add_argument(
         "--replace", action="store_true", help="run.replace_dead_cells=1: no restart"
     )
-    args = parser.parse_args()
+    args = parse(parser, cases=["rollout cell"], steps=STEPS_BEFORE + 2)
     model = cached_tiny_model("test")
     print(
         f"{'cell that died':<20} {'death -> next step':>19} {'cadence':>8} {'ratio':>6}"

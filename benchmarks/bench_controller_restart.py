@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _smoke import parse
 from qwengyre.proxy.store import Store
 from qwengyre.records.metrics import read_metrics
 from qwengyre.rollout import paced_harness
@@ -142,7 +143,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--in-flight", type=int, default=4, help="executions in flight at the kill")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each scenario, interleaved")
-    args = parser.parse_args()
+    args = parse(parser, steps=2, in_flight=1)
     runs: dict[str, list[dict[str, float]]] = {"adopt": [], "lose all": []}
     for _ in range(args.repeat):
         for name, kill_daemon in (("adopt", False), ("lose all", True)):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from _smoke import parse
 from qwengyre.engines.base import GenerateRequest
 from qwengyre.engines.embedded import EmbeddedEngine
 from qwengyre.models import cached_tiny_model
@@ -120,7 +121,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--also-eager", action="store_true", help="the engine without CUDA graphs")
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell; medians shown")
-    args = parser.parse_args()
+    args = parse(parser, prompt=16, new=4, concurrency=[1, 2], repeat=1)
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from _smoke import parse
+
 PROBE = "--probe"
 
 
@@ -63,7 +65,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--documents", type=int, default=4, help="documents per row")
     parser.add_argument("--packed-max", type=int, default=8192, help="longest packed row run")
-    args = parser.parse_args()
+    args = parse(parser, lengths=[256], documents=2, packed_max=256)
     print(f"demo model, fp32, 1 thread, {args.documents} documents per row")
     print(f"{'tokens':>7} {'packed MB':>10} {'batched MB':>11} {'memory x':>9} {'time x':>7}")
     first: dict[str, float] | None = None

@@ -40,7 +40,7 @@ Sections (each prints a table, each figure against its goal):
    execution continued after the restart (its chain must continue).
 
     python benchmarks/bench_proxy.py            # full run (1 min; 8 at most if quadratic)
-    python benchmarks/bench_proxy.py --quick    # smoke run (~30 s; small points)
+    python benchmarks/bench_proxy.py --smoke    # smoke run (small points)
     python benchmarks/bench_proxy.py --sections tokens,messages --json out.json
     PYTHONPATH=/other/src python benchmarks/bench_proxy.py   # another proxy source tree
 
@@ -77,6 +77,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from _smoke import parse
 
 ADMIN = "bench-admin-token-0123456789"
 MODEL = "tiny"
@@ -1277,25 +1279,25 @@ FULL = Plan(
     mt=(3, 6, 4),
     messages_budget_s=300,
 )
-QUICK = Plan(
-    n_exec=40,
-    exec_calls=5,
-    msg_points=(10, 100, 400),
-    mem_points=(200, 400),
+SMOKE = Plan(
+    n_exec=8,
+    exec_calls=2,
+    msg_points=(10, 50, 100),
+    mem_points=(50, 100),
     msg_modes=(("anthropic", True), ("openai", False)),
-    token_targets=(1000, 8000, 32_000),
-    chunk_tokens=4000,
-    latency_calls=128,
-    concurrencies=(1, 64),
-    m=(3, 3, 4),
-    mt=(3, 3, 4),
-    messages_budget_s=60,
+    token_targets=(1000, 4000),
+    chunk_tokens=2000,
+    latency_calls=16,
+    concurrencies=(1, 4),
+    m=(2, 2, 2),
+    mt=(2, 2, 2),
+    messages_budget_s=20,
 )
 SECTIONS = ("executions", "messages", "tokens", "latency", "startup")
 
 
 async def run(args: argparse.Namespace) -> None:
-    plan = QUICK if args.quick else FULL
+    plan = SMOKE if args.smoke else FULL
     if args.message_modes:
         by_name = {mode_name(m): m for m in MODES}
         try:
@@ -1334,7 +1336,7 @@ async def run(args: argparse.Namespace) -> None:
                 raise
             return proxy
 
-        print(f"plan {'quick' if args.quick else 'full'}: {plan}", flush=True)
+        print(f"plan {'smoke' if args.smoke else 'full'}: {plan}", flush=True)
         timeout = aiohttp.ClientTimeout(total=900)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
@@ -1427,11 +1429,10 @@ async def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small points: a smoke run")
     parser.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument(
         "--message-modes",
-        help="modes of the messages section (default: anthropic-stream; quick: "
+        help="modes of the messages section (default: anthropic-stream; smoke: "
         "anthropic-stream,openai); any of anthropic, anthropic-stream, openai, openai-stream",
     )
     parser.add_argument("--json", help="also write every figure to this JSON file")
@@ -1441,10 +1442,10 @@ def main() -> None:
     parser.add_argument(
         "--messages-budget-s",
         type=float,
-        help="stop growing the messages section after this (default 300; quick 60)",
+        help="stop growing the messages section after this (default 300; smoke 60)",
     )
     parser.add_argument("--serve", metavar="STORE_DIR", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse(parser)
     if args.serve:
         serve(Path(args.serve), json.loads(args.server_kwargs), args.idle_s)
         return

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from _smoke import parse
 from qwengyre.cluster.engine_host import rollout_host
 from qwengyre.cluster.weights import (
     BoardShards,
@@ -84,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="demo", help="tiny model size (vLLM needs demo+)")
     parser.add_argument("--publications", type=int, default=5)
-    args = parser.parse_args()
+    args = parse(parser, size="test", publications=1)
     torch.set_num_threads(1)
     model = cached_tiny_model(args.size, cache_dir=Path(tempfile.gettempdir()) / "qg-bench")
     backends = ["embedded"]

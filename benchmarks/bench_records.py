@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from _smoke import parse
 from qwengyre.apps.train import resume_state
 from qwengyre.proxy.store import Store
 from qwengyre.proxy.tito import Turn
@@ -205,7 +206,7 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=4, help="distinct groups generated")
     parser.add_argument("--trajectories", type=int, default=3, help="per execution")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse(parser, groups=[10], json_groups=[10], distinct=2)
     rng = np.random.default_rng(args.seed)
     samples = [group(rng, gid, args.trajectories) for gid in range(args.distinct)]
     ledger_sizes(samples)

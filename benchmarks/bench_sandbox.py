@@ -28,6 +28,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from _smoke import parse
 from qwengyre.rollout.harness import HarnessSpec, prepare_harness, supervise
 from qwengyre.rollout.limits import Limits
 from qwengyre.rollout.sandbox import Bubblewrap, NoSandbox, Sandbox
@@ -159,7 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=500, help="model calls per kind and mode")
     parser.add_argument("--starts", type=int, default=20, help="harness starts per sandbox")
-    args = parser.parse_args()
+    args = parse(parser, calls=4, starts=2)
     if shutil.which("bwrap") is None:
         sys.exit("bubblewrap is not installed (apt-get install bubblewrap)")
     scratch = Path(tempfile.mkdtemp(prefix="qwengyre-bench-sandbox-"))

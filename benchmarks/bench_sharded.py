@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from _smoke import parse
 from bench_trainer import trajectories
 from qwengyre.cluster.cell import CellSpec
 from qwengyre.cluster.client import CellClient
@@ -308,7 +309,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2, help="batches per memory run")
     parser.add_argument("--repeats", type=int, default=7, help="step-time repetitions")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    args = parser.parse_args()
+    args = parse(parser, tokens=1024, median=64, micro_step_tokens=512, repeats=1)
+    if args.batches < 2:  # the last batch's sizes include Adam's state: made by the first
+        parser.error(
+            f"--batches must be at least 2 (got {args.batches}):"
+            " Adam's state exists from the second"
+        )
     if args.quick:
         args.tokens, args.micro_step_tokens, args.repeats = 4096, 2048, 3
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from _smoke import parse
 from qwengyre.config import Config, load_config, retarget
 from qwengyre.presets import preset_path
 from qwengyre.scheduler.core import Scheduler
@@ -109,7 +110,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--target-staleness", type=float, default=1.5)
     parser.add_argument("--cells", type=int, nargs="+", default=[8, 80])
-    args = parser.parse_args()
+    args = parse(parser, steps=3, cells=[8])
     base = load_config(preset_path("paper-122b"), [f"sim.steps={args.steps}"])
 
     def fresh_workload() -> Workload:

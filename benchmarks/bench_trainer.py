@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from _smoke import parse
 from bench_engine import qwen3_0p6b_shaped
 from qwengyre.config import TrainerConfig
 from qwengyre.models import cached_tiny_model
@@ -136,7 +137,16 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="log-prob chunk tokens")
     parser.add_argument("--long-row", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parse(
+        parser,
+        tokens=1024,
+        median=64,
+        rows=2,
+        micro_step_tokens=512,
+        chunk=256,
+        long_row=512,
+        repeats=1,
+    )
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:

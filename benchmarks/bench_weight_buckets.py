@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from _smoke import parse
 from qwengyre.cluster.weights import BoardShards, SharedWeights, board_name, shard_layout
 from qwengyre.engines.sglang import tensor_buckets
 from qwengyre.training.sharding import shard_rows
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--read", nargs=6, help=argparse.SUPPRESS)  # a reader process
-    args = parser.parse_args()
+    args = parse(parser, layers=2, width=64, bucket_mb=1)
     if args.read:
         mode, base, *shape = args.read
         print(read(mode, base, *map(int, shape)))

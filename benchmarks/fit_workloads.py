@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from _smoke import parse
 from qwengyre.sim.workload import (
     ParametricDraws,
     ParametricWorkload,
@@ -280,7 +281,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=FIT_SEED)
     parser.add_argument("--starts", type=int, default=3, help="random starts per slope")
-    args = parser.parse_args()
+    args = parse(parser, queries=200, starts=1)
 
     if args.check:
         preset_122b = ParametricWorkload.paper_122b()

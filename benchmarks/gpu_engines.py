@@ -34,7 +34,7 @@ after ``--budget-s`` seconds. One table at the end; the rows as JSON in
 
     python benchmarks/gpu_engines.py                      # one GPU, both engines: ~6 min (est.)
     python benchmarks/gpu_engines.py --engines vllm       # one server engine only
-    python benchmarks/gpu_engines.py --device cpu --tiny  # smoke run: the demo-sized model
+    python benchmarks/gpu_engines.py --device cpu --smoke  # smoke run: the demo-sized model
         # in fp32, small loads; vLLM on the CPU when $QWENGYRE_VLLM_PYTHON is set
 """
 
@@ -62,6 +62,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from _smoke import parse
 from bench_engine import qwen3_0p6b_shaped, run_hf
 from qwengyre.engines.base import GenerateRequest, GenerateResult, InferenceEngine, WeightsOnDisk
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
@@ -429,13 +430,10 @@ def table(rows: list[Row], concurrency: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=list(INSTALL))
-    parser.add_argument(
-        "--tiny", action="store_true", help="smoke run: the demo tiny model in fp32, small loads"
-    )
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=256, help="output tokens per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
@@ -446,20 +444,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=300.0, help="until healthy, s")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="per load, s")
     parser.add_argument("--budget-s", type=float, default=420.0, help="no server after this")
-    if parser.parse_known_args(argv)[0].tiny:  # its own defaults; explicit options still win
-        parser.set_defaults(prompt=32, new=16, concurrency=[4, 8], check_tokens=16)
-    return parser.parse_args(argv)
+    # The smoke run: the demo tiny model in fp32, small loads.
+    return parse(parser, argv, prompt=32, new=16, concurrency=[4, 8], check_tokens=16)
 
 
 def main() -> None:
-    args = parse()
+    args = arguments()
     start = time.perf_counter()
     device = torch.device(args.device)
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype = torch.float32 if args.smoke else torch.bfloat16
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     with tempfile.TemporaryDirectory() as tmp:
         logs = out or Path(tmp)
-        old_dir, new_dir = build_models(Path(tmp), args.tiny, dtype)
+        old_dir, new_dir = build_models(Path(tmp), args.smoke, dtype)
         print(f"models built in {time.perf_counter() - start:.0f} s, {dtype}, on {device}")
         old, new = (hf_reference(p, dtype, device) for p in (old_dir, new_dir))
         vocab = int(old.config.vocab_size)
@@ -474,7 +471,7 @@ def main() -> None:
                 say(rows[-1], why)
                 continue
             rows.append(run_server(name, bench))
-    shape = "demo tiny" if args.tiny else "Qwen3-0.6B-shaped"
+    shape = "demo tiny" if args.smoke else "Qwen3-0.6B-shaped"
     print(
         f"\n{shape} model, {dtype}, {device}; log-prob columns: max |served - HF forward| "
         f"({args.check_tokens} tokens greedy and T=1; new/old: after the update); "

@@ -29,7 +29,7 @@ goes on; no new case starts after ``--budget-s`` seconds. One summary table at t
 
     python benchmarks/gpu_fsdp.py                          # one H200: ~3-5 minutes
     python benchmarks/gpu_fsdp.py --models 0.6b            # the small shape only
-    python benchmarks/gpu_fsdp.py --device cpu --tiny      # smoke run of every path here
+    python benchmarks/gpu_fsdp.py --device cpu --smoke     # smoke run of every path here
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from _smoke import parse
 from qwengyre.config import TrainerConfig
 from qwengyre.training.buffers import (
     BatchSummary,
@@ -341,15 +342,10 @@ def summary_table(rows: list[Row], longs: list[Row], args: argparse.Namespace) -
         )
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--models", nargs="+", default=["0.6b", "4b"], choices=["0.6b", "4b"])
-    parser.add_argument(
-        "--tiny",
-        action="store_true",
-        help="smoke run: the 'test' tiny model, 2 x 128-token rows, a 1,024-token long row",
-    )
     parser.add_argument("--rows", type=int, default=8, help="documents (rows) per step")
     parser.add_argument("--row-tokens", type=int, default=2048)
     parser.add_argument("--long-row", type=int, default=32_768, help="0: skip the long row")
@@ -364,14 +360,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--peak-tflops", type=float, default=800.0, help="for MFU")
     parser.add_argument("--budget-s", type=float, default=420.0, help="no new case after this")
-    if parser.parse_known_args(argv)[0].tiny:  # its own defaults; explicit options still win
-        parser.set_defaults(models=["tiny"], rows=2, row_tokens=128, long_row=1024)
-        parser.set_defaults(steps=2, warmup=1)
-    return parser.parse_args(argv)
+    # The smoke run: the 'test' tiny model, 2 x 128-token rows, a 1,024-token long row.
+    return parse(
+        parser, argv, models=["tiny"], rows=2, row_tokens=128, long_row=1024, steps=2, warmup=1
+    )
 
 
 def main() -> None:
-    args = parse()
+    args = arguments()
     args.start = time.perf_counter()
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from _smoke import parse
 from qwengyre.config import load_config
 from qwengyre.presets import preset_path
 from qwengyre.sim.compare import compare_policies
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--supply", choices=["in_hand", "ready"], default="in_hand")
     parser.add_argument("--tuned-elastic", action="store_true", help="Elastic's best shape")
-    args = parser.parse_args()
+    args = parse(parser, seeds=1, steps=3)
     rows = None
     which = "its best shape" if args.tuned_elastic else "its default shape"
     print(f"{args.seeds} seeds, {args.steps} steps; baseline time / elastic time ({which})")

@@ -50,6 +50,9 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         def __init__(self, model: Any, **kwargs: Any) -> None:
             seen["engine"] = {"model": model, **kwargs}
 
+        def close(self) -> None:  # once its server stops
+            seen["closed"] = "bind" in seen
+
     def run_app(app: Any, **kwargs: Any) -> None:
         seen["bind"] = kwargs
 
@@ -96,6 +99,7 @@ def test_one_yaml_configures_rollout_proxy_and_engine(
     assert (engine["model"], engine["capacity"], engine["max_context"]) == (model, 5, 1024)
     assert str(engine["dtype"]) == "torch.bfloat16" and engine["device"] == "cpu"
     assert captured["bind"]["host"] == "127.0.0.1" and captured["bind"]["port"] == 30301
+    assert captured["closed"]  # engine serve stops its engine after its server
 
 
 def test_servers_bind_localhost_by_default_and_generate_credentials(
