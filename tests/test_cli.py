@@ -337,7 +337,7 @@ def test_a_second_proxy_on_a_store_in_use_is_refused_naming_the_first(
     import socket
     import time
 
-    import httpx2
+    from qwengyre.runtime.lock import LOCK_FILE
 
     def serve(port: int) -> list[str]:
         store = ["--store", str(tmp_path / "store"), "--port", str(port)]
@@ -347,14 +347,13 @@ def test_a_second_proxy_on_a_store_in_use_is_refused_naming_the_first(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    lock = tmp_path / "store" / LOCK_FILE
     first = subprocess.Popen(serve(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                if httpx2.head(f"http://127.0.0.1:{port}/").status_code == 200:
-                    break
-            except httpx2.TransportError:
-                time.sleep(0.1)
+        deadline = time.monotonic() + 240
+        while f'"pid": {first.pid},' not in (lock.read_text() if lock.exists() else ""):
+            assert first.poll() is None and time.monotonic() < deadline, "the first never held it"
+            time.sleep(0.1)
         second = subprocess.run(serve(port + 1), capture_output=True, text=True, timeout=120)
         assert second.returncode == 2
         assert f"is in use by pid {first.pid}" in second.stderr, second.stderr
