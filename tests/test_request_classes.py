@@ -295,3 +295,24 @@ def test_proxy_classes_names_a_built_in_rule_set_or_a_yaml_file():
         match=r"proxy\.classes='qwen': neither a built-in rule set \(claude-code, codex,",
     ):
         load_config(None, ["proxy.classes=qwen"])
+
+
+def test_the_proxy_is_built_with_the_rule_set_proxy_classes_names(tmp_path: Path, tiny_model_dir):
+    from qwengyre.config import ProxyConfig
+    from qwengyre.proxy.build import build_proxy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def build(classes: str):  # type: ignore[no-untyped-def]
+        settings = ProxyConfig(classes=classes)
+        return build_proxy(
+            settings, tiny_model_dir, tokenizer, tmp_path, max_context=4096, temperature=1.0
+        )
+
+    server = build("qwen-code")
+    try:
+        assert server.residency.classes == load_rule_set("qwen-code")
+    finally:
+        server.store.close()
+    with pytest.raises(ConfigError, match=r"^proxy\.classes: cannot read rule set .*gone\.yaml"):
+        build(str(tmp_path / "gone.yaml"))
