@@ -27,25 +27,38 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 """The real Claude Code CLI the harness tests install with npm (pinned)."""
+QWEN_CODE = "@qwen-code/qwen-code@0.24.4"
+"""The real Qwen Code CLI the harness tests install with npm (pinned)."""
 
 
-@pytest.fixture(scope="session")
-def claude_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def npm_bin(factory: pytest.TempPathFactory, package: str, folder: str, binary: str) -> Path:
+    """``binary`` of the npm ``package`` (pinned), installed once into ``folder`` of a
+    cache (``$QWENGYRE_NPM_CACHE``, else next to pytest's base temp); skips, saying why,
+    when node/npm are missing or the install fails."""
     if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node and npm are needed to run the real Claude Code CLI")
-    prefix = Path(os.environ.get("QWENGYRE_NPM_CACHE", tmp_path_factory.getbasetemp().parent))
-    prefix = prefix / "claude-code"
-    binary = prefix / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
+        pytest.skip(f"node and npm are needed to run {package}")
+    prefix = Path(os.environ.get("QWENGYRE_NPM_CACHE", factory.getbasetemp().parent)) / folder
+    path = prefix / "node_modules" / ".bin" / binary
+    if not path.exists():
         done = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), CLAUDE_CODE],
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), package],
             capture_output=True,
             text=True,
             timeout=300,
         )
-        if done.returncode != 0 or not binary.exists():
-            pytest.skip(f"npm could not install {CLAUDE_CODE}: {done.stderr.strip()[-300:]}")
-    return binary
+        if done.returncode != 0 or not path.exists():
+            pytest.skip(f"npm could not install {package}: {done.stderr.strip()[-300:]}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def claude_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return npm_bin(tmp_path_factory, CLAUDE_CODE, "claude-code", "claude")
+
+
+@pytest.fixture(scope="session")
+def qwen_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return npm_bin(tmp_path_factory, QWEN_CODE, "qwen-code", "qwen")
 
 
 @pytest.fixture

@@ -18,7 +18,11 @@ from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy import server as proxy_server
-from qwengyre.trajectories.classes import COMPACTION_PREFIX, SUBAGENT_HEADER
+
+# Claude Code's compaction instruction and sub-agent header, as its rule set names them
+# (qwengyre/presets/classes/claude-code.yaml).
+COMPACTION_PREFIX = "CRITICAL: Respond with TEXT ONLY"
+SUBAGENT_HEADER = "x-claude-code-agent-id"
 
 pytestmark = pytest.mark.slow  # seconds to minutes; still in the default suite
 

@@ -1,16 +1,9 @@
-"""The trajectory tree and the request-class rules."""
+"""The trajectory tree (request classes: tests/test_request_classes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from qwengyre.trajectories.classes import (
-    COMPACTION_PREFIX,
-    SUBAGENT_HEADER,
-    RequestClass,
-    RequestFacts,
-    classify,
-)
 from qwengyre.trajectories.tree import NodeMeta, TrajectoryTree
 
 META = NodeMeta(
@@ -47,35 +40,3 @@ def test_inconsistent_nodes_are_refused():
         tree.add(None, (1,), (2, 3), (-0.1,), (0, 0), META)
     with pytest.raises(ValueError, match="1 versions for 2 output tokens"):
         tree.add(None, (1,), (2, 3), (-0.1, -0.2), (0,), META)
-
-
-@pytest.mark.parametrize(
-    ("headers", "has_tools", "last_user", "expected"),
-    [
-        ({}, True, ("fix the bug",), RequestClass("main", "task", "main")),
-        ({SUBAGENT_HEADER: "a7"}, True, ("look",), RequestClass("sub", "task", "a7")),
-        ({}, True, (COMPACTION_PREFIX + ". Go",), RequestClass("main", "summary", "main")),
-        ({SUBAGENT_HEADER: "a7"}, True, (COMPACTION_PREFIX,), RequestClass("sub", "summary", "a7")),
-        # After a user text turn Claude Code appends the instruction as a second block.
-        ({}, True, ("go on", COMPACTION_PREFIX), RequestClass("main", "summary", "main")),
-        (
-            {SUBAGENT_HEADER: "a7"},
-            True,
-            ("x", COMPACTION_PREFIX),
-            RequestClass("sub", "summary", "a7"),
-        ),
-        ({}, True, ("quote: " + COMPACTION_PREFIX,), RequestClass("main", "task", "main")),
-        ({}, False, ("a title please",), RequestClass("main", "side", "main")),
-    ],
-)
-def test_default_rules_recognise_claude_code(headers, has_tools, last_user, expected):
-    assert classify(RequestFacts(headers, has_tools, last_user)) == expected
-
-
-def test_rules_are_pluggable():
-    def everything_is_a_summary(facts: RequestFacts) -> RequestClass:
-        return RequestClass("main", "summary")
-
-    facts = RequestFacts({}, True, ("x",))
-    assert classify(facts, [everything_is_a_summary]).name == "main.summary"
-    assert classify(facts, []).name == "main.task"

@@ -18,10 +18,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from qwengyre.scheduler.core import SchedulerParams
 from qwengyre.scheduler.staleness import burst_for_staleness
@@ -468,6 +475,20 @@ class ProxyConfig(_Section):
         " on its way back to rollout, a crashed server starting again) before it is"
         " answered 529 overloaded; 0: at once",
     )
+    classes: str = Field(
+        "claude-code",
+        description="the request-class rules of the harness behind the proxy: a built-in"
+        " rule set (claude-code, codex, opencode, qwen-code) or a YAML file of one's own"
+        " (docs/harnesses.md, Request classes)",
+    )
+
+    @field_validator("classes")
+    @classmethod
+    def _known_classes(cls, classes: str) -> str:
+        builtin = rule_set_names()
+        if classes not in builtin and not classes.endswith((".yaml", ".yml")):
+            raise ValueError(f"neither a built-in rule set ({', '.join(builtin)}) nor a .yaml file")
+        return classes
 
 
 class EngineConfig(_Section):
@@ -585,28 +606,38 @@ class Config(_Section):
         )
 
 
-def _format_error(err: ValidationError) -> str:
-    """One line for the first problem pydantic found: key, value given, what is allowed."""
+def describe_error(err: ValidationError, model: type[BaseModel], what: str = "config") -> str:
+    """One line for the first problem pydantic found validating ``model`` (a ``what``,
+    e.g. ``config``): key, value given, what is allowed."""
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"])
     value = first.get("input")
     if first["type"] == "extra_forbidden":
-        return f"unknown config key '{key}' (given {value!r}); {_allowed_keys(first['loc'])}"
+        allowed = _allowed_keys(model, first["loc"])
+        return f"unknown {what} key '{key}' (given {value!r}); {allowed}"
     message = first["msg"].removeprefix("Value error, ")
     if not key or isinstance(value, dict):
-        return f"invalid config{' (' + key + ')' if key else ''}: {message}"
-    return f"invalid config value {key}={value!r}: {message}"
+        return f"invalid {what}{' (' + key + ')' if key else ''}: {message}"
+    return f"invalid {what} value {key}={value!r}: {message}"
 
 
-def _allowed_keys(loc: tuple[int | str, ...]) -> str:
-    model: type[BaseModel] = Config
+def _allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
     for part in loc[:-1]:
-        annotation = model.model_fields[str(part)].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if isinstance(part, int):  # an item of a list: the list's model stays
+            continue
+        nested = _model_of(model.model_fields[part].annotation)
+        if nested is None:
             break
-        model = annotation
+        model = nested
     where = ".".join(str(p) for p in loc[:-1]) or "the top level"
     return f"allowed keys at {where}: {', '.join(model.model_fields)}"
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds, also inside ``list[...]`` or ``... | None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_of, get_args(annotation)) if m is not None), None)
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -646,6 +677,13 @@ BASE_KEY = "base"
 DEFAULT_BASE = "embedded"
 DEFAULTS = "defaults"
 _PRESETS = Path(__file__).resolve().parent / "presets"
+RULE_SETS = _PRESETS / "classes"
+"""The built-in request-class rule sets, ``<name>.yaml`` (:mod:`qwengyre.proxy.classes`)."""
+
+
+def rule_set_names() -> list[str]:
+    """The names of the built-in request-class rule sets."""
+    return sorted(p.stem for p in RULE_SETS.glob("*.yaml"))
 
 
 @dataclass(frozen=True)
@@ -744,7 +782,7 @@ def load_config(
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(describe_error(exc, Config)) from None
 
 
 def retarget(config: Config, target_staleness: float, policy: Policy | None = None) -> Config:
@@ -759,7 +797,7 @@ def retarget(config: Config, target_staleness: float, policy: Policy | None = No
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(describe_error(exc, Config)) from None
 
 
 def config_to_yaml(config: Config) -> str:

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qwengyre.config import ProxyConfig
+from qwengyre.config import ConfigError, ProxyConfig
 from qwengyre.engines.base import InferenceEngine
+from qwengyre.proxy.classes import RuleSetError, load_rule_set
 from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
 from qwengyre.proxy.server import ProxyServer
@@ -38,7 +39,13 @@ def build_proxy(
     (``trainer.temperature``) and capped at ``max_context`` tokens (None: the model's
     ``max_position_embeddings``). ``engines`` are registered in order of preference
     (more can be registered later); the admin token is generated when None. The caller
-    sets :attr:`~ProxyServer.base_url` once it knows where the proxy listens."""
+    sets :attr:`~ProxyServer.base_url` once it knows where the proxy listens. Calls are
+    classified by the rule set ``settings.classes`` names (:class:`ConfigError` naming
+    the key if it does not load)."""
+    try:
+        classes = load_rule_set(settings.classes)
+    except RuleSetError as exc:
+        raise ConfigError(f"proxy.classes: {exc}") from None
     if max_context is None:
         from transformers import AutoConfig
 
@@ -58,4 +65,5 @@ def build_proxy(
         max_resident=settings.max_resident,
         idle_s=settings.idle_s,
         ping_s=settings.ping_s,
+        classes=classes,
     )

@@ -23,6 +23,7 @@ from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.store import DamagedRecord, ProxyStore, hash_key
 from qwengyre.proxy.tito import ExecutionRecorder
 from qwengyre.proxy.types import ApiError
+from qwengyre.trajectories.classes import RuleSet
 from qwengyre.trajectories.tree import TrajectoryTree
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,14 @@ class Residency:
         *,
         max_resident: int,
         idle_s: float,
+        classes: RuleSet | None = None,
     ) -> None:
+        """``classes``: the request-class rules every recorder applies (None: the
+        default rule set)."""
         self.store = store
         self.renderer = renderer
         self.max_context = max_context
+        self.classes = classes
         self.max_resident = max_resident
         self.idle_s = idle_s
         self.executions: dict[str, ExecutionState] = {}
@@ -126,7 +131,7 @@ class Residency:
     def _load(self, execution_id: str) -> ExecutionRecorder:
         """A recorder with an execution's stored calls; :class:`DamagedRecord` if they
         do not load."""
-        recorder = ExecutionRecorder(self.renderer, self.max_context)
+        recorder = ExecutionRecorder(self.renderer, self.max_context, self.classes)
         for node, turn in self.store.calls(execution_id):
             recorder.add(node, turn)
         return recorder

@@ -66,6 +66,7 @@ from qwengyre.proxy.tito import (
     new_id,
 )
 from qwengyre.proxy.types import ApiError, ChatRequest, KnownMessages, Message, TokenLogprob
+from qwengyre.trajectories.classes import RuleSet
 from qwengyre.trajectories.tree import TrajectoryTree
 from qwengyre.types import SamplingParams
 
@@ -101,6 +102,7 @@ class ProxyServer:
         max_resident: int = 1024,
         idle_s: float = 300.0,
         ping_s: float = 5.0,
+        classes: RuleSet | None = None,
     ) -> None:
         """``force_sampling`` (the default): every call samples at ``temperature`` with
         no top-k / top-p truncation, whatever the harness asks, so the recorded
@@ -113,7 +115,8 @@ class ProxyServer:
         ``idle_s`` seconds, or revoked, leaves memory and is loaded from the store
         when it is next used (:class:`Residency`). A streamed answer sends a ``ping``
         whenever nothing else was sent for ``ping_s`` seconds (a long prefill must not
-        trip a client's read timeout)."""
+        trip a client's read timeout). ``classes``: the harness's request-class rules
+        (None: the default rule set, ``proxy.classes``'s default)."""
         self.admin = AdminApi(admin_token, self)
         self.renderer = renderer
         self.router = router
@@ -125,7 +128,12 @@ class ProxyServer:
         self.force_sampling = force_sampling
         self.ping_s = ping_s
         self.residency = Residency(
-            store, renderer, max_context, max_resident=max_resident, idle_s=idle_s
+            store,
+            renderer,
+            max_context,
+            max_resident=max_resident,
+            idle_s=idle_s,
+            classes=classes,
         )
         self.assessors = Assessors(self.residency)
         self._hang_ups = HangUps()

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from qwengyre.engines.base import GenerateResult
+from qwengyre.proxy.classes import default_rule_set
 from qwengyre.proxy.render import ChatRenderer, cut_at_stop, parse_reply
 from qwengyre.proxy.types import (
     ChatRequest,
@@ -38,7 +39,15 @@ from qwengyre.proxy.types import (
     ToolCall,
     ToolSpec,
 )
-from qwengyre.trajectories.classes import RequestClass, RequestFacts, Rule, classify
+from qwengyre.trajectories.classes import (
+    Agents,
+    RequestClass,
+    RequestFacts,
+    RuleSet,
+    classify,
+    identity_key,
+    message_key,
+)
 from qwengyre.trajectories.tree import Node, NodeMeta, TrajectoryTree
 
 _ALPHABET = string.ascii_letters + string.digits
@@ -126,11 +135,13 @@ class ExecutionRecorder:
         self,
         renderer: ChatRenderer,
         max_context: int,
-        rules: tuple[Rule, ...] | None = None,
+        rules: RuleSet | None = None,
     ) -> None:
+        """``rules``: the harness's request-class rules (None: the default rule set)."""
         self.renderer = renderer
         self.max_context = max_context
-        self.rules = rules
+        self.rules = rules or default_rule_set()
+        self.agents = Agents()  # what the recorded task calls taught (fed by add)
         self.tree = TrajectoryTree()
         self.turns: list[Turn] = []
         self.tool_calls: dict[str, ToolCall] = {}
@@ -152,8 +163,8 @@ class ExecutionRecorder:
         new = tuple(self._normalise(m) for m in sent[known:])
         unchanged = all(a is b for a, b in zip(new, sent[known:], strict=True))
         messages = sent if unchanged else sent[:known] + new
-        klass = self._classify(request, messages)
         toolset, tools = self.intern_tools(request.tools)
+        klass = self._classify(request, messages, toolset)
         start = None if reuse is None else reuse.parent
         parent, input_ids, prompt = self._match(messages, tools, start)
         if len(prompt) >= self.max_context:  # no room left for a single output token
@@ -182,12 +193,22 @@ class ExecutionRecorder:
         calls = tuple(self.tool_calls.get(c.id, c) for c in message.tool_calls)
         return Message(message.role, message.content, calls, message.tool_call_id)
 
-    def _classify(self, request: ChatRequest, messages: tuple[Message, ...]) -> RequestClass:
+    def _classify(
+        self, request: ChatRequest, messages: tuple[Message, ...], toolset: str
+    ) -> RequestClass:
         texts = request.last_user_texts
         if texts is None:  # not given by a parser: a walk back (it can be long)
             texts = (next((m.content for m in reversed(messages) if m.role == "user"), ""),)
-        facts = RequestFacts(request.headers, bool(request.tools), texts)
-        return classify(facts) if self.rules is None else classify(facts, self.rules)
+        system, opening = _system_and_opening(messages)
+        facts = RequestFacts(
+            request.headers,
+            bool(request.tools),
+            texts,
+            system,
+            identity_key(system, toolset),
+            opening,
+        )
+        return classify(facts, self.rules, self.agents)
 
     def _match(
         self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...], start: int | None = None
@@ -346,6 +367,10 @@ class ExecutionRecorder:
             node.parent, node.input_ids, node.output_ids, node.logprobs, node.versions, node.meta
         )
         self.turns.append(turn)
+        if turn.parent is None:  # a conversation of its own: it may name an agent
+            system, opening = _system_and_opening(turn.new_messages[:-1])
+            klass = RequestClass.named(node.meta.request_class, node.meta.agent_id)
+            self.agents.learn(identity_key(system, turn.toolset), opening, klass)
         self._children[turn.parent].append(node.id)
         self._children[node.id] = []
         self._toolsets.setdefault(turn.toolset, turn.tools)
@@ -388,6 +413,17 @@ class ExecutionRecorder:
         """Prompt length for a request, as the next call would build it (nothing recorded)."""
         messages = tuple(self._normalise(m) for m in request.messages)
         return len(self._match(messages, self.intern_tools(request.tools)[1])[2])
+
+
+def _system_and_opening(messages: tuple[Message, ...]) -> tuple[str, str]:
+    """A request's leading system prompt (its system messages before any other, joined)
+    and the key of its first other message ("" if none)."""
+    lead = 0
+    while lead < len(messages) and messages[lead].role == "system":
+        lead += 1
+    system = "\n\n".join(m.content for m in messages[:lead])
+    rest = messages[lead] if lead < len(messages) else None
+    return system, "" if rest is None else message_key(rest.role, rest.content)
 
 
 def toolset_key(tools: tuple[ToolSpec, ...]) -> str:
