@@ -56,15 +56,16 @@ class Dialect(ABC):
     ``name`` is the API's name in logs and in :attr:`ChatRequest.api`; ``call_path``
     the path of a model call (``POST``); ``count_tokens_path``, when the API has one, the
     path of a token count (``POST``, answered by :meth:`parse_count_tokens` and
-    :meth:`count_tokens_body`); ``id_prefix`` starts the id of a streamed answer.
-    Errors on any path holding ``path_marker`` answer in this dialect's shape
-    (:meth:`owns_path`).
+    :meth:`count_tokens_body`); ``id_prefix`` starts the id of an answer and
+    ``tool_id_prefix`` the id of each tool call in it. Errors on any path holding
+    ``path_marker`` answer in this dialect's shape (:meth:`owns_path`).
     """
 
     name: ClassVar[str]
     call_path: ClassVar[str]
     count_tokens_path: ClassVar[str | None] = None
     id_prefix: ClassVar[str]
+    tool_id_prefix: ClassVar[str]
     path_marker: ClassVar[str]
 
     def owns_path(self, path: str) -> bool:

@@ -699,6 +699,7 @@ class OpenAIChat(Dialect):
     name = "openai"
     call_path = "/v1/chat/completions"
     id_prefix = "chatcmpl-"
+    tool_id_prefix = "call_"
     path_marker = "/chat/"
 
     def parse(self, body: bytes, headers: Mapping[str, str]) -> ChatRequest:

@@ -349,7 +349,8 @@ class ProxyServer:
             recorded = recorder.build(
                 call.prepared,
                 result,
-                api=call.chat.api,
+                id_prefix=call.dialect.id_prefix,
+                tool_id_prefix=call.dialect.tool_id_prefix,
                 model=call.chat.model or self.model,
                 engine=engine,
                 started_s=started_s,
