@@ -549,6 +549,10 @@ class MessageStream:
         out.append(named_event("message_stop", {"type": "message_stop"}))
         return b"".join(out)
 
+    def error(self, e: ApiError) -> bytes:
+        """An ``error`` event (:func:`stream_error_event`)."""
+        return stream_error_event(e)
+
     def _open(self, block: dict[str, Any]) -> bytes:
         index = self._blocks
         self._blocks += 1
@@ -644,9 +648,6 @@ class AnthropicMessages(Dialect):
 
     def error(self, e: ApiError) -> ErrorAnswer:
         return ErrorAnswer(e.status, error_body(e), error_headers(e))
-
-    def stream_error(self, e: ApiError) -> bytes:
-        return stream_error_event(e)
 
     def context_too_long(self, tokens: int, limit: int) -> ApiError:
         return prompt_too_long(tokens, limit)

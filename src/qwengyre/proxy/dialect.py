@@ -25,7 +25,8 @@ class EventStream(Protocol):
     """The SSE events of one streamed answer, made as its text arrives: :meth:`start`
     (the bytes to send before anything else), :meth:`text` with each new piece of text
     and :meth:`ping` at will, then :meth:`finish` once with the completion, whose
-    ``text`` is the pieces given to :meth:`text`, concatenated."""
+    ``text`` is the pieces given to :meth:`text`, concatenated, or :meth:`error` once
+    when the answer failed after the stream started."""
 
     def start(self) -> bytes: ...
 
@@ -39,6 +40,10 @@ class EventStream(Protocol):
         ...
 
     def finish(self, c: Completion) -> bytes: ...
+
+    def error(self, e: ApiError) -> bytes:
+        """``e`` as the event(s) a client reads as the failure of this answer."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -105,10 +110,6 @@ class Dialect(ABC):
     @abstractmethod
     def error(self, e: ApiError) -> ErrorAnswer:
         """``e`` in this API's error shape."""
-
-    @abstractmethod
-    def stream_error(self, e: ApiError) -> bytes:
-        """``e`` as the SSE event a client reads once the stream has started."""
 
     @abstractmethod
     def context_too_long(self, tokens: int, limit: int) -> ApiError:

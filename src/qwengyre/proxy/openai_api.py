@@ -637,6 +637,10 @@ class ChunkStream:
         out.append(b"data: [DONE]\n\n")
         return b"".join(out)
 
+    def error(self, e: ApiError) -> bytes:
+        """A data line holding the error (:func:`stream_error_event`)."""
+        return stream_error_event(e)
+
     def _role(self, content: str | None) -> bytes:
         """The role delta, if it has not gone out yet."""
         if self._role_sent:
@@ -726,9 +730,6 @@ class OpenAIChat(Dialect):
 
     def error(self, e: ApiError) -> ErrorAnswer:
         return ErrorAnswer(error_status(e), error_body(e), error_headers(e))
-
-    def stream_error(self, e: ApiError) -> bytes:
-        return stream_error_event(e)
 
     def context_too_long(self, tokens: int, limit: int) -> ApiError:
         return context_length_exceeded(tokens, limit)

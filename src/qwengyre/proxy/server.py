@@ -442,7 +442,7 @@ class ProxyServer:
             if not writer.started:
                 return _error_response(dialect, error)
             with contextlib.suppress(ConnectionError):
-                await writer.write(dialect.stream_error(error))
+                await writer.write(events.error(error))
                 await response.write_eof()
             return response
         if gone or writer.broken:
