@@ -46,6 +46,11 @@ class EventStream(Protocol):
         ...
 
 
+class ParseWhole(Exception):
+    """Raised by :meth:`Dialect.parse_doc` when the elements after ``before`` cannot be
+    converted apart from those it was made from: the server then parses the whole body."""
+
+
 @dataclass(frozen=True)
 class ErrorAnswer:
     """An :class:`ApiError` as a dialect answers it: HTTP status, JSON body, headers."""
@@ -64,6 +69,8 @@ class Dialect(ABC):
     :meth:`count_tokens_body`); ``id_prefix`` starts the id of an answer and
     ``tool_id_prefix`` the id of each tool call in it. Errors on any path holding
     ``path_marker`` answer in this dialect's shape (:meth:`owns_path`).
+    ``messages_key`` names the body's array of messages, which a body repeating an
+    earlier one's extends (:mod:`qwengyre.proxy.body`).
     """
 
     name: ClassVar[str]
@@ -72,6 +79,7 @@ class Dialect(ABC):
     id_prefix: ClassVar[str]
     tool_id_prefix: ClassVar[str]
     path_marker: ClassVar[str]
+    messages_key: ClassVar[str] = "messages"
 
     def owns_path(self, path: str) -> bool:
         """Whether errors on ``path`` (a route of this API's, or an unknown one under
@@ -93,9 +101,10 @@ class Dialect(ABC):
     def parse_doc(
         self, doc: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None
     ) -> ChatRequest:
-        """:meth:`parse` of a decoded body. With ``before``, ``doc``'s messages are the
-        elements that follow those ``before`` was made from (an error's path then counts
-        from them: reparse the whole body to report it)."""
+        """:meth:`parse` of a decoded body. With ``before``, ``doc``'s messages (its
+        :attr:`messages_key` array) are the elements that follow those ``before`` was
+        made from (an error's path then counts from them: reparse the whole body to
+        report it; :class:`ParseWhole` when they cannot be converted apart)."""
 
     @abstractmethod
     def answer(self, c: Completion, chat: ChatRequest) -> dict[str, Any]:

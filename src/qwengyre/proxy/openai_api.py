@@ -37,6 +37,7 @@ from qwengyre.proxy import jsonsafe
 from qwengyre.proxy.dialect import Dialect, ErrorAnswer
 from qwengyre.proxy.jsonsafe import StrictModel
 from qwengyre.proxy.openai_common import (
+    MAX_TOP_LOGPROBS,
     arguments_json,
     context_length_exceeded,
     error_body,
@@ -89,8 +90,6 @@ __all__ = [
 
 DEFAULT_MAX_TOKENS = 1024
 """Completion budget when the request sets neither ``max_completion_tokens`` nor ``max_tokens``."""
-
-MAX_TOP_LOGPROBS = 20
 
 # Top-level request fields the proxy acts on; every other field present with a non-null
 # value is accepted and reported as ignored by parse_chat_request_with_ignored.

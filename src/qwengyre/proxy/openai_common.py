@@ -36,6 +36,9 @@ _CREDENTIAL_HEADER_PARTS = (
     "cookie",
 )
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask for per token (none are listed)."""
+
 UNSUPPORTED_PARTS = {
     "image_url": "image",
     "image": "image",
