@@ -78,7 +78,7 @@ class BodyMemo:
                     self._known.remove(known)
                     self._known.append(known)
                     return found
-        return _split_whole(body, key)
+        return split_whole(body, key)
 
     def remember(self, body: bytes, split: SplitBody, state: Any) -> None:
         """Make ``body``'s messages (``state``: their conversion) a known prefix."""
@@ -94,7 +94,9 @@ def _skip(text: str, at: int) -> int:
     return at
 
 
-def _split_whole(body: bytes, key: str) -> SplitBody | None:
+def split_whole(body: bytes, key: str = "messages") -> SplitBody | None:
+    """``body`` as a :class:`SplitBody` with no known prefix (``doc`` the whole object),
+    or None where :meth:`BodyMemo.split` returns None."""
     try:
         text = body.decode("utf-8")
         at = _skip(text, 0)

@@ -50,7 +50,7 @@ from qwengyre.hangups import HangUps
 from qwengyre.proxy.admin import AdminApi
 from qwengyre.proxy.anthropic_api import AnthropicMessages
 from qwengyre.proxy.assessors import Assessor, Assessors
-from qwengyre.proxy.body import BodyMemo, SplitBody
+from qwengyre.proxy.body import BodyMemo, SplitBody, split_whole
 from qwengyre.proxy.dialect import Dialect, ParseWhole
 from qwengyre.proxy.incoming import presented_key, read_body
 from qwengyre.proxy.openai_api import OpenAIChat
@@ -570,20 +570,24 @@ def _parse(
     remember, what the recorder may reuse). Errors come from a whole parse, so their
     paths and messages never depend on what was remembered."""
     split = bodies.split(body, dialect.messages_key)
-    if split is not None:
-        earlier: _Earlier | None = split.known.state if split.known else None
-        before = earlier.known if earlier else None
-        try:
-            chat = dialect.parse_doc(split.doc, headers, before)
-        except (ApiError, ParseWhole):
-            pass  # reported, or parsed, by the whole parse below
-        else:
-            if earlier is None:
-                return chat, split, None
-            same_lead = chat.messages[: chat.lead] == earlier.lead
-            known = chat.lead + len(earlier.known.messages)
-            return chat, split, Reuse(known, earlier.parent if same_lead else None)
-    return dialect.parse(body, headers), None, None
+    earlier: _Earlier | None = split.known.state if split and split.known else None
+    try:
+        if split is not None and earlier is not None:
+            try:
+                chat = dialect.parse_doc(split.doc, headers, earlier.known)
+            except ParseWhole:  # the new messages join the known ones: convert them all
+                split, earlier = split_whole(body, dialect.messages_key), None
+        if split is not None and earlier is None:
+            chat = dialect.parse_doc(split.doc, headers, None)
+    except ApiError:
+        split = None  # reported by the whole parse below
+    if split is None:
+        return dialect.parse(body, headers), None, None
+    if earlier is None:
+        return chat, split, None
+    same_lead = chat.messages[: chat.lead] == earlier.lead
+    known = chat.lead + len(earlier.known.messages)
+    return chat, split, Reuse(known, earlier.parent if same_lead else None)
 
 
 def _prepare(
