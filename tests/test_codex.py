@@ -23,6 +23,7 @@ from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy import server as proxy_server
+from qwengyre.proxy.body import BodyMemo, SplitBody
 from qwengyre.proxy.types import Message, ToolCall
 
 pytestmark = pytest.mark.slow  # seconds; still in the default suite
@@ -48,6 +49,23 @@ def proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
     # Codex's own prompt (~17k tokens with the tiny tokenizer) is far longer than the
     # tiny model's window; the scripted engine does not care.
     yield from start(tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000)
+
+
+@pytest.fixture
+def splits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, int]]:
+    """For each body the proxy split: whether it repeats a remembered one, and how many
+    of its items were decoded."""
+    seen: list[tuple[bool, int]] = []
+    split = BodyMemo.split
+
+    def spy(self: BodyMemo, body: bytes, key: str = "messages") -> SplitBody | None:
+        found = split(self, body, key)
+        if found is not None:
+            seen.append((found.known is not None, len(found.doc[key])))
+        return found
+
+    monkeypatch.setattr(BodyMemo, "split", spy)
+    return seen
 
 
 @pytest.fixture
@@ -117,7 +135,11 @@ enabled = false
 
 
 def test_codex_runs_a_tool_loop_through_the_proxy(
-    codex_bin: Path, proxy: Running, bodies: list[dict], tmp_path: Path
+    codex_bin: Path,
+    proxy: Running,
+    bodies: list[dict],
+    splits: list[tuple[bool, int]],
+    tmp_path: Path,
 ) -> None:
     ex = proxy.new_execution()
     home, workspace = tmp_path / "home", tmp_path / "ws"
@@ -137,8 +159,11 @@ def test_codex_runs_a_tool_loop_through_the_proxy(
     for node in nodes:  # the engine's tokens and their log-probs, one each
         assert len(node["logprobs"]) == len(node["output_ids"]) > 0
         assert node["delivered"]
-    # Codex streams and resends its encrypted reasoning (none here) as it keeps no state.
+    # Codex streams and resends the whole conversation (it asks the server to store none);
+    # the proxy decodes the second body only past the first's items.
     assert [(b["stream"], b["store"]) for b in bodies] == [(True, False), (True, False)]
+    new_items = len(bodies[1]["input"]) - len(bodies[0]["input"])
+    assert splits == [(False, len(bodies[0]["input"])), (True, new_items)]
 
     # The call went out as a function_call item and came back with its output, paired
     # by call_id; the payload Codex echoed is the recorded one.
