@@ -34,10 +34,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from qwengyre.proxy import jsonsafe
-from qwengyre.proxy.dialect import Dialect, ErrorAnswer
 from qwengyre.proxy.jsonsafe import StrictModel
 from qwengyre.proxy.openai_common import (
     MAX_TOP_LOGPROBS,
+    OpenAIDialect,
     arguments_json,
     context_length_exceeded,
     error_body,
@@ -694,7 +694,7 @@ def stream_error_event(e: ApiError) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-class OpenAIChat(Dialect):
+class OpenAIChat(OpenAIDialect):
     """Chat Completions (``POST /v1/chat/completions``) as the server serves it: this
     module's functions under the :class:`Dialect` names. Errors on any ``/chat/`` path
     answer in its shape."""
@@ -704,9 +704,7 @@ class OpenAIChat(Dialect):
     id_prefix = "chatcmpl-"
     tool_id_prefix = "call_"
     path_marker = "/chat/"
-
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> ChatRequest:
-        return parse_chat_request(body, headers)
+    conversation_param = "messages"
 
     def parse_doc(
         self, doc: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None
@@ -726,12 +724,3 @@ class OpenAIChat(Dialect):
             logprobs=chat.logprobs,
             include_usage=chat.include_usage,
         )
-
-    def error(self, e: ApiError) -> ErrorAnswer:
-        return ErrorAnswer(error_status(e), error_body(e), error_headers(e))
-
-    def context_too_long(self, tokens: int, limit: int) -> ApiError:
-        return context_length_exceeded(tokens, limit)
-
-    def models_body(self, model: str) -> dict[str, Any]:
-        return models_body([model], int(time.time()))

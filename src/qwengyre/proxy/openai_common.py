@@ -1,5 +1,6 @@
-"""What OpenAI's two APIs the proxy serves share: Chat Completions
-(:mod:`~qwengyre.proxy.openai_api`) and Responses (:mod:`~qwengyre.proxy.responses_api`).
+r"""What OpenAI's two APIs the proxy serves share: Chat Completions
+(:mod:`~qwengyre.proxy.openai_api`) and Responses (:mod:`~qwengyre.proxy.responses_api`),
+whose dialects are :class:`OpenAIDialect`\ s.
 
 Pure functions, no I/O: reading a body and validating it with OpenAI's wording of a
 bad parameter (``Invalid type for 'messages[0].content': expected ..., but got ...``,
@@ -13,15 +14,16 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import ValidationError
 
 from qwengyre.proxy import jsonsafe
-from qwengyre.proxy.dialect import select_headers
+from qwengyre.proxy.dialect import Dialect, ErrorAnswer, select_headers
 from qwengyre.proxy.jsonsafe import StrictModel
-from qwengyre.proxy.types import ApiError, TokenLogprob, ToolCall
+from qwengyre.proxy.types import ApiError, ChatRequest, TokenLogprob, ToolCall
 
 # Substrings of header names that carry credentials; such headers never reach ChatRequest.
 _CREDENTIAL_HEADER_PARTS = (
@@ -379,3 +381,23 @@ def models_body(model_ids: list[str], created: int) -> dict[str, Any]:
             for mid in model_ids
         ],
     }
+
+
+class OpenAIDialect(Dialect):
+    """A dialect of OpenAI's: bodies read by :func:`load_body`, errors and the models
+    listing in OpenAI's shapes, its conversation field (``conversation_param``) named
+    in the context-too-long error."""
+
+    conversation_param: ClassVar[str]
+
+    def parse(self, body: bytes, headers: Mapping[str, str]) -> ChatRequest:
+        return self.parse_doc(load_body(body), headers, None)
+
+    def error(self, e: ApiError) -> ErrorAnswer:
+        return ErrorAnswer(error_status(e), error_body(e), error_headers(e))
+
+    def context_too_long(self, tokens: int, limit: int) -> ApiError:
+        return context_length_exceeded(tokens, limit, param=self.conversation_param)
+
+    def models_body(self, model: str) -> dict[str, Any]:
+        return models_body([model], int(time.time()))

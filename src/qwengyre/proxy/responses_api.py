@@ -59,21 +59,17 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from qwengyre.proxy.dialect import Dialect, ErrorAnswer, ParseWhole
+from qwengyre.proxy.dialect import ParseWhole
 from qwengyre.proxy.jsonsafe import StrictModel
 from qwengyre.proxy.openai_common import (
     MAX_TOP_LOGPROBS,
+    OpenAIDialect,
     arguments_json,
-    context_length_exceeded,
-    error_body,
-    error_headers,
     error_object,
-    error_status,
     forwarded_headers,
     invalid,
     load_body,
     missing,
-    models_body,
     parse_stop,
     text_parts,
     token_logprob,
@@ -774,7 +770,7 @@ class ResponseStream:
 # ---------------------------------------------------------------------------------------
 
 
-class OpenAIResponses(Dialect):
+class OpenAIResponses(OpenAIDialect):
     """The Responses API (``POST /v1/responses``) as the server serves it: this
     module's functions under the :class:`Dialect` names. Errors on any
     ``/responses`` path (unknown ones under it too) answer in OpenAI's shape."""
@@ -785,9 +781,7 @@ class OpenAIResponses(Dialect):
     tool_id_prefix = "call_"
     path_marker = "/responses"
     messages_key = "input"
-
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> ChatRequest:
-        return parse_responses_request(body, headers)
+    conversation_param = "input"
 
     def parse_doc(
         self, doc: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None
@@ -801,12 +795,3 @@ class OpenAIResponses(Dialect):
         self, completion_id: str, model: str, chat: ChatRequest, *, created: int, input_tokens: int
     ) -> ResponseStream:
         return ResponseStream(completion_id, model, chat, created=created)
-
-    def error(self, e: ApiError) -> ErrorAnswer:
-        return ErrorAnswer(error_status(e), error_body(e), error_headers(e))
-
-    def context_too_long(self, tokens: int, limit: int) -> ApiError:
-        return context_length_exceeded(tokens, limit, param="input")
-
-    def models_body(self, model: str) -> dict[str, Any]:
-        return models_body([model], int(time.time()))
