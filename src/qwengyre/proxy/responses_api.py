@@ -182,14 +182,15 @@ class _FunctionCallOutputItem(StrictModel):
 # ---------------------------------------------------------------------------------------
 
 
-def flat_name(namespace: str, name: str) -> str:
+def _flat_name(namespace: str, name: str) -> str:
     """How the model sees the function ``name`` of a namespace tool (Codex's own
     flattening of namespaced tool names)."""
     return f"{namespace}__{name}"
 
 
-def _refuse_stored_state(body: _Body) -> None:
-    """Fields that continue or reuse state kept by the server: this one keeps none."""
+def _refuse_unserved(body: _Body) -> None:
+    """Fields this server cannot honour: those that continue or reuse state kept by the
+    server (it keeps none), background runs, structured output."""
     what_to_do = "send the whole conversation in 'input' (with 'store': false, as Codex does)"
     if body.previous_response_id is not None:
         raise invalid(
@@ -268,7 +269,7 @@ def _convert_tools(
                         "tools only here.",
                     )
                 tool = validate(_FunctionTool, inner, ("tools", i, "tools", j))
-                name = flat_name(space.name, tool.name)
+                name = _flat_name(space.name, tool.name)
                 add(tool, name, f"{iparam}.name")
                 namespaced[name] = (space.name, tool.name)
         elif isinstance(ttype, str) and ttype.startswith(_HOSTED_TOOLS):
@@ -314,7 +315,7 @@ def _check_tool_choice(value: object, tools: tuple[ToolSpec, ...]) -> None:
         raise missing("tool_choice.name")
     namespace = value.get("namespace")
     if isinstance(namespace, str):
-        name = flat_name(namespace, name)
+        name = _flat_name(namespace, name)
     if all(t.name != name for t in tools):
         raise invalid(
             "tool_choice.name",
@@ -376,7 +377,7 @@ def _convert_input(items: list[Any], before: KnownMessages | None) -> list[Messa
             out.append(Message(role, _message_text(item, f"{param}.content")))
         elif itype == "function_call":
             fc = validate(_FunctionCallItem, raw, ("input", i))
-            name = fc.name if fc.namespace is None else flat_name(fc.namespace, fc.name)
+            name = fc.name if fc.namespace is None else _flat_name(fc.namespace, fc.name)
             args = tool_arguments(fc.arguments, f"{param}.arguments", f"input item {i}")
             call = ToolCall(fc.call_id, name, args)
             if not out and known and known[-1].role == "assistant":
@@ -448,7 +449,7 @@ def parse_responses_doc(
     path then counts from them: reparse the whole body to report it); raises
     :class:`ParseWhole` when they cannot be converted apart."""
     body: _Body = validate(_Body, data)
-    _refuse_stored_state(body)
+    _refuse_unserved(body)
     items = body.input
     if items is None:
         raise missing("input")
