@@ -438,9 +438,13 @@ def test_sdk_tool_loop_records_one_chain(proxy: Running, streamed: bool) -> None
     ]
     kw: dict[str, Any] = {"instructions": "Be brief.", "input": history, "tools": TOOLS}
     if streamed:
-        with client.responses.stream(model="tiny", include=[LOGPROBS_INCLUDE], **kw) as events:
-            deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-            second = events.get_final_response()
+        events = list(
+            client.responses.create(model="tiny", include=[LOGPROBS_INCLUDE], stream=True, **kw)
+        )
+        assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+        assert events[-1].type == "response.completed"
+        second = events[-1].response
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
         assert "".join(deltas) == second.output_text
     else:
         second = client.responses.create(model="tiny", include=[LOGPROBS_INCLUDE], **kw)
@@ -456,7 +460,9 @@ def test_sdk_tool_loop_records_one_chain(proxy: Running, streamed: bool) -> None
     assert usage.input_tokens == len(nodes[0]["input_ids"]) + len(nodes[0]["output_ids"]) + len(
         nodes[1]["input_ids"]
     )
-    [part] = second.output[0].content  # type: ignore[union-attr]
+    message = second.output[0]
+    assert message.type == "message"
+    [part] = message.content
     assert part.type == "output_text" and part.logprobs is not None
     # the engine's log-probs, which the store keeps as float32
     assert [t.logprob for t in part.logprobs] == pytest.approx(nodes[1]["logprobs"], rel=1e-6)
