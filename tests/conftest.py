@@ -29,36 +29,45 @@ CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 """The real Claude Code CLI the harness tests install with npm (pinned)."""
 QWEN_CODE = "@qwen-code/qwen-code@0.24.4"
 """The real Qwen Code CLI the harness tests install with npm (pinned)."""
+CODEX = "@openai/codex@0.171.0"
+"""The real Codex CLI (OpenAI Responses API only) the harness tests install (pinned)."""
 
 
-def npm_bin(factory: pytest.TempPathFactory, package: str, folder: str, binary: str) -> Path:
-    """``binary`` of the npm ``package`` (pinned), installed once into ``folder`` of a
-    cache (``$QWENGYRE_NPM_CACHE``, else next to pytest's base temp); skips, saying why,
-    when node/npm are missing or the install fails."""
+def npm_bin(tmp_path_factory: pytest.TempPathFactory, package: str, name: str) -> Path:
+    """The ``name`` command of the npm ``package`` (pinned), installed once into a cache
+    folder of its own (under ``$QWENGYRE_NPM_CACHE``, else next to pytest's base temp
+    dir); skips, saying why, when node/npm are missing or the install fails (no
+    network)."""
     if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip(f"node and npm are needed to run {package}")
-    prefix = Path(os.environ.get("QWENGYRE_NPM_CACHE", factory.getbasetemp().parent)) / folder
-    path = prefix / "node_modules" / ".bin" / binary
-    if not path.exists():
+        pytest.skip(f"node and npm are needed to run the real {package}")
+    prefix = Path(os.environ.get("QWENGYRE_NPM_CACHE", tmp_path_factory.getbasetemp().parent))
+    prefix = prefix / package.replace("/", "+")  # a new pin installs anew
+    binary = prefix / "node_modules" / ".bin" / name
+    if not binary.exists():
         done = subprocess.run(
             ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), package],
             capture_output=True,
             text=True,
             timeout=300,
         )
-        if done.returncode != 0 or not path.exists():
+        if done.returncode != 0 or not binary.exists():
             pytest.skip(f"npm could not install {package}: {done.stderr.strip()[-300:]}")
-    return path
+    return binary
 
 
 @pytest.fixture(scope="session")
 def claude_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return npm_bin(tmp_path_factory, CLAUDE_CODE, "claude-code", "claude")
+    return npm_bin(tmp_path_factory, CLAUDE_CODE, "claude")
+
+
+@pytest.fixture(scope="session")
+def codex_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return npm_bin(tmp_path_factory, CODEX, "codex")
 
 
 @pytest.fixture(scope="session")
 def qwen_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return npm_bin(tmp_path_factory, QWEN_CODE, "qwen-code", "qwen")
+    return npm_bin(tmp_path_factory, QWEN_CODE, "qwen")
 
 
 @pytest.fixture

@@ -143,6 +143,8 @@ def check_answer(response: httpx2.Response, api: str) -> Any:
         data = _sse_data(response.content)
         if api == "anthropic":
             assert data[-1] == {"type": "message_stop"}, data[-3:]
+        elif api == "responses":
+            assert data[-1]["type"] in ("response.completed", "response.incomplete"), data[-3:]
         else:
             assert data[-1] == "[DONE]", data[-3:]
         return data
@@ -160,11 +162,13 @@ def check_answer(response: httpx2.Response, api: str) -> Any:
 
 
 def _api(path: str) -> str:
+    if "/responses" in path:
+        return "responses"
     return "openai" if "/chat/" in path else "anthropic"
 
 
 def _model_call(path: str) -> bool:
-    return path.endswith(("/v1/messages", "/v1/chat/completions"))
+    return path.endswith(("/v1/messages", "/v1/chat/completions", "/v1/responses"))
 
 
 def call_and_check(
@@ -201,6 +205,8 @@ FIELDS = [
     "id", "name", "tool_calls", "function", "arguments", "tool_call_id", "stop",
     "stop_sequences", "temperature", "top_p", "top_k", "logprobs", "top_logprobs", "n",
     "stream_options", "include_usage", "parameters", "user", "assistant", "tool",
+    "instructions", "function_call", "function_call_output", "call_id", "namespace", "output",
+    "input_text", "output_text", "reasoning", "developer", "max_output_tokens", "include",
 ]  # fmt: skip
 SURROGATES = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff", "\ud83d"])
 TEXT = st.one_of(
@@ -285,7 +291,47 @@ OPENAI_BASES: list[dict[str, Any]] = [
         ],
     },
 ]
-ROUTES = ["/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions"]
+TOOLS_RESPONSES: list[dict[str, Any]] = [
+    {"type": "function", **tool["function"]} for tool in TOOLS_OPENAI
+]
+RESPONSES_BASES: list[dict[str, Any]] = [
+    {"model": "tiny", "input": "hi", "max_output_tokens": 20},
+    {
+        "model": "tiny",
+        "max_output_tokens": 20,
+        "stream": True,
+        "store": False,
+        "include": ["message.output_text.logprobs"],
+        "instructions": "You are a coder.",
+        "tools": [
+            *TOOLS_RESPONSES,
+            {"type": "namespace", "name": "agents", "tools": TOOLS_RESPONSES},
+            {"type": "web_search"},
+        ],
+        "tool_choice": "auto",
+        "input": [
+            {"type": "message", "role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "input_text", "text": "List the files."}]},
+            {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "bash",
+                "arguments": '{"cmd": "ls"}',
+            },
+            {"type": "function_call", "call_id": "c2", "name": "bash", "namespace": "agents"},
+            {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+            {
+                "type": "function_call_output",
+                "call_id": "c2",
+                "output": [{"type": "input_text", "text": "b"}],
+            },
+        ],
+    },
+]
+ROUTES = ["/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions", "/v1/responses"]
+BASES = {"anthropic": ANTHROPIC_BASES, "openai": OPENAI_BASES, "responses": RESPONSES_BASES}
 
 
 def _paths(value: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
@@ -355,7 +401,7 @@ def encoded(draw: st.DrawFn, value: Any) -> bytes:
 def bodies(draw: st.DrawFn, api: str) -> bytes:
     """A request body for ``api``: arbitrary JSON, deep JSON, a valid request with a deep
     value (a message or a tool schema), or a mutated valid request."""
-    bases = ANTHROPIC_BASES if api == "anthropic" else OPENAI_BASES
+    bases = BASES[api]
     kind = draw(st.sampled_from(["json", "deep", "deep-field", "mutated", "mutated", "mutated"]))
     if kind == "deep":
         return _deep(draw(st.integers(1, 3000)), "1").encode()
@@ -449,7 +495,7 @@ def test_headers_and_encodings_answer_api_shaped_errors(
 ) -> None:
     route = data.draw(st.sampled_from([*ROUTES, "/v1/models"]))
     api = _api(route)
-    valid = ANTHROPIC_BASES[0] if api == "anthropic" else OPENAI_BASES[0]
+    valid = BASES[api][0]
     body, headers = data.draw(body_encodings(json.dumps(valid).encode()))
     auth, authentic = data.draw(credentials(fuzzed.execution["key"]))
     headers.update(auth)
@@ -548,7 +594,7 @@ REPLIES = st.lists(BLOCKS, max_size=4).map("\n".join)
 
 
 @settings(FUZZ, max_examples=100)
-@given(reply=REPLIES, api=st.sampled_from(["anthropic", "openai"]), stream=st.booleans())
+@given(reply=REPLIES, api=st.sampled_from(list(BASES)), stream=st.booleans())
 def test_any_model_reply_is_answered_with_valid_json_and_lossless_tool_calls(
     fuzzed: Fuzzed, reply: str, api: str, stream: bool
 ) -> None:
@@ -558,6 +604,9 @@ def test_any_model_reply_is_answered_with_valid_json_and_lossless_tool_calls(
         route = "/v1/messages"
         body: dict[str, Any] = {"model": "tiny", "max_tokens": 30000, "messages": messages}
         body["tools"] = TOOLS_ANTHROPIC
+    elif api == "responses":
+        route = "/v1/responses"
+        body = {"model": "tiny", "input": messages, "tools": TOOLS_RESPONSES}
     else:
         route = "/v1/chat/completions"
         body = {"model": "tiny", "max_tokens": 30000, "messages": messages, "tools": TOOLS_OPENAI}
@@ -581,8 +630,12 @@ def _tool_arguments(answered: Any, api: str, stream: bool) -> list[Any]:
     if api == "openai" and not stream:
         calls = answered["choices"][0]["message"].get("tool_calls") or []
         return [json.loads(c["function"]["arguments"]) for c in calls]
+    if api == "responses" and not stream:
+        return [json.loads(i["arguments"]) for i in answered["output"] if i.get("arguments")]
     parts: dict[int, str] = {}
     for event in answered:
+        if api == "responses" and event["type"] == "response.function_call_arguments.delta":
+            parts[event["output_index"]] = parts.get(event["output_index"], "") + event["delta"]
         if api == "anthropic" and event.get("type") == "content_block_delta":
             if event["delta"]["type"] == "input_json_delta":
                 parts[event["index"]] = (

@@ -111,7 +111,14 @@ def test_recorded_tokens_are_exactly_what_the_engine_saw(renderer: ChatRenderer,
         out = (*tok.encode(reply, add_special_tokens=False), tok.eos_token_id)
         result = GenerateResult(out, tuple(-0.5 for _ in out), tuple(3 for _ in out), "stop")
         node, completion = recorder.record(
-            call, result, api="anthropic", model="m", engine="e", started_s=0, finished_s=1
+            call,
+            result,
+            id_prefix="msg_",
+            tool_id_prefix="toolu_",
+            model="m",
+            engine="e",
+            started_s=0,
+            finished_s=1,
         )
         # The engine's tokens, exactly; the prompt is the recorded context plus new input.
         assert tuple(node.output_ids) == out and tuple(node.versions) == (3,) * len(out)

@@ -205,8 +205,9 @@ class RecorderClient:
         zeros = (0.0,) * len(ids)
         result = GenerateResult(ids, zeros, (0,) * len(ids), "stop")
         _, completion = self.recorder.record(
-            call, result, api="openai", model="qwengyre", engine="warm-start",
-            started_s=0.0, finished_s=0.0,
+            call, result, id_prefix=openai_api.OpenAIChat.id_prefix,
+            tool_id_prefix=openai_api.OpenAIChat.tool_id_prefix, model="qwengyre",
+            engine="warm-start", started_s=0.0, finished_s=0.0,
         )  # fmt: skip
         message = openai_api.completion_body(completion, 0)["choices"][0]["message"]
         return dict(json.loads(json.dumps(message)))

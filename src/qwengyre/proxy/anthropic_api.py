@@ -37,7 +37,7 @@ from pydantic import Field, ValidationError
 from qwengyre.proxy import jsonsafe
 from qwengyre.proxy.dialect import Dialect, ErrorAnswer, select_headers
 from qwengyre.proxy.jsonsafe import StrictModel
-from qwengyre.proxy.sse import pieces, split_events
+from qwengyre.proxy.sse import named_event, pieces, split_events
 from qwengyre.proxy.types import (
     ApiError,
     ChatRequest,
@@ -455,10 +455,6 @@ def message_body(c: Completion) -> dict[str, Any]:
     }
 
 
-def _sse(event: str, data: Mapping[str, Any]) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + jsonsafe.dumps(data) + b"\n\n"
-
-
 def stream_events(c: Completion, chunk_chars: int = 64) -> Iterator[bytes]:
     """The SSE stream for ``c``, event by event, as the API sends it: a
     :class:`MessageStream` given ``c.text`` in ``text_delta`` chunks of ``chunk_chars``
@@ -509,10 +505,10 @@ class MessageStream:
             "stop_sequence": None,
             "usage": _usage(self.input_tokens, 1),
         }
-        return _sse("message_start", {"type": "message_start", "message": message})
+        return named_event("message_start", {"type": "message_start", "message": message})
 
     def ping(self) -> bytes:
-        return _sse("ping", {"type": "ping"})
+        return named_event("ping", {"type": "ping"})
 
     def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         """The text block's next ``text_delta`` (nothing for empty text); the API
@@ -541,7 +537,7 @@ class MessageStream:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
             out.append(self._close())
         out.append(
-            _sse(
+            named_event(
                 "message_delta",
                 {
                     "type": "message_delta",
@@ -550,26 +546,32 @@ class MessageStream:
                 },
             )
         )
-        out.append(_sse("message_stop", {"type": "message_stop"}))
+        out.append(named_event("message_stop", {"type": "message_stop"}))
         return b"".join(out)
+
+    def error(self, e: ApiError) -> bytes:
+        """An ``error`` event (:func:`stream_error_event`)."""
+        return stream_error_event(e)
 
     def _open(self, block: dict[str, Any]) -> bytes:
         index = self._blocks
         self._blocks += 1
-        start = _sse(
+        start = named_event(
             "content_block_start",
             {"type": "content_block_start", "index": index, "content_block": block},
         )
         return start + self.ping() if index == 0 else start
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
-        return _sse(
+        return named_event(
             "content_block_delta",
             {"type": "content_block_delta", "index": self._blocks - 1, "delta": delta},
         )
 
     def _close(self) -> bytes:
-        return _sse("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})
+        return named_event(
+            "content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1}
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -597,7 +599,7 @@ def error_headers(e: ApiError) -> dict[str, str]:
 
 def stream_error_event(e: ApiError) -> bytes:
     """An ``event: error`` SSE event, for errors after a stream has started."""
-    return _sse("error", error_body(e))
+    return named_event("error", error_body(e))
 
 
 def prompt_too_long(tokens: int, limit: int) -> ApiError:
@@ -622,6 +624,7 @@ class AnthropicMessages(Dialect):
     call_path = "/v1/messages"
     count_tokens_path = "/v1/messages/count_tokens"
     id_prefix = "msg_"
+    tool_id_prefix = "toolu_"
     path_marker = "/v1/messages"
 
     def owns_headers(self, headers: Mapping[str, str]) -> bool:
@@ -645,9 +648,6 @@ class AnthropicMessages(Dialect):
 
     def error(self, e: ApiError) -> ErrorAnswer:
         return ErrorAnswer(e.status, error_body(e), error_headers(e))
-
-    def stream_error(self, e: ApiError) -> bytes:
-        return stream_error_event(e)
 
     def context_too_long(self, tokens: int, limit: int) -> ApiError:
         return prompt_too_long(tokens, limit)

@@ -11,9 +11,11 @@ the new messages and reuses what it made of the old ones (:class:`KnownBody.stat
 What is decoded obeys :mod:`qwengyre.proxy.jsonsafe`'s rules, as a whole parse would:
 bounded depth, no NaN/Infinity, lone surrogates replaced with U+FFFD.
 
-Anything unusual (a duplicate top-level key, a ``messages`` value that is not an array,
-an exact repeat with no new message, undecodable bytes) returns None and the caller
-parses the whole body as usual, so errors are always reported by the API parsers.
+The array of messages is the body's ``messages`` field, or the field the caller names
+(the Responses API's ``input``). Anything unusual (a duplicate top-level key, a
+messages value that is not an array, an exact repeat with no new message, undecodable
+bytes) returns None and the caller parses the whole body as usual, so errors are always
+reported by the API parsers.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class KnownBody:
     """The bytes of a body up to the end of its last message, and what they parsed to."""
 
     data: bytes  # body[: end of the last message element]
-    head: dict[str, Any]  # the top-level fields before "messages"
+    key: str  # the messages field
+    head: dict[str, Any]  # the top-level fields before it
     count: int  # message elements in ``data``
     state: Any  # the caller's conversion of those elements
 
@@ -41,14 +44,15 @@ class KnownBody:
 class SplitBody:
     """A body as a known prefix plus what follows it.
 
-    ``doc`` is the whole top-level object except that ``doc["messages"]`` holds only
-    the elements after ``known.count`` (all of them if ``known`` is None).
+    ``doc`` is the whole top-level object except that ``doc[key]`` (its messages) holds
+    only the elements after ``known.count`` (all of them if ``known`` is None).
     ``messages_end`` is the byte offset just after the last message element and
-    ``head`` the top-level fields before ``messages`` — what :meth:`BodyMemo.remember`
+    ``head`` the top-level fields before ``key`` — what :meth:`BodyMemo.remember`
     needs to make this body a known prefix in turn.
     """
 
     doc: dict[str, Any]
+    key: str
     known: KnownBody | None
     messages_end: int
     head: dict[str, Any]
@@ -62,23 +66,25 @@ class BodyMemo:
         self.size = size
         self._known: list[KnownBody] = []  # the most recently used last
 
-    def split(self, body: bytes) -> SplitBody | None:
-        """``body`` split after the longest remembered prefix it starts with, or whole
-        (``known`` None) when none fits; None if it is not a body this module can read
-        (the caller parses it whole and reports what is wrong)."""
+    def split(self, body: bytes, key: str = "messages") -> SplitBody | None:
+        """``body``, whose messages are its field ``key``, split after the longest
+        remembered prefix it starts with, or whole (``known`` None) when none fits; None
+        if it is not a body this module can read (the caller parses it whole and reports
+        what is wrong)."""
         for known in sorted(self._known, key=lambda k: len(k.data), reverse=True):
-            if body.startswith(known.data):
+            if known.key == key and body.startswith(known.data):
                 found = _split_after(body, known)
                 if found is not None:
                     self._known.remove(known)
                     self._known.append(known)
                     return found
-        return _split_whole(body)
+        return split_whole(body, key)
 
     def remember(self, body: bytes, split: SplitBody, state: Any) -> None:
         """Make ``body``'s messages (``state``: their conversion) a known prefix."""
-        count = len(split.doc["messages"]) + (split.known.count if split.known else 0)
-        self._known.append(KnownBody(body[: split.messages_end], split.head, count, state))
+        count = len(split.doc[split.key]) + (split.known.count if split.known else 0)
+        known = KnownBody(body[: split.messages_end], split.key, split.head, count, state)
+        self._known.append(known)
         del self._known[: -self.size]
 
 
@@ -88,14 +94,16 @@ def _skip(text: str, at: int) -> int:
     return at
 
 
-def _split_whole(body: bytes) -> SplitBody | None:
+def split_whole(body: bytes, key: str = "messages") -> SplitBody | None:
+    """``body`` as a :class:`SplitBody` with no known prefix (``doc`` the whole object),
+    or None where :meth:`BodyMemo.split` returns None."""
     try:
         text = body.decode("utf-8")
         at = _skip(text, 0)
         if text[at : at + 1] != "{":
             return None
         jsonsafe.check_depth(text)
-        split = _scan(text, at + 1, {}, None, _Offsets(body, text, 0))
+        split = _scan(text, at + 1, key, {}, None, _Offsets(body, text, 0))
     except (ValueError, IndexError, RecursionError):
         return None
     return _clean(split, text)
@@ -110,7 +118,7 @@ def _split_after(body: bytes, known: KnownBody) -> SplitBody | None:
         jsonsafe.check_depth(text, start=2)  # inside the object and its messages array
         doc = dict(known.head)
         offsets = _Offsets(body[len(known.data) :], text, len(known.data))
-        split = _scan(text, at, doc, known, offsets, in_messages=True)
+        split = _scan(text, at, known.key, doc, known, offsets, in_messages=True)
     except (ValueError, IndexError, RecursionError):
         return None
     return _clean(split, text)
@@ -144,6 +152,7 @@ class _Offsets:
 def _scan(
     text: str,
     at: int,
+    messages_key: str,
     doc: dict[str, Any],
     known: KnownBody | None,
     offsets: _Offsets,
@@ -151,14 +160,15 @@ def _scan(
     in_messages: bool = False,
 ) -> SplitBody | None:
     """Scan the rest of the top-level object from ``at`` (just after ``{``, or, with
-    ``in_messages``, inside the messages array after its known elements)."""
+    ``in_messages``, inside the messages array ``messages_key`` after its known
+    elements)."""
     messages: list[Any] = []
     messages_end = -1
     head: dict[str, Any] = dict(doc)
     if in_messages:
         at, last = _elements(text, at, messages)
         messages_end = offsets(last)
-        doc["messages"] = messages
+        doc[messages_key] = messages
     expect_key = not in_messages
     while True:
         at = _skip(text, at)
@@ -174,7 +184,7 @@ def _scan(
         if not isinstance(key, str) or key in doc or text[at] != ":":
             return None
         at = _skip(text, at + 1)
-        if key == "messages":
+        if key == messages_key:
             if text[at] != "[":
                 return None
             head = dict(doc)
@@ -186,11 +196,11 @@ def _scan(
             doc[key] = messages
         else:
             doc[key], at = _DECODER.raw_decode(text, at)
-    if _skip(text, at + 1) != len(text) or not isinstance(doc.get("messages"), list):
+    if _skip(text, at + 1) != len(text) or not isinstance(doc.get(messages_key), list):
         return None
-    if not doc["messages"]:
+    if not doc[messages_key]:
         return None
-    return SplitBody(doc, known, messages_end, head)
+    return SplitBody(doc, messages_key, known, messages_end, head)
 
 
 def _elements(text: str, at: int, out: list[Any]) -> tuple[int, int]:

@@ -25,7 +25,8 @@ class EventStream(Protocol):
     """The SSE events of one streamed answer, made as its text arrives: :meth:`start`
     (the bytes to send before anything else), :meth:`text` with each new piece of text
     and :meth:`ping` at will, then :meth:`finish` once with the completion, whose
-    ``text`` is the pieces given to :meth:`text`, concatenated."""
+    ``text`` is the pieces given to :meth:`text`, concatenated, or :meth:`error` once
+    when the answer failed after the stream started."""
 
     def start(self) -> bytes: ...
 
@@ -39,6 +40,15 @@ class EventStream(Protocol):
         ...
 
     def finish(self, c: Completion) -> bytes: ...
+
+    def error(self, e: ApiError) -> bytes:
+        """``e`` as the event(s) a client reads as the failure of this answer."""
+        ...
+
+
+class ParseWhole(Exception):
+    """Raised by :meth:`Dialect.parse_doc` when the elements after ``before`` cannot be
+    converted apart from those it was made from: the server then parses the whole body."""
 
 
 @dataclass(frozen=True)
@@ -56,16 +66,20 @@ class Dialect(ABC):
     ``name`` is the API's name in logs and in :attr:`ChatRequest.api`; ``call_path``
     the path of a model call (``POST``); ``count_tokens_path``, when the API has one, the
     path of a token count (``POST``, answered by :meth:`parse_count_tokens` and
-    :meth:`count_tokens_body`); ``id_prefix`` starts the id of a streamed answer.
-    Errors on any path holding ``path_marker`` answer in this dialect's shape
-    (:meth:`owns_path`).
+    :meth:`count_tokens_body`); ``id_prefix`` starts the id of an answer and
+    ``tool_id_prefix`` the id of each tool call in it. Errors on any path holding
+    ``path_marker`` answer in this dialect's shape (:meth:`owns_path`).
+    ``messages_key`` names the body's array of messages, which a body repeating an
+    earlier one's extends (:mod:`qwengyre.proxy.body`).
     """
 
     name: ClassVar[str]
     call_path: ClassVar[str]
     count_tokens_path: ClassVar[str | None] = None
     id_prefix: ClassVar[str]
+    tool_id_prefix: ClassVar[str]
     path_marker: ClassVar[str]
+    messages_key: ClassVar[str] = "messages"
 
     def owns_path(self, path: str) -> bool:
         """Whether errors on ``path`` (a route of this API's, or an unknown one under
@@ -87,9 +101,10 @@ class Dialect(ABC):
     def parse_doc(
         self, doc: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None
     ) -> ChatRequest:
-        """:meth:`parse` of a decoded body. With ``before``, ``doc``'s messages are the
-        elements that follow those ``before`` was made from (an error's path then counts
-        from them: reparse the whole body to report it)."""
+        """:meth:`parse` of a decoded body. With ``before``, ``doc``'s messages (its
+        :attr:`messages_key` array) are the elements that follow those ``before`` was
+        made from (an error's path then counts from them: reparse the whole body to
+        report it; :class:`ParseWhole` when they cannot be converted apart)."""
 
     @abstractmethod
     def answer(self, c: Completion, chat: ChatRequest) -> dict[str, Any]:
@@ -104,10 +119,6 @@ class Dialect(ABC):
     @abstractmethod
     def error(self, e: ApiError) -> ErrorAnswer:
         """``e`` in this API's error shape."""
-
-    @abstractmethod
-    def stream_error(self, e: ApiError) -> bytes:
-        """``e`` as the SSE event a client reads once the stream has started."""
 
     @abstractmethod
     def context_too_long(self, tokens: int, limit: int) -> ApiError:

@@ -3,7 +3,8 @@
 Pure functions, no I/O: the server hands :func:`parse_chat_request` the raw body and the
 request headers, runs the engine, and answers with :func:`completion_body` or
 :func:`stream_chunks`; an :class:`~qwengyre.proxy.types.ApiError` raised anywhere is
-answered with :func:`error_status`, :func:`error_headers` and :func:`error_body`.
+answered with :func:`error_status`, :func:`error_headers` and :func:`error_body`
+(OpenAI's conventions, shared with the Responses API: :mod:`~qwengyre.proxy.openai_common`).
 The server uses them through :class:`OpenAIChat`, this API's
 :class:`~qwengyre.proxy.dialect.Dialect`.
 
@@ -26,16 +27,34 @@ that is not UTF-8 is refused. Responses are lossless: SSE chunks are UTF-8 JSON,
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from qwengyre.proxy import jsonsafe
-from qwengyre.proxy.dialect import Dialect, ErrorAnswer, select_headers
 from qwengyre.proxy.jsonsafe import StrictModel
+from qwengyre.proxy.openai_common import (
+    MAX_TOP_LOGPROBS,
+    OpenAIDialect,
+    arguments_json,
+    context_length_exceeded,
+    error_body,
+    error_headers,
+    error_status,
+    forwarded_headers,
+    invalid,
+    load_body,
+    missing,
+    models_body,
+    parse_stop,
+    text_parts,
+    token_logprob,
+    tool_arguments,
+    type_error,
+    validate,
+)
 from qwengyre.proxy.sse import pieces, split_events
 from qwengyre.proxy.types import (
     ApiError,
@@ -72,8 +91,6 @@ __all__ = [
 DEFAULT_MAX_TOKENS = 1024
 """Completion budget when the request sets neither ``max_completion_tokens`` nor ``max_tokens``."""
 
-MAX_TOP_LOGPROBS = 20
-
 # Top-level request fields the proxy acts on; every other field present with a non-null
 # value is accepted and reported as ignored by parse_chat_request_with_ignored.
 _HONOURED_FIELDS = frozenset(
@@ -99,29 +116,6 @@ _HONOURED_FIELDS = frozenset(
         "audio",
     }
 )
-
-# Substrings of header names that carry credentials; such headers never reach ChatRequest.
-_CREDENTIAL_HEADER_PARTS = (
-    "authorization",
-    "api-key",
-    "apikey",
-    "auth",
-    "token",
-    "secret",
-    "password",
-    "credential",
-    "cookie",
-)
-
-_UNSUPPORTED_PARTS = {
-    "image_url": "image",
-    "image": "image",
-    "input_image": "image",
-    "input_audio": "audio",
-    "audio": "audio",
-    "file": "file",
-    "input_file": "file",
-}
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,147 +201,8 @@ _MESSAGE_MODELS: dict[str, type[StrictModel]] = {
 
 
 # ---------------------------------------------------------------------------------------
-# Error helpers
-# ---------------------------------------------------------------------------------------
-
-
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list | tuple):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _path(loc: Sequence[str | int]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else part
-    return out
-
-
-def _invalid(param: str | None, message: str) -> ApiError:
-    return ApiError("invalid_request_error", message, param=param)
-
-
-def _type_error(param: str, expected: str, value: object) -> ApiError:
-    return _invalid(
-        param,
-        f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
-    )
-
-
-_EXPECTED_BY_ERROR_TYPE = {
-    "int_type": "an integer",
-    "int_parsing": "an integer",
-    "int_from_float": "an integer",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "finite_number": "a finite number",
-    "string_type": "a string",
-    "bool_type": "a boolean",
-    "bool_parsing": "a boolean",
-    "dict_type": "an object",
-    "model_type": "an object",
-    "model_attributes_type": "an object",
-    "list_type": "an array",
-}
-
-
-def _from_validation_error(err: ValidationError, prefix: tuple[str | int, ...] = ()) -> ApiError:
-    """The first pydantic error as an OpenAI-style invalid_request_error."""
-    first = err.errors(include_url=False)[0]
-    param = _path((*prefix, *first["loc"]))
-    kind = first["type"]
-    value = first.get("input")
-    ctx = first.get("ctx") or {}
-    if kind == "missing":
-        return _invalid(param, f"Missing required parameter: '{param}'.")
-    if kind in _EXPECTED_BY_ERROR_TYPE:
-        return _type_error(param, _EXPECTED_BY_ERROR_TYPE[kind], value)
-    if kind == "literal_error":
-        return _invalid(
-            param,
-            f"Invalid value for '{param}': got {json.dumps(value)}, "
-            f"expected {ctx.get('expected')}.",
-        )
-    if kind == "too_short" and isinstance(value, list):
-        return _invalid(
-            param,
-            f"Invalid value for '{param}': expected an array with at least "
-            f"{ctx.get('min_length', 1)} item(s), but got an empty array.",
-        )
-    if kind == "string_too_short":
-        return _invalid(param, f"Invalid value for '{param}': expected a non-empty string.")
-    bounds = {
-        "greater_than": "greater than",
-        "greater_than_equal": "greater than or equal to",
-        "less_than": "less than",
-        "less_than_equal": "less than or equal to",
-    }
-    if kind in bounds:
-        limit = next(iter(ctx.values()), None)
-        return _invalid(
-            param,
-            f"Invalid value for '{param}': {json.dumps(value)} is out of range; "
-            f"it must be {bounds[kind]} {limit}.",
-        )
-    return _invalid(param, f"Invalid value for '{param}': {first['msg']}.")
-
-
-def _validate(model: type[StrictModel], data: object, prefix: tuple[str | int, ...] = ()) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        raise _from_validation_error(err, prefix) from None
-
-
-# ---------------------------------------------------------------------------------------
 # Request parsing
 # ---------------------------------------------------------------------------------------
-
-
-def _load_body(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object (see the module docstring for the bounds and for lone
-    surrogates)."""
-    try:
-        return jsonsafe.load_object(body)
-    except jsonsafe.TooDeep as err:
-        raise _invalid(None, f"The JSON body of the request is too deep: {err}.") from None
-    except jsonsafe.NotAnObject as err:
-        raise _invalid(
-            None,
-            f"The request body must be a JSON object, but got {_json_type(err.value)} instead.",
-        ) from None
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
-        raise _invalid(
-            None,
-            f"Could not parse the JSON body of the request ({err}). "
-            "The body must be a JSON object encoded as UTF-8.",
-        ) from None
-
-
-def _forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The ``x-*`` headers request-class rules may read (credentials left out)."""
-    return select_headers(
-        headers,
-        prefixes=("x-",),
-        secret_words=_CREDENTIAL_HEADER_PARTS,
-        not_utf8="The header {name} is not valid UTF-8.",
-    )
 
 
 def _content_text(value: object, param: str, *, role: str, allow_null: bool = False) -> str:
@@ -357,99 +212,39 @@ def _content_text(value: object, param: str, *, role: str, allow_null: bool = Fa
     if value is None:
         if allow_null:
             return ""
-        raise _invalid(
+        raise invalid(
             param,
             f"Invalid type for '{param}': expected a string or an array of text content "
             "parts, but got null instead.",
         )
     if not isinstance(value, list):
-        raise _type_error(param, "a string or an array of text content parts", value)
-    allowed = ("text", "refusal") if role == "assistant" else ("text",)
-    texts: list[str] = []
-    for j, part in enumerate(value):
-        pparam = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise _type_error(pparam, "an object", part)
-        ptype = part.get("type")
-        if not isinstance(ptype, str):
-            if "type" not in part:
-                raise _invalid(f"{pparam}.type", f"Missing required parameter: '{pparam}.type'.")
-            raise _type_error(f"{pparam}.type", "a string", ptype)
-        if ptype in _UNSUPPORTED_PARTS:
-            raise _invalid(
-                f"{pparam}.type",
-                f"Invalid value for '{pparam}.type': '{ptype}' parts are not supported; "
-                f"the served model takes text only ({_UNSUPPORTED_PARTS[ptype]} input is "
-                "refused). Send the content as a string or as 'text' parts.",
-            )
-        if ptype not in allowed:
-            raise _invalid(
-                f"{pparam}.type",
-                f"Invalid value for '{pparam}.type': got {json.dumps(ptype)}, expected "
-                + " or ".join(f"'{a}'" for a in allowed)
-                + ".",
-            )
-        key = "refusal" if ptype == "refusal" else "text"
-        text = part.get(key)
-        if not isinstance(text, str):
-            if key not in part:
-                raise _invalid(f"{pparam}.{key}", f"Missing required parameter: '{pparam}.{key}'.")
-            raise _type_error(f"{pparam}.{key}", "a string", text)
-        texts.append(text)
-    # Parts are joined with a newline, as vLLM's OpenAI server does, so a system prompt
-    # split into blocks does not run its sentences together.
-    return "\n".join(texts)
-
-
-def _tool_arguments(value: object, param: str, msg_index: int) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if isinstance(value, dict):
-        return value
-    if not isinstance(value, str):
-        raise _type_error(param, "a string holding a JSON object", value)
-    if not value.strip():
-        return {}
-    try:
-        parsed = jsonsafe.loads(value, surrogates="replace")
-    except ValueError as err:  # not JSON, NaN/Infinity, or too deep
-        raise _invalid(
-            param,
-            f"Invalid value for '{param}': the tool call arguments of message {msg_index} are "
-            f"not valid JSON ({err}); 'arguments' must be a JSON object encoded as a string.",
-        ) from None
-    if not isinstance(parsed, dict):
-        raise _invalid(
-            param,
-            f"Invalid value for '{param}': the tool call arguments of message {msg_index} "
-            f"encode {_json_type(parsed)}, but they must encode a JSON object.",
-        )
-    return parsed
+        raise type_error(param, "a string or an array of text content parts", value)
+    return text_parts(value, param, ("text", "refusal") if role == "assistant" else ("text",))
 
 
 def _parse_message(raw: object, i: int) -> Message:
     param = f"messages[{i}]"
     if not isinstance(raw, dict):
-        raise _type_error(param, "an object", raw)
+        raise type_error(param, "an object", raw)
     if "role" not in raw:
-        raise _invalid(f"{param}.role", f"Missing required parameter: '{param}.role'.")
+        raise missing(f"{param}.role")
     role = raw["role"]
     if not isinstance(role, str):
-        raise _type_error(f"{param}.role", "a string", role)
+        raise type_error(f"{param}.role", "a string", role)
     if role == "function":
-        raise _invalid(
+        raise invalid(
             f"{param}.role",
             f"Invalid value for '{param}.role': the legacy 'function' role is not supported; "
             "send tool results as role 'tool' messages with a 'tool_call_id'.",
         )
     model = _MESSAGE_MODELS.get(role)
     if model is None:
-        raise _invalid(
+        raise invalid(
             f"{param}.role",
             f"Invalid value for '{param}.role': got {json.dumps(role)}, expected one of "
             "'system', 'developer', 'user', 'assistant', 'tool'.",
         )
-    msg = _validate(model, raw, ("messages", i))
+    msg = validate(model, raw, ("messages", i))
     cparam = f"{param}.content"
     if isinstance(msg, _SystemMsg):
         return Message("system", _content_text(msg.content, cparam, role=role))
@@ -461,7 +256,7 @@ def _parse_message(raw: object, i: int) -> Message:
         )
     assert isinstance(msg, _AssistantMsg)
     if msg.function_call is not None:
-        raise _invalid(
+        raise invalid(
             f"{param}.function_call",
             f"Invalid value for '{param}.function_call': the legacy 'function_call' field is "
             "not supported; send 'tool_calls' instead.",
@@ -470,8 +265,10 @@ def _parse_message(raw: object, i: int) -> Message:
         ToolCall(
             id=tc.id,
             name=tc.function.name,
-            arguments=_tool_arguments(
-                tc.function.arguments, f"{param}.tool_calls[{j}].function.arguments", i
+            arguments=tool_arguments(
+                tc.function.arguments,
+                f"{param}.tool_calls[{j}].function.arguments",
+                f"message {i}",
             ),
         )
         for j, tc in enumerate(msg.tool_calls or ())
@@ -480,60 +277,44 @@ def _parse_message(raw: object, i: int) -> Message:
     return Message("assistant", content, tool_calls=calls)
 
 
-def _parse_stop(value: object) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,) if value else ()
-    if not isinstance(value, list):
-        raise _type_error("stop", "a string or an array of strings", value)
-    out: list[str] = []
-    for j, s in enumerate(value):
-        if not isinstance(s, str):
-            raise _type_error(f"stop[{j}]", "a string", s)
-        if s:  # an empty stop string stops nothing
-            out.append(s)
-    return tuple(out)
-
-
 def _check_tool_choice(value: object) -> None:
     if value is None:
         return
     if isinstance(value, str):
         if value not in ("auto", "none", "required"):
-            raise _invalid(
+            raise invalid(
                 "tool_choice",
                 f"Invalid value for 'tool_choice': got {json.dumps(value)}, expected 'auto', "
                 "'none', 'required' or an object naming a function.",
             )
         return
     if not isinstance(value, dict):
-        raise _type_error("tool_choice", "a string or an object", value)
+        raise type_error("tool_choice", "a string or an object", value)
     if not isinstance(value.get("type"), str):
-        raise _invalid("tool_choice.type", "Missing required parameter: 'tool_choice.type'.")
+        raise missing("tool_choice.type")
 
 
 def _check_unsupported(body: _Body) -> None:
     if body.n is not None and body.n > 1:
-        raise _invalid(
+        raise invalid(
             "n",
             f"Invalid value for 'n': {body.n}; this server returns exactly one choice per "
             "request, so 'n' must be 1 (or omitted). Send separate requests for more samples.",
         )
     if body.functions is not None or body.function_call is not None:
         name = "functions" if body.functions is not None else "function_call"
-        raise _invalid(
+        raise invalid(
             name,
             f"Invalid value for '{name}': the legacy functions API is not supported; "
             "use 'tools' (type 'function') and 'tool_choice' instead.",
         )
     if body.audio is not None:
-        raise _invalid("audio", "Invalid value for 'audio': audio output is not supported.")
+        raise invalid("audio", "Invalid value for 'audio': audio output is not supported.")
     if body.modalities is not None:
         if not isinstance(body.modalities, list):
-            raise _type_error("modalities", "an array of strings", body.modalities)
+            raise type_error("modalities", "an array of strings", body.modalities)
         if any(m != "text" for m in body.modalities):
-            raise _invalid(
+            raise invalid(
                 "modalities",
                 f"Invalid value for 'modalities': {json.dumps(body.modalities)}; only "
                 "['text'] is supported.",
@@ -541,16 +322,16 @@ def _check_unsupported(body: _Body) -> None:
     rf = body.response_format
     if rf is not None:
         if not isinstance(rf, dict):
-            raise _type_error("response_format", "an object", rf)
+            raise type_error("response_format", "an object", rf)
         rtype = rf.get("type")
         if rtype != "text":
-            raise _invalid(
+            raise invalid(
                 "response_format.type",
                 f"Invalid value for 'response_format.type': got {json.dumps(rtype)}; only "
                 "'text' is supported (structured JSON output is not enforced by this server).",
             )
     if body.top_logprobs and not body.logprobs:
-        raise _invalid(
+        raise invalid(
             "top_logprobs",
             "Invalid value for 'top_logprobs': it may only be set when 'logprobs' is true.",
         )
@@ -573,7 +354,7 @@ def parse_chat_request_with_ignored(
     """Like :func:`parse_chat_request`, also returning the sorted names of the top-level
     fields that were present (non-null) but are not acted on, e.g. ``tool_choice``,
     ``seed``, ``user``, ``parallel_tool_calls``, penalties, ``metadata``."""
-    return parse_chat_doc_with_ignored(_load_body(body), headers)
+    return parse_chat_doc_with_ignored(load_body(body), headers)
 
 
 def parse_chat_doc(
@@ -589,7 +370,7 @@ def parse_chat_doc_with_ignored(
     data: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None = None
 ) -> tuple[ChatRequest, tuple[str, ...]]:
     """:func:`parse_chat_request_with_ignored` of a decoded body (see :func:`parse_chat_doc`)."""
-    parsed: _Body = _validate(_Body, data)
+    parsed: _Body = validate(_Body, data)
     _check_unsupported(parsed)
     _check_tool_choice(parsed.tool_choice)
     known = before.messages if before else ()
@@ -617,7 +398,7 @@ def parse_chat_doc_with_ignored(
         temperature=1.0 if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         top_k=top_k,
-        stop=_parse_stop(parsed.stop),
+        stop=parse_stop(parsed.stop),
     )
     stream = bool(parsed.stream)
     include_usage = bool(
@@ -634,7 +415,7 @@ def parse_chat_doc_with_ignored(
         logprobs=logprobs,
         top_logprobs=(parsed.top_logprobs or 0) if logprobs else 0,
         include_usage=include_usage,
-        headers=_forwarded_headers(headers),
+        headers=forwarded_headers(headers),
         last_user_texts=texts or (),
     )
     ignored = tuple(
@@ -679,25 +460,12 @@ def _usage(c: Completion) -> dict[str, int]:
     }
 
 
-def _token_logprob(t: TokenLogprob) -> dict[str, Any]:
-    return {
-        "token": t.token,
-        "logprob": t.logprob,
-        "bytes": list(t.token.encode("utf-8", "replace")),
-        "top_logprobs": [],
-    }
-
-
 def _tool_call_json(tc: ToolCall) -> dict[str, Any]:
     return {
         "id": tc.id,
         "type": "function",
-        "function": {"name": tc.name, "arguments": _arguments_json(tc)},
+        "function": {"name": tc.name, "arguments": arguments_json(tc)},
     }
-
-
-def _arguments_json(tc: ToolCall) -> str:
-    return json.dumps(tc.arguments, ensure_ascii=False)
 
 
 def completion_body(c: Completion, created: int, *, logprobs: bool = False) -> dict[str, Any]:
@@ -711,7 +479,7 @@ def completion_body(c: Completion, created: int, *, logprobs: bool = False) -> d
     if c.tool_calls:
         message["tool_calls"] = [_tool_call_json(tc) for tc in c.tool_calls]
     lp = (
-        {"content": [_token_logprob(t) for t in c.logprobs], "refusal": None}
+        {"content": [token_logprob(t) for t in c.logprobs], "refusal": None}
         if logprobs and c.logprobs
         else None
     )
@@ -857,7 +625,7 @@ class ChunkStream:
                     {"tool_calls": [{**head, "function": {"name": tc.name, "arguments": ""}}]}
                 )
             )
-            for piece in pieces(_arguments_json(tc), self.chunk_chars):
+            for piece in pieces(arguments_json(tc), self.chunk_chars):
                 out.append(
                     self._chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                 )
@@ -867,6 +635,10 @@ class ChunkStream:
             out.append(_sse({**self._head(), "choices": [], "usage": _usage(c)}))
         out.append(b"data: [DONE]\n\n")
         return b"".join(out)
+
+    def error(self, e: ApiError) -> bytes:
+        """A data line holding the error (:func:`stream_error_event`)."""
+        return stream_error_event(e)
 
     def _role(self, content: str | None) -> bytes:
         """The role delta, if it has not gone out yet."""
@@ -900,7 +672,7 @@ class ChunkStream:
                     "logprobs": (
                         None
                         if lp is None
-                        else {"content": [_token_logprob(t) for t in lp], "refusal": None}
+                        else {"content": [token_logprob(t) for t in lp], "refusal": None}
                     ),
                     "finish_reason": finish,
                 }
@@ -911,81 +683,10 @@ class ChunkStream:
         return _sse(obj)
 
 
-# ---------------------------------------------------------------------------------------
-# Errors and models
-# ---------------------------------------------------------------------------------------
-
-# ApiError kind -> (OpenAI error type, default code). The SDK picks its exception class
-# from the HTTP status alone (400 BadRequestError, 401 AuthenticationError, 403
-# PermissionDeniedError, 404 NotFoundError, 429 RateLimitError, >=500
-# InternalServerError); type and code are informational.
-_OPENAI_ERRORS: dict[str, tuple[str, str | None]] = {
-    "invalid_request_error": ("invalid_request_error", None),
-    "authentication_error": ("authentication_error", "invalid_api_key"),
-    "permission_error": ("permission_error", None),
-    "not_found_error": ("not_found_error", None),
-    "request_too_large": ("invalid_request_error", "request_too_large"),
-    "rate_limit_error": ("rate_limit_exceeded", "rate_limit_exceeded"),
-    "api_error": ("server_error", None),
-    "overloaded_error": ("server_error", "overloaded"),
-}
-
-
-def error_status(e: ApiError) -> int:
-    """HTTP status for ``e``; Anthropic's 529 ``overloaded_error`` answers 503 here."""
-    if e.kind == "overloaded_error":
-        return 503
-    return e.status
-
-
-def error_headers(e: ApiError) -> dict[str, str]:
-    """``retry-after`` (whole seconds, rounded up) and ``retry-after-ms`` (which the
-    ``openai`` SDK prefers) when ``e`` says when to retry."""
-    if e.retry_after_s is None or not math.isfinite(e.retry_after_s):
-        return {}
-    seconds = max(0.0, e.retry_after_s)
-    return {"retry-after": str(math.ceil(seconds)), "retry-after-ms": str(round(seconds * 1000))}
-
-
-def error_body(e: ApiError) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}`` in OpenAI's shape."""
-    etype, default_code = _OPENAI_ERRORS.get(e.kind, ("server_error", None))
-    return {
-        "error": {
-            "message": e.message,
-            "type": etype,
-            "param": e.param,
-            "code": e.code if e.code is not None else default_code,
-        }
-    }
-
-
 def stream_error_event(e: ApiError) -> bytes:
     """An error after the stream started: a data line holding :func:`error_body`, which
     OpenAI's clients read as an error."""
     return b"data: " + json.dumps(error_body(e)).encode() + b"\n\n"
-
-
-def context_length_exceeded(tokens: int, limit: int) -> ApiError:
-    """The error OpenAI answers when prompt + completion budget exceed the context."""
-    return ApiError(
-        "invalid_request_error",
-        f"This model's maximum context length is {limit} tokens. However, your messages "
-        f"resulted in {tokens} tokens. Please reduce the length of the messages.",
-        code="context_length_exceeded",
-        param="messages",
-    )
-
-
-def models_body(model_ids: list[str], created: int) -> dict[str, Any]:
-    """``GET /v1/models``."""
-    return {
-        "object": "list",
-        "data": [
-            {"id": mid, "object": "model", "created": created, "owned_by": "qwengyre"}
-            for mid in model_ids
-        ],
-    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -993,7 +694,7 @@ def models_body(model_ids: list[str], created: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
-class OpenAIChat(Dialect):
+class OpenAIChat(OpenAIDialect):
     """Chat Completions (``POST /v1/chat/completions``) as the server serves it: this
     module's functions under the :class:`Dialect` names. Errors on any ``/chat/`` path
     answer in its shape."""
@@ -1001,10 +702,9 @@ class OpenAIChat(Dialect):
     name = "openai"
     call_path = "/v1/chat/completions"
     id_prefix = "chatcmpl-"
+    tool_id_prefix = "call_"
     path_marker = "/chat/"
-
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> ChatRequest:
-        return parse_chat_request(body, headers)
+    conversation_param = "messages"
 
     def parse_doc(
         self, doc: dict[str, Any], headers: Mapping[str, str], before: KnownMessages | None
@@ -1024,15 +724,3 @@ class OpenAIChat(Dialect):
             logprobs=chat.logprobs,
             include_usage=chat.include_usage,
         )
-
-    def error(self, e: ApiError) -> ErrorAnswer:
-        return ErrorAnswer(error_status(e), error_body(e), error_headers(e))
-
-    def stream_error(self, e: ApiError) -> bytes:
-        return stream_error_event(e)
-
-    def context_too_long(self, tokens: int, limit: int) -> ApiError:
-        return context_length_exceeded(tokens, limit)
-
-    def models_body(self, model: str) -> dict[str, Any]:
-        return models_body([model], int(time.time()))

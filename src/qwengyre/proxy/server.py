@@ -5,17 +5,19 @@ because they cannot send custom headers):
 
 - each dialect of :data:`DIALECTS` (:mod:`qwengyre.proxy.dialect`): ``POST`` on its
   call path (Anthropic: ``/v1/messages``, ``?beta=true`` too; OpenAI:
-  ``/v1/chat/completions``) and on its token-count path if it has one (Anthropic:
-  ``/v1/messages/count_tokens``)
+  ``/v1/chat/completions`` and ``/v1/responses``) and on its token-count path if it
+  has one (Anthropic: ``/v1/messages/count_tokens``)
 - all: ``GET /v1/models`` (in the dialect whose clients' header the call carries,
   else OpenAI's), ``HEAD /`` and ``HEAD`` on an execution's base URL
 - admin (:mod:`qwengyre.proxy.admin`): ``/admin/executions...``
 - harness: ``POST /x/{id}/assess`` (:mod:`qwengyre.proxy.assessors`)
 
-Every client error is a 4xx in the error shape of the dialect whose path it is on (the
-admin API and unknown routes answer in Anthropic's, ``{"type": "error", "error":
-{"type", "message"}}``), logged as one line; a 5xx means no engine could take the call
-(529/503, retry) or the proxy failed, and only the latter is logged with a traceback.
+Every client error is a 4xx in the error shape of the dialect whose path it is on (an
+unknown path under an API's own, e.g. ``/v1/responses/x``, too; the admin API and other
+unknown routes answer in Anthropic's, ``{"type": "error", "error": {"type",
+"message"}}``), logged as one line; an unknown route's 404 lists the routes served; a
+5xx means no engine could take the call (529/503, retry) or the proxy failed, and only
+the latter is logged with a traceback.
 Bodies may be sent gzip or deflate (``Content-Encoding``); the bearer scheme is read in
 any case.
 
@@ -48,12 +50,13 @@ from qwengyre.hangups import HangUps
 from qwengyre.proxy.admin import AdminApi
 from qwengyre.proxy.anthropic_api import AnthropicMessages
 from qwengyre.proxy.assessors import Assessor, Assessors
-from qwengyre.proxy.body import BodyMemo, SplitBody
-from qwengyre.proxy.dialect import Dialect
+from qwengyre.proxy.body import BodyMemo, SplitBody, split_whole
+from qwengyre.proxy.dialect import Dialect, ParseWhole
 from qwengyre.proxy.incoming import presented_key, read_body
 from qwengyre.proxy.openai_api import OpenAIChat
 from qwengyre.proxy.render import ChatRenderer, IncrementalDecoder, ReplyStream
 from qwengyre.proxy.residency import ExecutionState, Residency
+from qwengyre.proxy.responses_api import OpenAIResponses
 from qwengyre.proxy.routing import NoEngineAvailable, Router
 from qwengyre.proxy.sse import SseWriter
 from qwengyre.proxy.store import ProxyStore, hash_key
@@ -75,7 +78,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ANTHROPIC = AnthropicMessages()
 OPENAI = OpenAIChat()
-DIALECTS: tuple[Dialect, ...] = (ANTHROPIC, OPENAI)
+RESPONSES = OpenAIResponses()
+DIALECTS: tuple[Dialect, ...] = (ANTHROPIC, OPENAI, RESPONSES)
 """The APIs the proxy serves: serving one more is its :class:`Dialect` added here."""
 PLAIN_ERRORS = ANTHROPIC
 """The error shape of the routes no dialect owns (the admin API, unknown routes)."""
@@ -357,7 +361,8 @@ class ProxyServer:
             recorded = recorder.build(
                 call.prepared,
                 result,
-                api=call.chat.api,
+                id_prefix=call.dialect.id_prefix,
+                tool_id_prefix=call.dialect.tool_id_prefix,
                 model=call.chat.model or self.model,
                 engine=engine,
                 started_s=started_s,
@@ -449,7 +454,7 @@ class ProxyServer:
             if not writer.started:
                 return _error_response(dialect, error)
             with contextlib.suppress(ConnectionError):
-                await writer.write(dialect.stream_error(error))
+                await writer.write(events.error(error))
                 await response.write_eof()
             return response
         if gone or writer.broken:
@@ -501,15 +506,32 @@ async def _api_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except ApiError as exc:
         error = exc
     except web.HTTPNotFound:
-        error = ApiError("not_found_error", f"no route {request.method} {request.path[:200]!r}")
-    except web.HTTPMethodNotAllowed:
-        error = ApiError("not_found_error", f"{request.method} is not allowed on this route")
+        error = ApiError(
+            "not_found_error",
+            f"no route {request.method} {request.path[:200]!r}; served: {_served()}",
+        )
+    except web.HTTPMethodNotAllowed as exc:
+        error = ApiError(
+            "not_found_error",
+            f"{request.method} is not allowed on {request.path[:200]!r} (only "
+            f"{', '.join(sorted(exc.allowed_methods))}); served: {_served()}",
+        )
     except web.HTTPException:
         raise
     except Exception:
         log.exception("proxy failure on %s %r", request.method, request.path[:200])
         error = ApiError("api_error", "internal proxy error; nothing was recorded for this call")
     return _error_response(_dialect_of(request.path), error)
+
+
+def _served() -> str:
+    """The model routes, as an unknown route's 404 lists them."""
+    routes = ["GET /v1/models"]
+    for dialect in DIALECTS:
+        routes.append(f"POST {dialect.call_path}")
+        if dialect.count_tokens_path is not None:
+            routes.append(f"POST {dialect.count_tokens_path}")
+    return ", ".join(routes) + " (each also under /x/{execution_id}, the /v1 optional there)"
 
 
 def _error_response(dialect: Dialect, error: ApiError) -> web.Response:
@@ -555,21 +577,25 @@ def _parse(
     execution did not hold (:mod:`qwengyre.proxy.body`); (the request, the split to
     remember, what the recorder may reuse). Errors come from a whole parse, so their
     paths and messages never depend on what was remembered."""
-    split = bodies.split(body)
-    if split is not None:
-        earlier: _Earlier | None = split.known.state if split.known else None
-        before = earlier.known if earlier else None
-        try:
-            chat = dialect.parse_doc(split.doc, headers, before)
-        except ApiError:
-            pass  # reported by the whole parse below
-        else:
-            if earlier is None:
-                return chat, split, None
-            same_lead = chat.messages[: chat.lead] == earlier.lead
-            known = chat.lead + len(earlier.known.messages)
-            return chat, split, Reuse(known, earlier.parent if same_lead else None)
-    return dialect.parse(body, headers), None, None
+    split = bodies.split(body, dialect.messages_key)
+    earlier: _Earlier | None = split.known.state if split and split.known else None
+    try:
+        if split is not None and earlier is not None:
+            try:
+                chat = dialect.parse_doc(split.doc, headers, earlier.known)
+            except ParseWhole:  # the new messages join the known ones: convert them all
+                split, earlier = split_whole(body, dialect.messages_key), None
+        if split is not None and earlier is None:
+            chat = dialect.parse_doc(split.doc, headers, None)
+    except ApiError:
+        split = None  # reported by the whole parse below
+    if split is None:
+        return dialect.parse(body, headers), None, None
+    if earlier is None:
+        return chat, split, None
+    same_lead = chat.messages[: chat.lead] == earlier.lead
+    known = chat.lead + len(earlier.known.messages)
+    return chat, split, Reuse(known, earlier.parent if same_lead else None)
 
 
 def _prepare(

@@ -1,14 +1,23 @@
-"""Server-sent events as the proxy writes them: cutting text and event bytes into
-pieces, and one response's writer with its keepalive pings."""
+"""Server-sent events as the proxy writes them: a named event, cutting text and event
+bytes into pieces, and one response's writer with its keepalive pings."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from aiohttp import web
+
+from qwengyre.proxy import jsonsafe
+
+
+def named_event(name: str, data: Mapping[str, Any]) -> bytes:
+    """One SSE event: ``event: name`` and ``data`` as one line of lossless JSON
+    (:func:`~qwengyre.proxy.jsonsafe.dumps`)."""
+    return b"event: " + name.encode() + b"\ndata: " + jsonsafe.dumps(data) + b"\n\n"
 
 
 def pieces(text: str, size: int) -> Iterator[str]:

@@ -281,7 +281,8 @@ class ExecutionRecorder:
         call: PreparedCall,
         result: GenerateResult,
         *,
-        api: str,
+        id_prefix: str,
+        tool_id_prefix: str,
         model: str,
         engine: str,
         started_s: float,
@@ -290,16 +291,17 @@ class ExecutionRecorder:
         completion_id: str | None = None,
     ) -> Recorded:
         """The node and turn of ``call`` answered by ``result``, and the API-neutral
-        answer (``completion_id``: its id, if already announced to a streaming client);
-        the node gets the next id. Nothing changes until :meth:`add`."""
+        answer (``completion_id``: its id, if already announced to a streaming client,
+        else a new one starting ``id_prefix``; its tool calls' ids start
+        ``tool_id_prefix``, as the caller's API names them); the node gets the next id.
+        Nothing changes until :meth:`add`."""
         eos = self.renderer.tokenizer.eos_token_id
         ids = list(result.output_ids)
         body = ids[:-1] if ids and ids[-1] == eos else ids
         decoded = self.renderer.decode(body, skip_special_tokens=True)
         cut, stop_sequence = cut_at_stop(decoded, call.stop)
         text, parsed = parse_reply(cut)
-        prefix = "toolu_" if api == "anthropic" else "call_"
-        calls = tuple(ToolCall(new_id(prefix), name, args) for name, args in parsed)
+        calls = tuple(ToolCall(new_id(tool_id_prefix), name, args) for name, args in parsed)
         stop: StopReason
         if calls:
             stop = "tool_use"
@@ -343,7 +345,7 @@ class ExecutionRecorder:
         )
         tokens = self.renderer.tokenizer.convert_ids_to_tokens(ids)
         completion = Completion(
-            id=completion_id or new_id("msg_" if api == "anthropic" else "chatcmpl-"),
+            id=completion_id or new_id(id_prefix),
             model=model,
             text=text,
             tool_calls=calls,
@@ -386,7 +388,8 @@ class ExecutionRecorder:
         call: PreparedCall,
         result: GenerateResult,
         *,
-        api: str,
+        id_prefix: str,
+        tool_id_prefix: str,
         model: str,
         engine: str,
         started_s: float,
@@ -396,7 +399,8 @@ class ExecutionRecorder:
         recorded = self.build(
             call,
             result,
-            api=api,
+            id_prefix=id_prefix,
+            tool_id_prefix=tool_id_prefix,
             model=model,
             engine=engine,
             started_s=started_s,

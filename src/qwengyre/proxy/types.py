@@ -1,4 +1,4 @@
-"""The proxy's API-neutral request and response, shared by the OpenAI and Anthropic adapters.
+"""The proxy's API-neutral request and response, shared by every API adapter (dialect).
 
 An adapter turns its API's request body into a :class:`ChatRequest` (messages in the
 shape HF chat templates render: role, content, tool_calls, tool_call_id) and turns a
@@ -90,6 +90,9 @@ class ChatRequest:
     headers: dict[str, str] = field(default_factory=dict)
     last_user_texts: tuple[str, ...] | None = None
     lead: int = 0  # messages from fields other than ``messages`` (Anthropic's ``system``)
+    # The Responses API's namespace tools, flattened for the model: each flat tool name
+    # -> (namespace, name), so that the answer names a call as the client knows it.
+    tool_namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

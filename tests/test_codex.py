@@ -1,0 +1,188 @@
+"""The real Codex CLI (OpenAI Responses API only) through the proxy, offline, with a
+scripted engine.
+
+The ``codex_bin`` fixture (conftest) installs the pinned ``@openai/codex`` with npm into
+a cache folder (about 5 s, 424 MB) and skips, saying why, when node/npm are missing or
+the install fails. Codex runs with a private HOME whose ``config.toml`` points a model
+provider at the execution's base URL (``wire_api = "responses"``, the key in an
+environment variable), analytics and feedback off, and every proxy variable aimed at a
+closed port, so that nothing but its calls to the proxy (loopback, ``NO_PROXY``) can
+leave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.test_proxy_server import Running, start
+
+from qwengyre.engines.scripted import ScriptedEngine
+from qwengyre.proxy import server as proxy_server
+from qwengyre.proxy.body import BodyMemo, SplitBody
+from qwengyre.proxy.types import Message, ToolCall
+
+pytestmark = pytest.mark.slow  # seconds; still in the default suite
+
+SHELL_ARGS = {"cmd": "echo hello > out.txt"}
+SCRIPT = {
+    "main.task": [
+        "Writing the file.\n<tool_call>\n"
+        + json.dumps({"name": "exec_command", "arguments": SHELL_ARGS})
+        + "\n</tool_call>",
+        "Done: wrote out.txt.",
+    ],
+    "default": ["ok"],
+}
+NOWHERE = "http://127.0.0.1:9"  # a closed port: any call that is not to the proxy fails
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
+    from transformers import AutoTokenizer
+
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), SCRIPT)
+    # Codex's own prompt (~17k tokens with the tiny tokenizer) is far longer than the
+    # tiny model's window; the scripted engine does not care.
+    yield from start(tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000)
+
+
+@pytest.fixture
+def splits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, int]]:
+    """For each body the proxy split: whether it repeats a remembered one, and how many
+    of its items were decoded."""
+    seen: list[tuple[bool, int]] = []
+    split = BodyMemo.split
+
+    def spy(self: BodyMemo, body: bytes, key: str = "messages") -> SplitBody | None:
+        found = split(self, body, key)
+        if found is not None:
+            seen.append((found.known is not None, len(found.doc[key])))
+        return found
+
+    monkeypatch.setattr(BodyMemo, "split", spy)
+    return seen
+
+
+@pytest.fixture
+def bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Every ``/responses`` body the proxy read, as JSON."""
+    seen: list[dict] = []
+    read = proxy_server.read_body
+
+    async def spy(http, max_bytes):  # type: ignore[no-untyped-def]
+        body = await read(http, max_bytes)
+        if http.path.endswith("/responses"):
+            seen.append(json.loads(body))
+        return body
+
+    monkeypatch.setattr(proxy_server, "read_body", spy)
+    return seen
+
+
+def run_codex(
+    binary: Path, ex: dict, home: Path, workspace: Path, task: str
+) -> subprocess.CompletedProcess[str]:
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True)
+    (codex_home / "config.toml").write_text(
+        f"""model = "tiny"
+model_provider = "qwengyre"
+check_for_update_on_startup = false
+
+[model_providers.qwengyre]
+name = "qwengyre proxy"
+base_url = "{ex["openai_base_url"]}"
+wire_api = "responses"
+env_key = "QWENGYRE_API_KEY"
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+"""
+    )
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "CODEX_HOME": str(codex_home),
+        "QWENGYRE_API_KEY": ex["key"],
+        **{name: NOWHERE for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")},
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
+    return subprocess.run(
+        [
+            str(binary),
+            "exec",
+            "--strict-config",  # a config key this version does not know fails the run
+            "--dangerously-bypass-approvals-and-sandbox",
+            "--skip-git-repo-check",
+            "--json",
+            task,
+        ],
+        cwd=workspace,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_codex_runs_a_tool_loop_through_the_proxy(
+    codex_bin: Path,
+    proxy: Running,
+    bodies: list[dict],
+    splits: list[tuple[bool, int]],
+    tmp_path: Path,
+) -> None:
+    ex = proxy.new_execution()
+    home, workspace = tmp_path / "home", tmp_path / "ws"
+    workspace.mkdir()
+    done = run_codex(codex_bin, ex, home, workspace, "Write hello to out.txt")
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert (workspace / "out.txt").read_text() == "hello\n"  # the shell tool really ran
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    items = [e["item"] for e in events if e["type"] == "item.completed"]
+    said = [item["text"] for item in items if item["type"] == "agent_message"]
+    assert said == ["Writing the file.", "Done: wrote out.txt."]
+
+    # One main.task chain: the follow-up adds only the tool's output and the new turn.
+    nodes = proxy.tree(ex["id"])
+    assert [(n["parent"], n["class"]) for n in nodes] == [(None, "main.task"), (0, "main.task")]
+    assert len(nodes[1]["input_ids"]) < 150 < len(nodes[0]["input_ids"])
+    for node in nodes:  # the engine's tokens and their log-probs, one each
+        assert len(node["logprobs"]) == len(node["output_ids"]) > 0
+        assert node["delivered"]
+    # Codex streams and resends the whole conversation (it asks the server to store none);
+    # the proxy decodes the second body only past the first's items.
+    assert [(b["stream"], b["store"]) for b in bodies] == [(True, False), (True, False)]
+    new_items = len(bodies[1]["input"]) - len(bodies[0]["input"])
+    assert splits == [(False, len(bodies[0]["input"])), (True, new_items)]
+
+    # The call went out as a function_call item and came back with its output, paired
+    # by call_id; the payload Codex echoed is the recorded one.
+    recorder = proxy.server.residency.executions[ex["id"]].recorder
+    assert recorder is not None
+    first = recorder.conversation(0)[-1]
+    [call] = first.tool_calls
+    assert first == Message(
+        "assistant", "Writing the file.", (ToolCall(call.id, "exec_command", SHELL_ARGS),)
+    )
+    echoed = [i for i in bodies[1]["input"] if i.get("type", "").startswith("function_call")]
+    assert [(i["type"], i["call_id"]) for i in echoed] == [
+        ("function_call", call.id),
+        ("function_call_output", call.id),
+    ]
+    assert json.loads(echoed[0]["arguments"]) == SHELL_ARGS
+    conversation = recorder.conversation(1)
+    assert conversation[: len(recorder.conversation(0))] == recorder.conversation(0)
+    tool = next(m for m in conversation if m.role == "tool")
+    assert tool.tool_call_id == call.id and "exited with code 0" in tool.content
+    # What Codex was streamed is what was recorded.
+    assert conversation[-1] == Message("assistant", "Done: wrote out.txt.")
