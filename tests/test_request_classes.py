@@ -66,7 +66,14 @@ def record(recorder: ExecutionRecorder, request: ChatRequest) -> RequestClass:
     ids = tuple(recorder.renderer.tokenizer.encode("ok", add_special_tokens=False))
     result = GenerateResult(ids, (-0.5,) * len(ids), (0,) * len(ids), "stop")
     recorder.record(
-        call, result, api=request.api, model="tiny", engine="e", started_s=0.0, finished_s=1.0
+        call,
+        result,
+        id_prefix="msg_",
+        tool_id_prefix="call_",
+        model="tiny",
+        engine="e",
+        started_s=0.0,
+        finished_s=1.0,
     )
     return call.request_class
 
