@@ -186,3 +186,81 @@ def test_codex_runs_a_tool_loop_through_the_proxy(
     assert tool.tool_call_id == call.id and "exited with code 0" in tool.content
     # What Codex was streamed is what was recorded.
     assert conversation[-1] == Message("assistant", "Done: wrote out.txt.")
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    """A scripted reply's tool call (the chat template's format)."""
+    return "\n<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+# The main agent spawns a sub-agent, then waits in its shell until the sub-agent's own
+# tool has run (so the sub-agent's calls are made whatever the machine's load), then
+# finishes; the sub-agent runs one tool and reports.
+WAIT_FOR_SUB = "for i in $(seq 300); do [ -f sub.txt ] && break; sleep 0.1; done; cat sub.txt"
+SUB_AGENT_SCRIPT = {
+    "main.task": [
+        "Asking a sub-agent."
+        + tool_call("multi_agent_v1__spawn_agent", {"message": "List the files and report."}),
+        "Waiting for it." + tool_call("exec_command", {"cmd": WAIT_FOR_SUB}),
+        "Done: the sub-agent reported.",
+    ],
+    "sub.task": [
+        "Listing." + tool_call("exec_command", {"cmd": "echo listed > sub.txt"}),
+        "Listed the files.",
+    ],
+    "default": ["ok"],
+}
+
+
+@pytest.fixture
+def codex_proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
+    """The proxy with Codex's request-class rules, scripted for a sub-agent."""
+    from transformers import AutoTokenizer
+
+    from qwengyre.proxy.classes import load_rule_set
+
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), SUB_AGENT_SCRIPT)
+    rules = load_rule_set("codex")
+    yield from start(
+        tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000, classes=rules
+    )
+
+
+def test_a_codex_sub_agent_is_recorded_as_its_own_sub_task_chain(
+    codex_bin: Path, codex_proxy: Running, bodies: list[dict], tmp_path: Path
+) -> None:
+    ex = codex_proxy.new_execution()
+    home, workspace = tmp_path / "home", tmp_path / "ws"
+    workspace.mkdir()
+    done = run_codex(codex_bin, ex, home, workspace, "Inspect with a sub-agent")
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert (workspace / "sub.txt").read_text() == "listed\n"  # the sub-agent's tool ran
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    [spawned] = [
+        e["item"]
+        for e in events
+        if e["type"] == "item.completed" and e["item"]["type"] == "collab_tool_call"
+    ]
+    [sub_id] = spawned["receiver_thread_ids"]  # Codex's id of the sub-agent's thread
+
+    # The namespaced call reached Codex split as it sent it: namespace and name.
+    echoed = {
+        (i.get("namespace"), i["name"])
+        for body in bodies
+        for i in body["input"]
+        if i.get("type") == "function_call"
+    }
+    assert echoed == {("multi_agent_v1", "spawn_agent"), (None, "exec_command")}
+
+    # Two chains: the main agent's calls (three, or four when the sub-agent's report
+    # arrives after its last turn), and the sub-agent's two under its own id (Codex names
+    # its sub-agent only in x-codex-turn-metadata: thread_source, thread_id).
+    nodes = codex_proxy.tree(ex["id"])
+    chains: dict[tuple[str, str], list[int]] = {}
+    for index, node in enumerate(nodes):
+        chains.setdefault((node["class"], node["agent_id"]), []).append(index)
+    assert set(chains) == {("main.task", "main"), ("sub.task", sub_id)}, chains
+    main, sub = chains[("main.task", "main")], chains[("sub.task", sub_id)]
+    assert len(main) in (3, 4) and len(sub) == 2
+    for chain in (main, sub):  # each its own root, each call extending the one before
+        assert [nodes[i]["parent"] for i in chain] == [None, *chain[:-1]]
