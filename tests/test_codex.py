@@ -12,6 +12,7 @@ leave.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -85,12 +86,15 @@ def bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 
 def run_codex(
-    binary: Path, ex: dict, home: Path, workspace: Path, task: str
+    binary: Path, ex: dict, home: Path, workspace: Path, task: str, config: str = ""
 ) -> subprocess.CompletedProcess[str]:
+    """``codex exec`` of ``task`` against the execution ``ex``; ``config``: more top-level
+    ``config.toml`` lines."""
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True)
     (codex_home / "config.toml").write_text(
-        f"""model = "tiny"
+        config
+        + f"""model = "tiny"
 model_provider = "qwengyre"
 check_for_update_on_startup = false
 
@@ -212,27 +216,31 @@ SUB_AGENT_SCRIPT = {
 }
 
 
-@pytest.fixture
-def codex_proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
-    """The proxy with Codex's request-class rules, scripted for a sub-agent."""
+@contextlib.contextmanager
+def codex_proxy(tmp_path: Path, model_dir: Path, script: dict) -> Iterator[Running]:
+    """The proxy with Codex's request-class rules, its engine scripted with ``script``
+    (Codex's own prompt, ~17k tokens with the tiny tokenizer, is far longer than the
+    tiny model's window; the scripted engine does not care)."""
     from transformers import AutoTokenizer
 
     from qwengyre.proxy.classes import load_rule_set
 
-    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), SUB_AGENT_SCRIPT)
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(model_dir), script)
     rules = load_rule_set("codex")
-    yield from start(
-        tmp_path, tiny_model_dir, engines=[engine], max_context=1_000_000, classes=rules
-    )
+    serving = contextlib.contextmanager(start)
+    with serving(tmp_path, model_dir, engines=[engine], max_context=1_000_000, classes=rules) as p:
+        yield p
 
 
 def test_a_codex_sub_agent_is_recorded_as_its_own_sub_task_chain(
-    codex_bin: Path, codex_proxy: Running, bodies: list[dict], tmp_path: Path
+    codex_bin: Path, tiny_model_dir: Path, bodies: list[dict], tmp_path: Path
 ) -> None:
-    ex = codex_proxy.new_execution()
     home, workspace = tmp_path / "home", tmp_path / "ws"
     workspace.mkdir()
-    done = run_codex(codex_bin, ex, home, workspace, "Inspect with a sub-agent")
+    with codex_proxy(tmp_path, tiny_model_dir, SUB_AGENT_SCRIPT) as proxy:
+        ex = proxy.new_execution()
+        done = run_codex(codex_bin, ex, home, workspace, "Inspect with a sub-agent")
+        nodes = proxy.tree(ex["id"])
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     assert (workspace / "sub.txt").read_text() == "listed\n"  # the sub-agent's tool ran
     events = [json.loads(line) for line in done.stdout.splitlines()]
@@ -255,7 +263,6 @@ def test_a_codex_sub_agent_is_recorded_as_its_own_sub_task_chain(
     # Two chains: the main agent's calls (three, or four when the sub-agent's report
     # arrives after its last turn), and the sub-agent's two under its own id (Codex names
     # its sub-agent only in x-codex-turn-metadata: thread_source, thread_id).
-    nodes = codex_proxy.tree(ex["id"])
     chains: dict[tuple[str, str], list[int]] = {}
     for index, node in enumerate(nodes):
         chains.setdefault((node["class"], node["agent_id"]), []).append(index)
@@ -264,3 +271,36 @@ def test_a_codex_sub_agent_is_recorded_as_its_own_sub_task_chain(
     assert len(main) in (3, 4) and len(sub) == 2
     for chain in (main, sub):  # each its own root, each call extending the one before
         assert [nodes[i]["parent"] for i in chain] == [None, *chain[:-1]]
+
+
+COMPACTION_SCRIPT = {
+    "main.task": ["Saying hi." + tool_call("exec_command", {"cmd": "echo hi"}), "Done: said hi."],
+    "main.summary": ["Summary: said hi with the shell."],
+    "default": ["ok"],
+}
+
+
+def test_a_codex_auto_compaction_is_recorded_as_a_main_summary_and_a_new_root(
+    codex_bin: Path, tmp_path: Path, tiny_model_dir: Path, bodies: list[dict]
+) -> None:
+    """Codex compacts mid-turn once the usage it is told passes its limit (its own prompt
+    is ~17.3k tokens with the tiny tokenizer: a limit of 17k compacts after the first
+    call). The compaction request (``request_kind: compaction``, no tools) is the main
+    agent's summary; the turn then goes on from the summary, a new root."""
+    home, workspace = tmp_path / "home", tmp_path / "ws"
+    workspace.mkdir()
+    with codex_proxy(tmp_path, tiny_model_dir, COMPACTION_SCRIPT) as proxy:
+        ex = proxy.new_execution()
+        limit = "model_auto_compact_token_limit = 17000\n"
+        done = run_codex(codex_bin, ex, home, workspace, "Say hi", config=limit)
+        nodes = proxy.tree(ex["id"])
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert [(n["parent"], n["class"]) for n in nodes] == [
+        (None, "main.task"),
+        (None, "main.summary"),
+        (None, "main.task"),
+    ]
+    compaction, after = bodies[1], bodies[2]
+    assert "tools" not in compaction or not compaction["tools"]
+    assert "CONTEXT CHECKPOINT COMPACTION" in json.dumps(compaction["input"][-1])
+    assert "Summary: said hi with the shell." in json.dumps(after["input"])  # goes on from it
