@@ -11,7 +11,8 @@ from typing import Any
 from qwengyre.config import ConfigError, ProxyConfig
 from qwengyre.engines.base import InferenceEngine
 from qwengyre.proxy.classes import RuleSetError, load_rule_set
-from qwengyre.proxy.render import ChatRenderer
+from qwengyre.proxy.parsers import reply_format
+from qwengyre.proxy.render import ChatRenderer, template_text
 from qwengyre.proxy.routing import Router
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.proxy.store import Store
@@ -41,7 +42,8 @@ def build_proxy(
     (more can be registered later); the admin token is generated when None. The caller
     sets :attr:`~ProxyServer.base_url` once it knows where the proxy listens. Calls are
     classified by the rule set ``settings.classes`` names (:class:`ConfigError` naming
-    the key if it does not load)."""
+    the key if it does not load); replies are parsed by ``settings.tool_parser`` and
+    ``settings.reasoning_parser`` (``auto``: found in the chat template)."""
     try:
         classes = load_rule_set(settings.classes)
     except RuleSetError as exc:
@@ -53,8 +55,11 @@ def build_proxy(
     router = Router(engine_wait_s=settings.engine_wait_s)
     for preference, engine in enumerate(engines):
         router.register(engine, preference=preference)
+    replies = reply_format(
+        settings.tool_parser, settings.reasoning_parser, template_text(tokenizer)
+    )
     return ProxyServer(
-        ChatRenderer(tokenizer),
+        ChatRenderer(tokenizer, replies),
         router,
         Store(store_dir / STORE_FILE),
         model=model.name,
