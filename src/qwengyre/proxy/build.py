@@ -11,8 +11,7 @@ from typing import Any
 from qwengyre.config import ConfigError, ProxyConfig
 from qwengyre.engines.base import InferenceEngine
 from qwengyre.proxy.classes import RuleSetError, load_rule_set
-from qwengyre.proxy.parsers import reply_format
-from qwengyre.proxy.render import ChatRenderer, template_text
+from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.routing import Router
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.proxy.store import Store
@@ -55,11 +54,8 @@ def build_proxy(
     router = Router(engine_wait_s=settings.engine_wait_s)
     for preference, engine in enumerate(engines):
         router.register(engine, preference=preference)
-    replies = reply_format(
-        settings.tool_parser, settings.reasoning_parser, template_text(tokenizer)
-    )
     return ProxyServer(
-        ChatRenderer(tokenizer, replies),
+        ChatRenderer(tokenizer, settings.tool_parser, settings.reasoning_parser),
         router,
         Store(store_dir / STORE_FILE),
         model=model.name,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from qwengyre.proxy.parsers import AUTO, ReplyFormat, reply_format
+from qwengyre.proxy.parsers import AUTO, PROBE_REASONING, ReplyFormat, reply_format
 from qwengyre.proxy.types import Message, ToolCall, ToolSpec
 
 if TYPE_CHECKING:
@@ -29,24 +29,22 @@ _PLACEHOLDER = "\u2063qwengyre-placeholder\u2063"
 _TAIL_TOKENS = 8  # ample for "<|im_start|>assistant\n<think>\n"
 
 
-def template_text(tokenizer: PreTrainedTokenizerBase) -> str:
-    """The tokenizer's chat template(s) as one text (empty if it has none)."""
-    template = tokenizer.chat_template
-    if isinstance(template, dict):
-        return "\n".join(str(t) for t in template.values())
-    return template or ""
-
-
 class ChatRenderer:
-    """Renders conversations with the model's own chat template; ``replies`` is how the
-    model writes its replies (its tool-call and reasoning parsers: by default those
-    :func:`~qwengyre.proxy.parsers.detect` finds in the template)."""
+    """Renders conversations with the model's own chat template; :attr:`replies` is how
+    the model writes its replies: the tool-call and reasoning parsers named (by the
+    registries' names, :mod:`qwengyre.proxy.parsers`; ``auto``: those
+    :func:`~qwengyre.proxy.parsers.detect` finds in what the template renders for a
+    probe turn). ValueError naming the allowed values for an unknown name."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, replies: ReplyFormat | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        tool_parser: str = AUTO,
+        reasoning_parser: str = AUTO,
     ) -> None:
         self.tokenizer = tokenizer
-        self.replies = replies or reply_format(AUTO, AUTO, template_text(tokenizer))
+        probe = self.render(*_probe(), generation_prompt=False)
+        self.replies: ReplyFormat = reply_format(tool_parser, reasoning_parser, probe)
         self.local = self.check_locality()
 
     def render(
@@ -177,3 +175,12 @@ class IncrementalDecoder:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         assert isinstance(text, str)
         return text
+
+
+def _probe() -> tuple[list[Message], list[ToolSpec]]:
+    """A turn with reasoning and a tool call, for :func:`~qwengyre.proxy.parsers.detect`
+    to read the template's formats from how it renders them."""
+    call = ToolCall("c1", "f", {"x": 1})
+    turn = Message("assistant", "one", (call,), reasoning=PROBE_REASONING)
+    tools = [ToolSpec("f", "a tool", {"type": "object", "properties": {"x": {}}})]
+    return [Message("user", "first"), turn], tools

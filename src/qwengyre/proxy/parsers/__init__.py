@@ -33,6 +33,7 @@ from qwengyre.proxy.types import ToolSpec
 __all__ = [
     "AUTO",
     "NO_REASONING",
+    "PROBE_REASONING",
     "REASONING_PARSERS",
     "TOOL_PARSERS",
     "ParsedCall",
@@ -63,14 +64,20 @@ REASONING_PARSERS: Final[Mapping[str, ReasoningParser]] = MappingProxyType(
 )
 
 
-def detect(template: str) -> tuple[str, str]:
-    """(tool parser, reasoning parser) names for a chat template's text: one that
-    renders ``<function=`` calls is ``qwen3_coder``, any other ``hermes`` (the JSON
-    ``<tool_call>`` blocks of Qwen2.5 / Qwen3 and this package's tiny model); one that
-    renders ``reasoning_content`` or ``<think>`` reasons as ``qwen3``, any other
-    ``none``."""
-    tools = "qwen3_coder" if "<function=" in template else "hermes"
-    reasoning = "qwen3" if "reasoning_content" in template or "<think>" in template else "none"
+PROBE_REASONING: Final = "\u2063qwengyre-probe-reasoning\u2063"
+"""The reasoning of the probe turn :func:`detect` reads (``ChatRenderer`` renders it)."""
+
+
+def detect(probe: str) -> tuple[str, str]:
+    """(tool parser, reasoning parser) names for a chat template, from what it renders
+    for a probe conversation whose last turn is an assistant's with a tool call and
+    :data:`PROBE_REASONING` as its ``reasoning_content``: a template that writes the
+    call as ``<function=`` is ``qwen3_coder``'s, any other ``hermes``' (the JSON
+    ``<tool_call>`` blocks of Qwen2.5 / Qwen3 and the tiny model's default template);
+    one that keeps the reasoning or writes ``<think>`` reasons as ``qwen3``, any other
+    not at all (``none``)."""
+    tools = "qwen3_coder" if "<function=" in probe else "hermes"
+    reasoning = "qwen3" if PROBE_REASONING in probe or "<think>" in probe else NO_REASONING
     return tools, reasoning
 
 
@@ -144,11 +151,11 @@ class ReplyStream:
         return Shown(reasoning, self._tools.feed(content) if content else "")
 
 
-def reply_format(tool_parser: str, reasoning_parser: str, template: str) -> ReplyFormat:
-    """The parsers named (``auto``: :func:`detect`\\ ed from ``template``; reasoning
-    ``none``: no reasoning parser); ValueError naming the allowed values for an
-    unknown name."""
-    detected = detect(template)
+def reply_format(tool_parser: str, reasoning_parser: str, probe: str) -> ReplyFormat:
+    """The parsers named (``auto``: :func:`detect`\\ ed from the template's ``probe``
+    rendering; reasoning ``none``: no reasoning parser); ValueError naming the allowed
+    values for an unknown name."""
+    detected = detect(probe)
     tools = detected[0] if tool_parser == AUTO else tool_parser
     reasoning = detected[1] if reasoning_parser == AUTO else reasoning_parser
     if tools not in TOOL_PARSERS:
