@@ -20,9 +20,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Cached under ``$QWENGYRE_CACHE`` if set, else next to pytest's base temp dir (the parent
     of each xdist worker's base temp), so all workers of a session reuse one build.
     """
+    return cached_tiny_model("test", cache_dir=_model_cache(tmp_path_factory))
+
+
+@pytest.fixture(scope="session")
+def coder_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "test"-size tiny model with the Qwen3-Coder-style chat template (XML tool
+    calls, ``<think>`` reasoning), cached as :func:`tiny_model_dir`."""
+    return cached_tiny_model(
+        "test", cache_dir=_model_cache(tmp_path_factory), template="qwen3-coder"
+    )
+
+
+def _model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("QWENGYRE_CACHE")
-    cache_dir = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
-    return cached_tiny_model("test", cache_dir=cache_dir)
+    return Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
 
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"

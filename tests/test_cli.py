@@ -84,6 +84,23 @@ def test_model_init_tiny_untied_builds_a_separate_lm_head(
     assert weights["lm_head.weight"].shape == weights["model.embed_tokens.weight"].shape
 
 
+def test_model_init_tiny_template_builds_the_qwen3_coder_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    from transformers import AutoTokenizer
+
+    from qwengyre.cli import main
+
+    target = tmp_path / "m"
+    args = ["model", "init-tiny", str(target), "--size", "test", "--template", "qwen3-coder"]
+    assert main(args) == 0
+    assert "qwen3-coder template" in capsys.readouterr().out
+    template = AutoTokenizer.from_pretrained(target).chat_template
+    assert "<function=" in template and "reasoning_content" in template
+    bad = run("model", "init-tiny", str(tmp_path / "n"), "--template", "mistral")
+    assert bad.returncode != 0 and "qwen3-coder" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_model_export_writes_the_latest_checkpoint_of_a_run_as_an_hf_model(
     tmp_path: Path, tiny_model_dir: Path
 ):

@@ -18,7 +18,7 @@ Properties: never a 5xx; every error is JSON in the path's API error shape (the 
 API's is Anthropic's); every 200 is valid UTF-8 JSON, or an SSE stream whose data lines
 are (and which ends as the API ends it); a refused call records nothing and a
 completed model call records one node; nothing is logged with a traceback; tool calls
-reach the client exactly as :func:`parse_reply` read them.
+reach the client exactly as the hermes parser reads them.
 
 The searches are derandomized (no example database) so CI sees the same examples every
 run; each cause the issue measured also has an explicit regression test at the end of
@@ -45,7 +45,7 @@ from transformers import AutoTokenizer
 
 from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy import jsonsafe
-from qwengyre.proxy.render import parse_reply
+from qwengyre.proxy.parsers import TOOL_PARSERS
 from test_proxy_server import ADMIN, TOOLS_ANTHROPIC, TOOLS_OPENAI, Running, start
 
 pytestmark = pytest.mark.slow
@@ -619,7 +619,7 @@ def test_any_model_reply_is_answered_with_valid_json_and_lossless_tool_calls(
     decoded = tokenizer.decode(
         tokenizer.encode(reply, add_special_tokens=False), skip_special_tokens=True
     )
-    expected = [arguments for _, arguments in parse_reply(decoded)[1]]
+    expected = [arguments for _, arguments in TOOL_PARSERS["hermes"].parse(decoded)[1]]
     assert _tool_arguments(answered, api, stream) == expected
 
 

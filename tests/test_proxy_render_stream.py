@@ -1,4 +1,5 @@
-"""Streaming a reply's text: IncrementalDecoder and ReplyStream (proxy/render.py)."""
+"""Streaming a reply's text: IncrementalDecoder (proxy/render.py) and the hermes parser's
+ToolCallStream (proxy/parsers/base.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from qwengyre.proxy.render import IncrementalDecoder, ReplyStream, cut_at_stop, parse_reply
+from qwengyre.proxy.parsers import TOOL_PARSERS, cut_at_stop
+from qwengyre.proxy.render import IncrementalDecoder
+
+HERMES = TOOL_PARSERS["hermes"]
 
 T = TypeVar("T")
 
@@ -79,7 +83,7 @@ def test_decoder_window_stays_small(tokenizer: PreTrainedTokenizerBase) -> None:
     assert len(decoder._window) <= 2
 
 
-# ---------------------------------------------------------------------------- ReplyStream
+# ------------------------------------------------------------------------ ToolCallStream
 
 CALL = '{"name": "f", "arguments": {"x": 1}}'
 CALL2 = '{"name": "g", "arguments": "{\\"y\\": [1, 2]}"}'  # arguments encoded twice
@@ -117,15 +121,15 @@ texts = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=3), max_size=24).
 
 
 def reference(full: str, stops: Sequence[str]) -> tuple[str, list[Any], str | None]:
-    """What a whole reply gives (the recorder's rule): parse_reply of ``full`` cut
+    """What a whole reply gives (the recorder's rule): the hermes parser's parse of ``full`` cut
     before its first stop string (earliest, then listed)."""
     cut, stop = cut_at_stop(full, stops)
-    text, calls = parse_reply(cut)
+    text, calls = HERMES.parse(cut)
     return text, calls, stop
 
 
 def stream(full_chunks: Sequence[str], stops: Sequence[str]) -> tuple[list[str], Any]:
-    reply = ReplyStream(stops)
+    reply = HERMES.stream(stops)
     shown = [reply.feed(chunk) for chunk in full_chunks]
     return shown, reply.finish()
 
@@ -158,7 +162,7 @@ def test_reply_stream_holds_back_nothing_else(full: str, data: st.DataObject) ->
 
 
 def test_text_before_a_call_is_shown_before_the_call_closes() -> None:
-    reply = ReplyStream(())
+    reply = HERMES.stream(())
     assert reply.feed("  Let me look.") == "Let me look."
     assert reply.feed("\n<tool") == ""
     assert reply.feed("_call>\n" + CALL[:10]) == ""
@@ -168,7 +172,7 @@ def test_text_before_a_call_is_shown_before_the_call_closes() -> None:
 
 
 def test_a_held_tag_prefix_is_released_when_it_is_not_a_tag() -> None:
-    reply = ReplyStream(())
+    reply = HERMES.stream(())
     assert reply.feed("a <too") == "a"
     assert reply.feed("th") == " <tooth"
     assert reply.feed("<tool_call>{bad}") == ""
@@ -177,7 +181,7 @@ def test_a_held_tag_prefix_is_released_when_it_is_not_a_tag() -> None:
 
 
 def test_trailing_whitespace_waits_for_text() -> None:
-    reply = ReplyStream(())
+    reply = HERMES.stream(())
     assert [reply.feed(t) for t in ["\n", "one", " \n", "two", "\n\n"]] == [
         "",
         "one",
@@ -189,7 +193,7 @@ def test_trailing_whitespace_waits_for_text() -> None:
 
 
 def test_stop_strings_cut_and_hold_only_what_may_match() -> None:
-    reply = ReplyStream(["\nUser:", "END"])
+    reply = HERMES.stream(["\nUser:", "END"])
     assert reply.feed("Hi there\nUs") == "Hi there"
     assert reply.feed("ually fine. EN") == "\nUsually fine."
     assert reply.feed("D and more <tool_call>" + CALL + "</tool_call>") == ""
@@ -197,15 +201,15 @@ def test_stop_strings_cut_and_hold_only_what_may_match() -> None:
 
 
 def test_the_first_listed_stop_string_wins_at_one_position() -> None:
-    reply = ReplyStream(["abc", "ab"])
+    reply = HERMES.stream(["abc", "ab"])
     assert reply.feed("x ab") == "x"
     assert reply.feed("c") == ""
     assert reply.finish() == ("", "x", [], "abc")
-    assert ReplyStream(["abc", "ab"]).finish() == ("", "", [], None)
+    assert HERMES.stream(["abc", "ab"]).finish() == ("", "", [], None)
 
 
 def test_a_stop_string_inside_a_call_cuts_it_into_text() -> None:
-    reply = ReplyStream(['"x"'])
+    reply = HERMES.stream(['"x"'])
     assert reply.feed("ok <tool_call>" + CALL + "</tool_call>") == "ok"
     assert reply.finish() == (
         ' <tool_call>{"name": "f", "arguments": {',

@@ -398,6 +398,27 @@ def test_untied_model_has_its_own_lm_head_and_stays_untied(tmp_path: Path) -> No
         build_tiny_model(tmp_path / "bad", "test", tie_embeddings=cast(Any, "no"))
 
 
+def test_unknown_template_is_rejected_naming_the_known_ones(tmp_path: Path) -> None:
+    bad: Any = "llama"
+    with pytest.raises(ValueError, match=r"'llama'.*'qwen3'.*'qwen3-coder'"):
+        build_tiny_model(tmp_path / "m", "test", template=bad)
+    with pytest.raises(ValueError, match="'llama'"):
+        cached_tiny_model("test", cache_dir=tmp_path / "cache", template=bad)
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_template_model_is_cached_apart_and_differs_only_in_its_template(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "cache"
+    plain = cached_tiny_model("test", 0, cache)
+    coder = cached_tiny_model("test", 0, cache, template="qwen3-coder")
+    assert coder != plain and "qwen3-coder" in coder.name and "coder" not in plain.name
+    assert _file_bytes(coder) == _file_bytes(plain)  # weights and tokenizer
+    template = (coder / "chat_template.jinja").read_text()
+    assert template != (plain / "chat_template.jinja").read_text() and "<function=" in template
+
+
 def test_untied_model_is_cached_apart_from_the_tied_one(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     tied = cached_tiny_model("test", 0, cache)

@@ -23,7 +23,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from qwengyre import __version__
 from qwengyre.config import (
@@ -34,6 +34,7 @@ from qwengyre.config import (
     load_config,
     retarget,
 )
+from qwengyre.types import TinyTemplate
 
 USER_ERRORS = (ConfigError, ValueError, OSError)
 """Exceptions that describe bad input rather than a bug in qwengyre."""
@@ -385,13 +386,15 @@ def cmd_model_init_tiny(args: argparse.Namespace) -> int:
             seed=args.seed,
             tie_embeddings=not args.untied,
             overwrite=args.force,
+            template=args.template,
         )
     except FileExistsError:  # the library's advice names its argument, not the flag
         raise ValueError(
             f"{args.dir} is not empty: pick another directory, or pass --force to write over it"
         ) from None
     kind = "untied" if args.untied else "tied"
-    print(f"built the {args.size} tiny model ({kind} embeddings) in {out}")
+    what = f"{kind} embeddings, {args.template} template"
+    print(f"built the {args.size} tiny model ({what}) in {out}")
     return 0
 
 
@@ -669,6 +672,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--untied",
         action="store_true",
         help="give lm_head its own weight instead of sharing the input embedding's",
+    )
+    tiny.add_argument(
+        "--template",
+        choices=list(get_args(TinyTemplate)),
+        default="qwen3",
+        help="chat template: qwen3 (hermes <tool_call>{json} calls) or qwen3-coder (XML"
+        " <function=...> calls, <think> reasoning)",
     )
     tiny.set_defaults(func=cmd_model_init_tiny)
     export = model_sub.add_parser(

@@ -39,6 +39,9 @@ Supply = Literal["in_hand", "ready"]
 Dispatch = Literal["boundary", "continuous"]
 EngineBackend = Literal["embedded", "vllm", "sglang"]
 TrainerBackendName = Literal["fsdp2"]  # qwengyre.training.backend.TRAINER_BACKENDS
+# auto + qwengyre.proxy.parsers.TOOL_PARSERS; auto, none + REASONING_PARSERS
+ToolParserName = Literal["auto", "hermes", "qwen3_coder"]
+ReasoningParserName = Literal["auto", "none", "qwen3", "deepseek_r1"]
 Variant = Literal["default", "token_sum", "per_trajectory_clip"]
 """The execution-level objective's variants (:mod:`qwengyre.training.objective`)."""
 Placement = Literal["local", "ray"]
@@ -480,6 +483,18 @@ class ProxyConfig(_Section):
         description="the request-class rules of the harness behind the proxy: a built-in"
         " rule set (claude-code, codex, opencode, qwen-code) or a YAML file of one's own"
         " (docs/harnesses.md, Request classes)",
+    )
+    tool_parser: ToolParserName = Field(
+        "auto",
+        description="how the model writes tool calls, by vLLM's --tool-call-parser names:"
+        " hermes (<tool_call>{json}</tool_call>), qwen3_coder (<function=...> XML); auto:"
+        " found in the chat template (docs/harnesses.md, Model reply formats)",
+    )
+    reasoning_parser: ReasoningParserName = Field(
+        "auto",
+        description="how the model writes its reasoning, by vLLM's --reasoning-parser"
+        " names: qwen3, deepseek_r1 (<think>...</think>); none: no reasoning; auto: qwen3"
+        " when the chat template renders reasoning_content or <think>, else none",
     )
 
     @field_validator("classes")

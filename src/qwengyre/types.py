@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Literal
 
 TinySize = Literal["test", "demo"]
+TinyTemplate = Literal["qwen3", "qwen3-coder"]
 """The built-in tiny model's sizes (:mod:`qwengyre.models.tiny`, ``model.tiny_size``)."""
 
 

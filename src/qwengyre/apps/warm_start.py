@@ -91,7 +91,8 @@ import torch
 from qwengyre.engines.base import GenerateResult
 from qwengyre.models.tiny import default_cache_dir, quiet_progress_bars
 from qwengyre.proxy import openai_api
-from qwengyre.proxy.render import ChatRenderer, parse_reply
+from qwengyre.proxy.parsers import TOOL_PARSERS
+from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.tito import ExecutionRecorder
 from qwengyre.rollout.toy_harness import (
     SUBAGENT_HEADER,
@@ -267,8 +268,9 @@ def ideal_episode(renderer: ChatRenderer, problem: ToyProblem) -> Episode:
 
 
 def written_answer(text: str) -> str | None:
-    """What a decoded reply's last ``write_file`` to answer.txt writes (None: nothing)."""
-    _, calls = parse_reply(text)
+    """What a decoded reply's last ``write_file`` to answer.txt writes (None: nothing);
+    the reply is in the tiny model's (hermes) tool-call format."""
+    _, calls = TOOL_PARSERS["hermes"].parse(text)
     written = [
         args.get("content")
         for name, args in calls

@@ -2,7 +2,8 @@
 
 Nothing here touches the network: the tokenizer is a byte-level BPE trained with the
 ``tokenizers`` library on ``corpus.txt`` (shipped with the package), the chat template is
-``chat_template.jinja`` (also shipped), and the weights are a seeded random init of a Qwen3
+one of :data:`TEMPLATES` (also shipped: Qwen3's hermes tool calls, or Qwen3-Coder's XML
+tool calls with ``<think>`` reasoning), and the weights are a seeded random init of a Qwen3
 (or, on older transformers, Qwen2) architecture, with the output layer tied to the input
 embedding (as Qwen3-0.6B) or, on request, a separate one (as Qwen3-8B and larger).
 """
@@ -32,13 +33,14 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from tokenizers.trainers import BpeTrainer
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from qwengyre.types import TinySize
+from qwengyre.types import TinySize, TinyTemplate
 
 __all__ = [
     "ENDOFTEXT",
     "IM_END",
     "IM_START",
     "SPECIAL_TOKENS",
+    "TEMPLATES",
     "TINY_SIZES",
     "TinyModelSpec",
     "build_tiny_model",
@@ -114,7 +116,15 @@ SPECIAL_TOKENS: Final = _CONTROL_TOKENS + _MARKUP_TOKENS
 
 _PACKAGE: Final = "qwengyre.models"
 _CORPUS_FILE: Final = "corpus.txt"
-_TEMPLATE_FILE: Final = "chat_template.jinja"
+TEMPLATES: Final[MappingProxyType[str, str]] = MappingProxyType(
+    {
+        # ChatML with hermes tool calls (<tool_call>{json}</tool_call>), as Qwen2.5 / Qwen3.
+        "qwen3": "chat_template.jinja",
+        # Qwen3-Coder's XML tool calls (<function=NAME><parameter=ARG>) and <think> reasoning.
+        "qwen3-coder": "chat_template_qwen3_coder.jinja",
+    }
+)
+"""The chat templates a tiny model may have, by name: the package resource of each."""
 _DONE_MARKER: Final = ".qwengyre-tiny-model.json"
 
 # The weight init draws from torch's global RNG (transformers offers no generator argument),
@@ -124,6 +134,16 @@ _SEEDED_INIT_LOCK: Final = threading.Lock()
 
 def _resource_bytes(name: str) -> bytes:
     return resources.files(_PACKAGE).joinpath(name).read_bytes()
+
+
+def _template(name: str) -> bytes:
+    try:
+        return _resource_bytes(TEMPLATES[name])
+    except (KeyError, TypeError):
+        allowed = ", ".join(repr(t) for t in TEMPLATES)
+        raise ValueError(
+            f"unknown tiny model template {name!r}; expected one of {allowed}"
+        ) from None
 
 
 def _spec(size: str) -> TinyModelSpec:
@@ -176,7 +196,7 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _make_tokenizer(spec: TinyModelSpec) -> PreTrainedTokenizerFast:
+def _make_tokenizer(spec: TinyModelSpec, template: str) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(spec.vocab_size),
         bos_token=None,  # Qwen style: nothing is prepended when encoding
@@ -186,7 +206,7 @@ def _make_tokenizer(spec: TinyModelSpec) -> PreTrainedTokenizerFast:
         model_max_length=spec.max_position_embeddings,
         clean_up_tokenization_spaces=False,
         padding_side="right",
-        chat_template=_resource_bytes(_TEMPLATE_FILE).decode("utf-8"),
+        chat_template=_template(template).decode("utf-8"),
     )
 
 
@@ -226,6 +246,7 @@ def build_tiny_model(
     *,
     tie_embeddings: bool = True,
     overwrite: bool = False,
+    template: TinyTemplate = "qwen3",
 ) -> Path:
     """Build a tiny random causal LM (weights, tokenizer, chat template) into ``out_dir``.
 
@@ -242,11 +263,13 @@ def build_tiny_model(
             (``tie_word_embeddings``); false gives ``lm_head`` its own, independently
             initialised weight, saved as ``lm_head.weight``.
         overwrite: allow building into a non-empty directory.
+        template: a key of :data:`TEMPLATES`, the tokenizer's chat template.
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`, loadable with ``from_pretrained``.
     """
     spec = _spec(size)
+    _template(template)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     if not isinstance(tie_embeddings, bool):
@@ -261,7 +284,7 @@ def build_tiny_model(
         )
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _make_tokenizer(spec)
+    tokenizer = _make_tokenizer(spec, template)
     vocab = tokenizer.get_vocab()
     eos_id, pad_id = vocab[IM_END], vocab[ENDOFTEXT]
     assert len(tokenizer) == spec.vocab_size
@@ -304,7 +327,7 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "qwengyre" / "models"
 
 
-def _cache_key(size: str, seed: int, tie_embeddings: bool) -> str:
+def _cache_key(size: str, seed: int, tie_embeddings: bool, template: str) -> str:
     h = hashlib.sha256()
     parts: list[bytes] = [
         str(_BUILDER_VERSION).encode(),
@@ -312,7 +335,8 @@ def _cache_key(size: str, seed: int, tie_embeddings: bool) -> str:
         str(seed).encode(),
         str(tie_embeddings).encode(),
         _resource_bytes(_CORPUS_FILE),
-        _resource_bytes(_TEMPLATE_FILE),
+        template.encode(),
+        _template(template),
         Path(__file__).read_bytes(),
         transformers.__version__.encode(),
         tokenizers.__version__.encode(),
@@ -330,26 +354,34 @@ def cached_tiny_model(
     cache_dir: str | Path | None = None,
     *,
     tie_embeddings: bool = True,
+    template: TinyTemplate = "qwen3",
 ) -> Path:
     """Return the directory of a tiny model, building it into a cache on first use.
 
-    The cache entry is keyed by size, seed, ``tie_embeddings`` (see :func:`build_tiny_model`;
-    an untied entry's name says ``untied``) and a hash of everything the build depends on
+    The cache entry is keyed by size, seed, ``tie_embeddings`` and ``template`` (see
+    :func:`build_tiny_model`; an untied entry's name says ``untied``, one with another
+    template than ``qwen3`` names it) and a hash of everything the build depends on
     (sizes table, corpus, template, builder source, library versions). It is built in a
     temporary directory and renamed into place, so concurrent callers (pytest-xdist
     workers) never see a half-written model; a loser of the race discards its copy.
     """
     _spec(size)
+    _template(template)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     untied = "" if tie_embeddings else "-untied"
-    final = root / f"{size}-seed{seed}{untied}-{_cache_key(size, seed, tie_embeddings)}"
+    named = "" if template == "qwen3" else f"-{template}"
+    key = _cache_key(size, seed, tie_embeddings, template)
+    final = root / f"{size}-seed{seed}{untied}{named}-{key}"
     if (final / _DONE_MARKER).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
-        build_tiny_model(tmp, size, seed, tie_embeddings=tie_embeddings, overwrite=True)
+        build_tiny_model(
+            tmp, size, seed, tie_embeddings=tie_embeddings, overwrite=True, template=template
+        )
         marker = {
+            "template": template,
             "size": size,
             "seed": seed,
             "tie_embeddings": tie_embeddings,

@@ -11,7 +11,9 @@ The server uses them through :class:`AnthropicMessages`, this API's
 What real clients send (see ``docs/harnesses.md``) is accepted: unknown top-level fields
 (``thinking``, ``context_management``, ``output_config``, ``metadata``, ...) and
 ``cache_control`` anywhere are ignored; ``role: "system"`` messages may appear inside
-``messages``; ``thinking`` blocks in history are dropped; server tools are skipped.
+``messages``; an assistant's ``thinking`` blocks in history are its reasoning (the
+template renders it where it keeps reasoning), ``redacted_thinking`` blocks are dropped;
+server tools are skipped.
 Images and documents are refused.
 
 Bodies are read by :func:`qwengyre.proxy.jsonsafe.loads`: UTF-8 JSON nested at most
@@ -131,6 +133,11 @@ class _ToolUseBlock(StrictModel):
     input: dict[str, Any]
 
 
+class _ThinkingBlock(StrictModel):
+    type: Literal["thinking"]
+    thinking: str
+
+
 class _ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
@@ -144,12 +151,12 @@ class _ToolParam(StrictModel):
     input_schema: dict[str, Any]
 
 
-# Block types we accept in ``messages[*].content`` (thinking blocks are accepted and dropped).
+# Block types we accept in ``messages[*].content`` (redacted thinking is accepted and dropped).
 _ALLOWED_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-_DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+_DROPPED_BLOCKS = frozenset({"redacted_thinking"})
 _ROLE_BLOCKS: dict[str, frozenset[str]] = {
     "user": frozenset({"text", "tool_result"}),
-    "assistant": frozenset({"text", "tool_use"}),
+    "assistant": frozenset({"text", "tool_use", "thinking"}),
     "system": frozenset({"text"}),
 }
 _MEDIA_BLOCKS = {"image": "images", "document": "documents"}
@@ -256,13 +263,14 @@ def _convert_message(m: _MessageParam, i: int) -> list[Message]:
         raise _invalid(_join_loc(loc), "Input should be a valid string or a list of content blocks")
 
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[ToolCall] = []
     results: list[Message] = []
     for j, block in enumerate(m.content):
         bloc = (*loc, j)
         btype = _block_type(block, bloc)
-        if btype in _DROPPED_BLOCKS:
-            continue
+        if btype in _DROPPED_BLOCKS or (btype == "thinking" and m.role != "assistant"):
+            continue  # reasoning is an assistant's; elsewhere it is dropped, as before
         if btype not in _ALLOWED_BLOCKS:
             raise _unsupported_block(btype, bloc, _ALLOWED_BLOCKS)
         if btype not in _ROLE_BLOCKS[m.role]:
@@ -273,6 +281,8 @@ def _convert_message(m: _MessageParam, i: int) -> list[Message]:
             )
         if btype == "text":
             texts.append(_validate(_TextBlock, block, bloc).text)
+        elif btype == "thinking":
+            thoughts.append(_validate(_ThinkingBlock, block, bloc).thinking)
         elif btype == "tool_use":
             tu = _validate(_ToolUseBlock, block, bloc)
             calls.append(ToolCall(id=tu.id, name=tu.name, arguments=tu.input))
@@ -282,7 +292,14 @@ def _convert_message(m: _MessageParam, i: int) -> list[Message]:
             results.append(Message(role="tool", content=text, tool_call_id=tr.tool_use_id))
 
     if m.role == "assistant":
-        return [Message(role="assistant", content="\n\n".join(texts), tool_calls=tuple(calls))]
+        return [
+            Message(
+                role="assistant",
+                content="\n\n".join(texts),
+                tool_calls=tuple(calls),
+                reasoning="\n\n".join(thoughts),
+            )
+        ]
     if results and not texts:
         return results
     return [*results, Message(role="user", content="\n\n".join(texts))]
@@ -417,10 +434,18 @@ def _message_id(c: Completion) -> str:
 
 def _content(c: Completion) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
+    if c.reasoning:
+        blocks.append(_thinking_block(c.reasoning))
     if c.text or not c.tool_calls:
         blocks.append({"type": "text", "text": c.text})
     blocks.extend(_tool_use_block(call) for call in c.tool_calls)
     return blocks
+
+
+def _thinking_block(thinking: str) -> dict[str, Any]:
+    """A ``thinking`` block; its signature is empty (the proxy signs nothing, and it
+    reads a thinking block sent back by its text alone)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
 
 
 def _tool_use_block(call: ToolCall) -> dict[str, Any]:
@@ -461,6 +486,8 @@ def stream_events(c: Completion, chunk_chars: int = 64) -> Iterator[bytes]:
     characters (tool input goes in ``input_json_delta`` chunks of as many)."""
     events = MessageStream(_message_id(c), c.model, c.input_tokens, chunk_chars=chunk_chars)
     yield from split_events(events.start())
+    for piece in pieces(c.reasoning, chunk_chars):
+        yield from split_events(events.reasoning(piece))
     for piece in pieces(c.text, chunk_chars):
         yield from split_events(events.text(piece))
     yield from split_events(events.finish(c))
@@ -470,14 +497,16 @@ class MessageStream:
     """The SSE events of one streamed message, made as its text arrives.
 
     Call :meth:`start` first (``message_start``: empty content, ``output_tokens`` 1),
-    then :meth:`text` with each new piece of text and :meth:`ping` at will, then
-    :meth:`finish` once with the completion, whose ``text`` must be the pieces given
-    to :meth:`text`, concatenated. Each content block goes as ``content_block_start``,
+    then :meth:`reasoning` with each new piece of reasoning, :meth:`text` with each new
+    piece of text (reasoning first) and :meth:`ping` at will, then :meth:`finish` once
+    with the completion, whose ``reasoning`` and ``text`` must be the pieces given to
+    them, concatenated. Each content block goes as ``content_block_start``,
     ``content_block_delta``\\* and ``content_block_stop`` (a ``ping`` follows the first
-    ``content_block_start``, as in the API): the text block opens with the first
-    non-empty text, the ``tool_use`` blocks follow at the end with their input as
-    ``input_json_delta`` pieces of ``chunk_chars`` characters of its compact JSON, and
-    an answer with neither gets an empty text block. Then ``message_delta`` (stop
+    ``content_block_start``, as in the API): a ``thinking`` block opens with the first
+    reasoning (``thinking_delta`` pieces, then an empty ``signature_delta``), the text
+    block opens with the first non-empty text, the ``tool_use`` blocks follow at the end
+    with their input as ``input_json_delta`` pieces of ``chunk_chars`` characters of its
+    compact JSON, and an answer with neither gets an empty text block. Then ``message_delta`` (stop
     reason, stop sequence, final ``output_tokens``) and ``message_stop``. Folding the
     events gives :func:`message_body` of the completion.
     """
@@ -493,6 +522,7 @@ class MessageStream:
         self.chunk_chars = chunk_chars
         self._blocks = 0  # content blocks started
         self._text_open = False
+        self._thinking_open = False
 
     def start(self) -> bytes:
         message: dict[str, Any] = {
@@ -518,12 +548,22 @@ class MessageStream:
         opening = b""
         if not self._text_open:
             self._text_open = True
-            opening = self._open({"type": "text", "text": ""})
+            opening = self._close_thinking() + self._open({"type": "text", "text": ""})
         return opening + self._delta({"type": "text_delta", "text": delta})
+
+    def reasoning(self, delta: str) -> bytes:
+        """The thinking block's next ``thinking_delta`` (nothing for empty reasoning)."""
+        if not delta:
+            return b""
+        opening = b""
+        if not self._thinking_open:
+            self._thinking_open = True
+            opening = self._open(_thinking_block(""))
+        return opening + self._delta({"type": "thinking_delta", "thinking": delta})
 
     def finish(self, c: Completion) -> bytes:
         """The rest of the message: the tool calls, stop reason and usage of ``c``."""
-        out: list[bytes] = []
+        out: list[bytes] = [self._close_thinking()]
         if not self._text_open and not c.tool_calls:
             out.append(self._open({"type": "text", "text": ""}))
             self._text_open = True
@@ -567,6 +607,13 @@ class MessageStream:
             "content_block_delta",
             {"type": "content_block_delta", "index": self._blocks - 1, "delta": delta},
         )
+
+    def _close_thinking(self) -> bytes:
+        """The thinking block's signature and end, if it is open."""
+        if not self._thinking_open:
+            return b""
+        self._thinking_open = False
+        return self._delta({"type": "signature_delta", "signature": ""}) + self._close()
 
     def _close(self) -> bytes:
         return named_event(

@@ -41,7 +41,8 @@ def build_proxy(
     (more can be registered later); the admin token is generated when None. The caller
     sets :attr:`~ProxyServer.base_url` once it knows where the proxy listens. Calls are
     classified by the rule set ``settings.classes`` names (:class:`ConfigError` naming
-    the key if it does not load)."""
+    the key if it does not load); replies are parsed by ``settings.tool_parser`` and
+    ``settings.reasoning_parser`` (``auto``: found in the chat template)."""
     try:
         classes = load_rule_set(settings.classes)
     except RuleSetError as exc:
@@ -54,7 +55,7 @@ def build_proxy(
     for preference, engine in enumerate(engines):
         router.register(engine, preference=preference)
     return ProxyServer(
-        ChatRenderer(tokenizer),
+        ChatRenderer(tokenizer, settings.tool_parser, settings.reasoning_parser),
         router,
         Store(store_dir / STORE_FILE),
         model=model.name,

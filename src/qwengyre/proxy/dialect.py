@@ -23,12 +23,18 @@ from qwengyre.proxy.types import ApiError, ChatRequest, Completion, KnownMessage
 
 class EventStream(Protocol):
     """The SSE events of one streamed answer, made as its text arrives: :meth:`start`
-    (the bytes to send before anything else), :meth:`text` with each new piece of text
-    and :meth:`ping` at will, then :meth:`finish` once with the completion, whose
-    ``text`` is the pieces given to :meth:`text`, concatenated, or :meth:`error` once
-    when the answer failed after the stream started."""
+    (the bytes to send before anything else), :meth:`reasoning` with each new piece of
+    reasoning, then :meth:`text` with each new piece of text (all reasoning comes
+    before any text) and :meth:`ping` at will, then :meth:`finish` once with the
+    completion, whose ``reasoning`` and ``text`` are the pieces given to
+    :meth:`reasoning` and :meth:`text`, concatenated, or :meth:`error` once when the
+    answer failed after the stream started."""
 
     def start(self) -> bytes: ...
+
+    def reasoning(self, delta: str) -> bytes:
+        """The events of the next piece of reasoning (empty: none)."""
+        ...
 
     def ping(self) -> bytes:
         """Keeps the connection busy while nothing else is sent; clients skip it."""

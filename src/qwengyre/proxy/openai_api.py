@@ -182,6 +182,7 @@ class _UserMsg(StrictModel):
 
 class _AssistantMsg(StrictModel):
     content: Any = None
+    reasoning_content: str | None = None
     tool_calls: list[_ToolCallIn] | None = None
     function_call: Any = None
 
@@ -274,7 +275,7 @@ def _parse_message(raw: object, i: int) -> Message:
         for j, tc in enumerate(msg.tool_calls or ())
     )
     content = _content_text(msg.content, cparam, role=role, allow_null=True)
-    return Message("assistant", content, tool_calls=calls)
+    return Message("assistant", content, tool_calls=calls, reasoning=msg.reasoning_content or "")
 
 
 def _check_tool_choice(value: object) -> None:
@@ -476,6 +477,8 @@ def completion_body(c: Completion, created: int, *, logprobs: bool = False) -> d
         "content": None if not c.text and c.tool_calls else c.text,
         "refusal": None,
     }
+    if c.reasoning:
+        message["reasoning_content"] = c.reasoning
     if c.tool_calls:
         message["tool_calls"] = [_tool_call_json(tc) for tc in c.tool_calls]
     lp = (
@@ -534,7 +537,8 @@ def stream_chunks(
     chunk_chars: int = 64,
 ) -> Iterator[bytes]:
     """The SSE body of a streamed answer, event by event: a :class:`ChunkStream` given
-    ``c.text`` in content deltas of ``chunk_chars`` characters or, with ``logprobs``,
+    ``c.reasoning`` in reasoning deltas of ``chunk_chars`` characters, then ``c.text``
+    in content deltas of ``chunk_chars`` characters or, with ``logprobs``,
     of whole tokens while ``c.logprobs`` spell the text (each delta then carries the
     logprobs of its tokens; the rest ride on the final chunk)."""
     events = ChunkStream(
@@ -548,6 +552,8 @@ def stream_chunks(
     deltas, rest = _aligned_pieces(c.text, c.logprobs if logprobs else (), chunk_chars)
     deltas += [(text, []) for text in pieces(rest, chunk_chars)]
     yield from split_events(events.start())
+    for piece in pieces(c.reasoning, chunk_chars):
+        yield from split_events(events.reasoning(piece))
     for text, tokens in deltas:
         yield from split_events(events.text(text, tokens))
     yield from split_events(events.finish(c))
@@ -556,12 +562,14 @@ def stream_chunks(
 class ChunkStream:
     """The SSE body of one streamed answer, made as its text arrives.
 
-    Call :meth:`start`, then :meth:`text` with each new piece of text and :meth:`ping`
-    at will, then :meth:`finish` once with the completion, whose ``text`` must be the
-    pieces given to :meth:`text`, concatenated. The events are ``data:
+    Call :meth:`start`, then :meth:`reasoning` with each new piece of reasoning and
+    :meth:`text` with each new piece of text (reasoning first) and :meth:`ping` at will,
+    then :meth:`finish` once with the completion, whose ``reasoning`` and ``text`` must
+    be the pieces given to them, concatenated. The events are ``data:
     {chat.completion.chunk}`` lines: a role delta (content ``""``, or null for an
     answer of tool calls only, as :func:`completion_body` has it: so it goes out with
-    the first text or at the end, when that is known), content deltas, tool-call deltas
+    the first reasoning or text or at the end, when that is known), ``reasoning_content``
+    deltas (as vLLM and SGLang send them), content deltas, tool-call deltas
     (arguments in pieces of ``chunk_chars`` characters), a final chunk carrying
     ``finish_reason``, with ``include_usage`` the usage chunk with empty ``choices``
     (every other chunk then has ``"usage": null``), and ``data: [DONE]``.
@@ -602,6 +610,13 @@ class ChunkStream:
     def ping(self) -> bytes:
         """An SSE comment: keeps the connection busy, clients skip it."""
         return b": ping\n\n"
+
+    def reasoning(self, delta: str) -> bytes:
+        """A ``reasoning_content`` delta (empty reasoning: nothing); the reasoning's
+        logprobs wait for the next content delta."""
+        if not delta:
+            return b""
+        return self._role("") + self._chunk({"reasoning_content": delta})
 
     def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         """A content delta (empty text: nothing, the logprobs wait for the next one)."""

@@ -39,10 +39,12 @@ What a body's fields become:
   ``prompt_cache_key``, ``client_metadata``, ``service_tier`` and other fields are
   ignored; a ``text.format`` other than ``text`` is refused.
 
-An answer's ``output`` is a ``message`` item (its text: present when the reply has
-text or no tool call) then one ``function_call`` item per call; a streamed answer is
-``response.created``, ``response.in_progress``, the message's events as the text is
-produced (``response.output_item.added``, ``response.content_part.added``,
+An answer's ``output`` is a ``reasoning`` item when the model reasoned (its
+``reasoning_text``, split out by the model's reasoning parser), a ``message`` item (its
+text: present when the reply has text or no tool call), then one ``function_call`` item
+per call; a streamed answer is ``response.created``, ``response.in_progress``, the
+reasoning item's events (``response.reasoning_text.delta``... and ``.done``), the
+message's events as the text is produced (``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta``...), then ``.done`` events, each call's
 ``response.output_item.added``, ``response.function_call_arguments.delta``...,
 ``.done`` and ``response.output_item.done``, and ``response.completed`` (or
@@ -519,6 +521,23 @@ def _text_part(text: str, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
     }
 
 
+def _reasoning_id(response_id: str) -> str:
+    return "rs_" + response_id.removeprefix(OpenAIResponses.id_prefix)
+
+
+def _reasoning_item(response_id: str, text: str, status: str) -> dict[str, Any]:
+    """The model's reasoning as an output item (``reasoning_text`` content, as open
+    models served by vLLM answer; no summary, nothing encrypted)."""
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {
+        "id": _reasoning_id(response_id),
+        "type": "reasoning",
+        "status": status,
+        "summary": [],
+        "content": content,
+    }
+
+
 def _message_item(response_id: str, content: list[dict[str, Any]], status: str) -> dict[str, Any]:
     return {
         "id": _message_id(response_id),
@@ -557,8 +576,9 @@ def _truncated(c: Completion) -> bool:
 
 
 def _output(c: Completion, chat: ChatRequest, response_id: str) -> list[dict[str, Any]]:
-    """The answer's output items: its message (see :func:`_has_message`), then its calls."""
-    out = []
+    """The answer's output items: its reasoning (if any), its message (see
+    :func:`_has_message`), then its calls."""
+    out = [_reasoning_item(response_id, c.reasoning, "completed")] if c.reasoning else []
     if _has_message(c):
         part = _text_part(c.text, c.logprobs if chat.logprobs else ())
         out.append(_message_item(response_id, [part], _item_status(c)))
@@ -625,9 +645,11 @@ def _response_id(c: Completion) -> str:
 class ResponseStream:
     """The SSE events of one streamed response, made as its text arrives.
 
-    Call :meth:`start`, then :meth:`text` with each new piece of text and :meth:`ping`
-    at will, then :meth:`finish` once with the completion, whose ``text`` must be the
-    pieces given to :meth:`text`, concatenated, or :meth:`error` once. Every event is
+    Call :meth:`start`, then :meth:`reasoning` with each new piece of reasoning, then
+    :meth:`text` with each new piece of text, and :meth:`ping` at will, then
+    :meth:`finish` once with the completion, whose ``reasoning`` and ``text`` must be
+    the pieces given to :meth:`reasoning` and :meth:`text`, concatenated, or
+    :meth:`error` once. Reasoning is an output item of its own, before the message. Every event is
     ``event: TYPE`` with ``data: {"type": TYPE, "sequence_number": N, ...}``, N counting
     from 0 (the order is in the module docstring); folding them gives
     :func:`response_body` of the completion.
@@ -656,6 +678,8 @@ class ResponseStream:
         self.chunk_chars = chunk_chars
         self._sequence = 0
         self._text_open = False
+        self._reasoning: list[str] | None = None  # the reasoning item's text, while open
+        self._message_index = 0  # the message item's output_index, once it opens
         self._pending: list[TokenLogprob] = []  # given, not yet sent
         self._items: list[dict[str, Any]] = []  # output items done
 
@@ -669,6 +693,21 @@ class ResponseStream:
     def ping(self) -> bytes:
         """An SSE comment: keeps the connection busy, clients skip it."""
         return b": ping\n\n"
+
+    def reasoning(self, delta: str) -> bytes:
+        """A ``reasoning_text.delta`` (the reasoning item opens with the first one; empty
+        reasoning: nothing)."""
+        if not delta:
+            return b""
+        opened = b""
+        if self._reasoning is None:
+            self._reasoning = []
+            item = _reasoning_item(self.response_id, "", "in_progress")
+            opened = self._event("response.output_item.added", output_index=0, item=item)
+        self._reasoning.append(delta)
+        return opened + self._event(
+            "response.reasoning_text.delta", **self._reasoning_at(), delta=delta
+        )
 
     def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         """An ``output_text.delta`` (the message item opens with the first one; empty
@@ -686,7 +725,7 @@ class ResponseStream:
     def finish(self, c: Completion) -> bytes:
         """The message's ``.done`` events, each call's events, and
         ``response.completed`` (``response.incomplete`` when the budget ran out)."""
-        out: list[bytes] = []
+        out: list[bytes] = [self._close_reasoning()]
         if _has_message(c):
             out.append(self._open_message())
             part = _text_part(c.text, c.logprobs if self.chat.logprobs else ())
@@ -741,17 +780,41 @@ class ResponseStream:
             error=error,
         )
 
+    def _reasoning_at(self) -> dict[str, Any]:
+        return {"item_id": _reasoning_id(self.response_id), "output_index": 0, "content_index": 0}
+
+    def _close_reasoning(self) -> bytes:
+        """The reasoning item's ``.done`` events, once it is open (all reasoning comes
+        before any text)."""
+        if self._reasoning is None:
+            return b""
+        text, self._reasoning = "".join(self._reasoning), None
+        done = self._event("response.reasoning_text.done", **self._reasoning_at(), text=text)
+        return done + self._done(_reasoning_item(self.response_id, text, "completed"))
+
     def _text_at(self) -> dict[str, Any]:
-        return {"item_id": _message_id(self.response_id), "output_index": 0, "content_index": 0}
+        return {
+            "item_id": _message_id(self.response_id),
+            "output_index": self._message_index,
+            "content_index": 0,
+        }
 
     def _open_message(self) -> bytes:
-        """The message item's and its text part's ``added`` events, once."""
+        """The message item's and its text part's ``added`` events, once (after the
+        reasoning item's ``.done`` events, when there is reasoning)."""
         if self._text_open:
             return b""
+        closed = self._close_reasoning()
         self._text_open = True
+        self._message_index = len(self._items)
         item = _message_item(self.response_id, [], "in_progress")
-        return self._event("response.output_item.added", output_index=0, item=item) + self._event(
-            "response.content_part.added", **self._text_at(), part=_text_part("", ())
+        added = self._event(
+            "response.output_item.added", output_index=self._message_index, item=item
+        )
+        return (
+            closed
+            + added
+            + self._event("response.content_part.added", **self._text_at(), part=_text_part("", ()))
         )
 
     def _done(self, item: dict[str, Any]) -> bytes:

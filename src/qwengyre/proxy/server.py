@@ -54,7 +54,7 @@ from qwengyre.proxy.body import BodyMemo, SplitBody, split_whole
 from qwengyre.proxy.dialect import Dialect, ParseWhole
 from qwengyre.proxy.incoming import presented_key, read_body
 from qwengyre.proxy.openai_api import OpenAIChat
-from qwengyre.proxy.render import ChatRenderer, IncrementalDecoder, ReplyStream
+from qwengyre.proxy.render import ChatRenderer, IncrementalDecoder
 from qwengyre.proxy.residency import ExecutionState, Residency
 from qwengyre.proxy.responses_api import OpenAIResponses
 from qwengyre.proxy.routing import NoEngineAvailable, Router
@@ -430,16 +430,19 @@ class ProxyServer:
         )
         writer = SseWriter(call.http, response, events.start())
         decoder = IncrementalDecoder(self.renderer.tokenizer)
-        reply = ReplyStream(call.prepared.stop)
+        prepared = call.prepared
+        reply = self.renderer.replies.stream(
+            prepared.stop, prepared.tools, self.renderer.prompt_tail(prepared.prompt_ids)
+        )
         eos = self.renderer.tokenizer.eos_token_id
 
         async def on_delta(delta: TokenDelta) -> None:
             ids = [t for t in delta.output_ids if t != eos]
-            text = reply.feed(decoder.push(ids))
+            shown = reply.feed(decoder.push(ids))
             # Each token's log-prob rides on the next content delta (the rest on the
             # final chunk), as the recorded completion lists them.
             logprobs = _token_logprobs(self.renderer, delta) if chat.logprobs else None
-            data = events.text(text, logprobs)
+            data = events.reasoning(shown.reasoning) + events.text(shown.text, logprobs)
             if data:
                 await writer.write(data)
 
@@ -460,9 +463,11 @@ class ProxyServer:
         if gone or writer.broken:
             return response  # the node stays undelivered
         try:
-            last = reply.feed(decoder.flush()) + reply.finish()[0]
-            if last:
-                await writer.write(events.text(last))
+            flushed, (last, _) = reply.feed(decoder.flush()), reply.finish()
+            data = events.reasoning(flushed.reasoning + last.reasoning)
+            data += events.text(flushed.text + last.text)
+            if data:
+                await writer.write(data)
             await writer.write(events.finish(recorded.completion))
             await response.write_eof()
         except ConnectionError:

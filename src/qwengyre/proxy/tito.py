@@ -11,9 +11,10 @@ For each call (docs/design.md §3, proxy):
 3. the prompt is that call's recorded context — the engine's own tokens — plus only
    the newly rendered suffix (:meth:`ChatRenderer.suffix_ids`); a call that extends
    nothing is rendered whole and hangs from the root;
-4. after generation, the reply is parsed into text and tool calls (cut at a stop
-   string) and the node is built with incremental input ids, output ids and behaviour
-   log-probs; it joins the tree once the caller has committed it.
+4. after generation, the reply is parsed by the model's parsers into reasoning, text
+   and tool calls (the text cut at a stop string) and the node is built with
+   incremental input ids, output ids and behaviour log-probs; it joins the tree once
+   the caller has committed it.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import secrets
 import string
 from array import array
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from qwengyre.engines.base import GenerateResult
 from qwengyre.proxy.classes import default_rule_set
-from qwengyre.proxy.render import ChatRenderer, cut_at_stop, parse_reply
+from qwengyre.proxy.render import ChatRenderer
 from qwengyre.proxy.types import (
     ChatRequest,
     Completion,
@@ -191,7 +192,7 @@ class ExecutionRecorder:
         if not any(c.id in self.tool_calls for c in message.tool_calls):
             return message
         calls = tuple(self.tool_calls.get(c.id, c) for c in message.tool_calls)
-        return Message(message.role, message.content, calls, message.tool_call_id)
+        return replace(message, tool_calls=calls)
 
     def _classify(
         self, request: ChatRequest, messages: tuple[Message, ...], toolset: str
@@ -299,9 +300,10 @@ class ExecutionRecorder:
         ids = list(result.output_ids)
         body = ids[:-1] if ids and ids[-1] == eos else ids
         decoded = self.renderer.decode(body, skip_special_tokens=True)
-        cut, stop_sequence = cut_at_stop(decoded, call.stop)
-        text, parsed = parse_reply(cut)
-        calls = tuple(ToolCall(new_id(tool_id_prefix), name, args) for name, args in parsed)
+        tail = self.renderer.prompt_tail(call.prompt_ids)
+        parsed = self.renderer.replies.parse(decoded, call.stop, call.tools, tail)
+        text, stop_sequence = parsed.text, parsed.stop
+        calls = tuple(ToolCall(new_id(tool_id_prefix), name, args) for name, args in parsed.calls)
         stop: StopReason
         if calls:
             stop = "tool_use"
@@ -332,7 +334,7 @@ class ExecutionRecorder:
             versions=result.versions,
             meta=meta,
         )
-        reply = Message("assistant", text, calls)
+        reply = Message("assistant", text, calls, reasoning=parsed.reasoning)
         before = 0 if call.parent is None else self.turns[call.parent].length
         increment = (*call.messages[before:], reply)
         turn = Turn(
@@ -353,6 +355,7 @@ class ExecutionRecorder:
             input_tokens=usage["input_tokens"],
             output_tokens=usage["output_tokens"],
             stop_sequence=stop_sequence,
+            reasoning=parsed.reasoning,
             logprobs=tuple(
                 TokenLogprob(str(t), lp) for t, lp in zip(tokens, result.logprobs, strict=True)
             ),

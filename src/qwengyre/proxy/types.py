@@ -36,15 +36,21 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message as chat templates see it."""
+    """One chat message as chat templates see it. ``reasoning``: an assistant turn's
+    reasoning, given to the template as ``reasoning_content`` (a template that keeps it
+    renders it). Messages compare without it: a reply's reasoning is in its recorded
+    tokens, so a harness that sends it back, or leaves it out, extends the same turn."""
 
     role: Role
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    reasoning: str = field(default="", compare=False)
 
     def to_template(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
         if self.tool_calls:
             out["tool_calls"] = [c.to_template() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -115,7 +121,8 @@ class TokenLogprob:
 
 @dataclass(kw_only=True, frozen=True)
 class Completion:
-    """What the model answered, parsed back into text and tool calls."""
+    """What the model answered, parsed back into reasoning (empty: none), text and
+    tool calls."""
 
     id: str
     model: str
@@ -126,6 +133,7 @@ class Completion:
     output_tokens: int
     stop_sequence: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    reasoning: str = ""
 
 
 ErrorKind = Literal[
