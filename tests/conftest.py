@@ -29,6 +29,9 @@ CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 """The real Claude Code CLI the harness tests install with npm (pinned)."""
 QWEN_CODE = "@qwen-code/qwen-code@0.24.4"
 """The real Qwen Code CLI the harness tests install with npm (pinned)."""
+OPENCODE = "opencode-ai@1.18.33"
+"""The real OpenCode CLI the harness tests install with npm (pinned; its platform binary
+comes as an optional dependency)."""
 
 
 def npm_bin(factory: pytest.TempPathFactory, package: str, folder: str, binary: str) -> Path:
@@ -59,6 +62,21 @@ def claude_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return npm_bin(tmp_path_factory, QWEN_CODE, "qwen-code", "qwen")
+
+
+@pytest.fixture(scope="session")
+def opencode_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return npm_bin(tmp_path_factory, OPENCODE, "opencode", "opencode")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "demo"-size tiny model (8192 positions, a 4096-token vocabulary: a harness's
+    prompt takes about half the tokens it takes with the "test" model's), cached as
+    :func:`tiny_model_dir` is."""
+    env = os.environ.get("QWENGYRE_CACHE")
+    cache_dir = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
+    return cached_tiny_model("demo", cache_dir=cache_dir)
 
 
 @pytest.fixture
