@@ -144,3 +144,21 @@ def test_a_rule_set_the_user_names_wins_over_the_harness_s() -> None:
     assert config.proxy.classes == "opencode"
     mine = load_config(None, ["harness.name=opencode", "proxy.classes=mine.yaml"])
     assert mine.proxy.classes == "mine.yaml"
+
+
+def test_train_harness_flag_picks_the_preset_and_checks_its_client(tmp_path: Path) -> None:
+    """``qwengyre train --harness NAME --check``: the preset's argv, or the npm package
+    that is missing; refused together with an override of the same key."""
+    from tests.test_cli import run
+
+    missing = run("train", "--harness", "opencode", "--check", env={"PATH": str(tmp_path)})
+    assert missing.returncode != 0
+    assert "npm install -g opencode-ai, or set QWENGYRE_OPENCODE_BIN" in missing.stderr
+    fake = tmp_path / "qwen"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    found = run("train", "--harness", "qwen-code", "--check", env={QWEN_BIN_ENV: str(fake)})
+    assert found.returncode == 0, found.stderr
+    assert f"harness {fake} --yolo --output-format json" in found.stdout
+    both = run("train", "--harness", "qwen-code", "harness.name=toy", "--check")
+    assert both.returncode != 0 and "--harness and the override harness.name" in both.stderr

@@ -3,7 +3,7 @@ presets (``harness.name=qwen-code`` / ``opencode``): one RL step each, as
 tests/test_train_claude_code.py runs Claude Code.
 
 The npm fixtures (conftest) install the pinned clients, or skip saying why. Each client's
-own prompt is far longer than a tiny model's window (Qwen Code 0.24.4: ~17k tokens with
+own prompt is far longer than a tiny model's window (Qwen Code 0.24.4: ~24.6k tokens with
 the "demo" model's tokenizer, OpenCode 1.18.33: ~10.5k), so the binary the preset runs
 (``$QWENGYRE_QWEN_BIN`` / ``$QWENGYRE_OPENCODE_BIN``) is a wrapper that shortens it with
 the client's own options: a one-line system prompt, the shell tool alone and replies of
