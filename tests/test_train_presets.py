@@ -11,7 +11,8 @@ the client's own options: a one-line system prompt, the shell tool alone and rep
 workspace ``.qwen/settings.json`` hiding its bundled skills; OpenCode: its build agent's
 ``prompt``, ``permission``, the model's output limit and no auto-compaction in
 ``OPENCODE_CONFIG_CONTENT``). Everything else is the preset's: its settings in the
-private home, its flags and environment, the sandbox (``auto``), the proxy's rule set.
+private home, its flags and environment, the sandbox (bubblewrap where it runs), the
+proxy's rule set.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from qwengyre.config import load_config
 from qwengyre.proxy.store import Store
 from qwengyre.records.metrics import read_metrics
 from qwengyre.rollout.harness import OPENCODE_BIN_ENV, QWEN_BIN_ENV
+from qwengyre.rollout.sandbox import SandboxUnavailable, sandbox
 from qwengyre.training.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -83,6 +85,11 @@ def one_step(
     sandbox showing ``exposed``); the run directory and how long it took."""
     from qwengyre.apps.train import TrainOptions, train
 
+    try:  # the harness confined where bubblewrap runs (run unconfined elsewhere)
+        sandbox("bwrap").check()
+        confine = "bwrap"
+    except SandboxUnavailable:
+        confine = "none"
     config = load_config(
         None,
         [
@@ -103,6 +110,7 @@ def one_step(
             "trainer.lr=1e-3",
             "trainer.micro_step_tokens=4096",
             "scheduler.tau_s=0.5",
+            f"harness.sandbox={confine}",
             f"harness.sandbox_expose=[{','.join(map(str, exposed))}]",
         ],
     )
