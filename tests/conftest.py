@@ -43,6 +43,9 @@ QWEN_CODE = "@qwen-code/qwen-code@0.24.4"
 """The real Qwen Code CLI the harness tests install with npm (pinned)."""
 CODEX = "@openai/codex@0.171.0"
 """The real Codex CLI (OpenAI Responses API only) the harness tests install (pinned)."""
+OPENCODE = "opencode-ai@1.18.33"
+"""The real OpenCode CLI the harness tests install with npm (pinned; its platform binary
+comes as an optional dependency)."""
 
 
 def npm_bin(tmp_path_factory: pytest.TempPathFactory, package: str, name: str) -> Path:
@@ -80,6 +83,21 @@ def codex_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return npm_bin(tmp_path_factory, QWEN_CODE, "qwen")
+
+
+@pytest.fixture(scope="session")
+def opencode_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return npm_bin(tmp_path_factory, OPENCODE, "opencode")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "demo"-size tiny model (8192 positions, a 4096-token vocabulary: a harness's
+    prompt takes about half the tokens it takes with the "test" model's), cached as
+    :func:`tiny_model_dir` is."""
+    env = os.environ.get("QWENGYRE_CACHE")
+    cache_dir = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
+    return cached_tiny_model("demo", cache_dir=cache_dir)
 
 
 @pytest.fixture

@@ -40,6 +40,7 @@ USER_ERRORS = (ConfigError, ValueError, OSError)
 """Exceptions that describe bad input rather than a bug in qwengyre."""
 
 SHORTCUTS: dict[str, dict[str, str]] = {
+    "train": {"--harness": "harness.name"},
     "rollout": {
         "--model": "model.path",
         "--tasks": "harness.tasks",
@@ -54,6 +55,11 @@ SHORTCUTS: dict[str, dict[str, str]] = {
     "engine": {"--model": "model.path", "--port": "engine.port"},
 }
 """Each command's shortcut flags and the config key each one sets."""
+
+HARNESSES = (
+    "toy, claude-code, claude-code-bare, qwen-code, opencode, mini-swe-agent, or a command template"
+)
+"""What ``--harness`` takes (``harness.name``)."""
 
 COMMANDS = ("train", "simulate", "rollout", "proxy", "engine")
 """What ``config show COMMAND`` resolves the tree for."""
@@ -432,7 +438,7 @@ def _train_config(args: argparse.Namespace) -> Config:
     """A new run's config: its file (on its base), else the embedded preset; then the
     overrides."""
     given = args.config_file is not None and "=" not in args.config_file
-    return _resolve_config(args, preset=None if given else "embedded")
+    return _resolve_config(args, preset=None if given else "embedded", command="train")
 
 
 def _check_train(args: argparse.Namespace) -> int:
@@ -457,7 +463,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import time
 
     if args.resume is not None:
-        if args.config_file or args.overrides or args.run_dir:
+        if args.config_file or args.overrides or args.run_dir or args.harness:
             raise ConfigError("--resume RUN_DIR continues that run with its own config.yaml")
         if not (Path(args.resume) / "config.yaml").is_file():  # in a second, before torch
             raise ValueError(f"{args.resume} is not a training run (no config.yaml) to resume")
@@ -629,12 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(roll)
     _add_shortcut(roll, "rollout", "--model", "HF model directory (default: the tiny model)")
     _add_shortcut(roll, "rollout", "--tasks", "tasks JSONL, or 'example' (default: the toy tasks)")
-    _add_shortcut(
-        roll,
-        "rollout",
-        "--harness",
-        "toy, claude-code, mini-swe-agent, or a command template",
-    )
+    _add_shortcut(roll, "rollout", "--harness", HARNESSES)
     roll.add_argument("--run-dir", required=True, help="output directory")
     roll.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     roll.set_defaults(func=cmd_rollout)
@@ -701,6 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
         "default (preset 'embedded'): the tiny local model, the toy harness, 3 cells.",
     )
     _add_config_args(trainp)
+    _add_shortcut(trainp, "train", "--harness", HARNESSES)
     trainp.add_argument("--run-dir", help="output directory (default runs/<timestamp>)")
     trainp.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run")
     trainp.add_argument("--quiet", action="store_true", help="no live display")

@@ -478,11 +478,12 @@ class ProxyConfig(_Section):
         " on its way back to rollout, a crashed server starting again) before it is"
         " answered 529 overloaded; 0: at once",
     )
-    classes: str = Field(
-        "claude-code",
+    classes: str | None = Field(
+        None,
         description="the request-class rules of the harness behind the proxy: a built-in"
         " rule set (claude-code, codex, opencode, qwen-code) or a YAML file of one's own"
-        " (docs/harnesses.md, Request classes)",
+        " (docs/harnesses.md, Request classes); None: the one of harness.name when that"
+        " preset has one (qwen-code, opencode), else claude-code",
     )
     tool_parser: ToolParserName = Field(
         "auto",
@@ -499,8 +500,10 @@ class ProxyConfig(_Section):
 
     @field_validator("classes")
     @classmethod
-    def _known_classes(cls, classes: str) -> str:
+    def _known_classes(cls, classes: str | None) -> str | None:
         builtin = rule_set_names()
+        if classes is None:
+            return None
         if classes not in builtin and not classes.endswith((".yaml", ".yml")):
             raise ValueError(f"neither a built-in rule set ({', '.join(builtin)}) nor a .yaml file")
         return classes
@@ -592,8 +595,12 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        """Cross-section rules live with the scheduler's parameters (one place)."""
+        """Cross-section rules live with the scheduler's parameters (one place); an unset
+        ``proxy.classes`` becomes the rule set ``harness.name`` brings
+        (:func:`harness_rule_set`), so the resolved tree says which one classifies."""
         self.scheduler_params()
+        if self.proxy.classes is None:
+            self.proxy.classes = harness_rule_set(self.harness.name)
         return self
 
     def scheduler_params(self) -> SchedulerParams:
@@ -699,6 +706,17 @@ RULE_SETS = _PRESETS / "classes"
 def rule_set_names() -> list[str]:
     """The names of the built-in request-class rule sets."""
     return sorted(p.stem for p in RULE_SETS.glob("*.yaml"))
+
+
+DEFAULT_RULE_SET = "claude-code"
+"""The rule set of a harness that brings none (``proxy.classes`` unset)."""
+
+
+def harness_rule_set(harness: str) -> str:
+    """The request-class rule set ``harness.name`` brings: the built-in one of its name
+    (``qwen-code``, ``opencode``, ...), else :data:`DEFAULT_RULE_SET` (also
+    ``claude-code-bare``'s, the toy's and a command template's)."""
+    return harness if harness in rule_set_names() else DEFAULT_RULE_SET
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qwengyre.config import ConfigError, ProxyConfig
+from qwengyre.config import DEFAULT_RULE_SET, ConfigError, ProxyConfig
 from qwengyre.engines.base import InferenceEngine
 from qwengyre.proxy.classes import RuleSetError, load_rule_set
 from qwengyre.proxy.render import ChatRenderer
@@ -40,11 +40,12 @@ def build_proxy(
     ``max_position_embeddings``). ``engines`` are registered in order of preference
     (more can be registered later); the admin token is generated when None. The caller
     sets :attr:`~ProxyServer.base_url` once it knows where the proxy listens. Calls are
-    classified by the rule set ``settings.classes`` names (:class:`ConfigError` naming
-    the key if it does not load); replies are parsed by ``settings.tool_parser`` and
+    classified by the rule set ``settings.classes`` names (unset: the default,
+    :func:`~qwengyre.proxy.classes.default_rule_set`; :class:`ConfigError` naming the
+    key if it does not load); replies are parsed by ``settings.tool_parser`` and
     ``settings.reasoning_parser`` (``auto``: found in the chat template)."""
     try:
-        classes = load_rule_set(settings.classes)
+        classes = load_rule_set(settings.classes or DEFAULT_RULE_SET)
     except RuleSetError as exc:
         raise ConfigError(f"proxy.classes: {exc}") from None
     if max_context is None:

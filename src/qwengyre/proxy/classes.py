@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from qwengyre.config import RULE_SETS, ProxyConfig, describe_error, rule_set_names
+from qwengyre.config import DEFAULT_RULE_SET, RULE_SETS, describe_error, rule_set_names
 from qwengyre.trajectories.classes import (
     AgentHeaders,
     HeaderField,
@@ -173,5 +173,5 @@ def _read(path: Path) -> RuleSet:
 
 
 def default_rule_set() -> RuleSet:
-    """The rule set of ``proxy.classes``'s default (``claude-code``)."""
-    return load_rule_set(ProxyConfig.model_fields["classes"].default)
+    """The rule set of a harness that brings none (``claude-code``)."""
+    return load_rule_set(DEFAULT_RULE_SET)

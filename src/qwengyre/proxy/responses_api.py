@@ -44,8 +44,9 @@ An answer's ``output`` is a ``reasoning`` item when the model reasoned (its
 text: present when the reply has text or no tool call), then one ``function_call`` item
 per call; a streamed answer is ``response.created``, ``response.in_progress``, the
 reasoning item's events (``response.reasoning_text.delta``... and ``.done``), the
-message's events as the text is produced (``response.output_item.added``, ``response.content_part.added``,
-``response.output_text.delta``...), then ``.done`` events, each call's
+message's events as the text is produced (``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta``...), then ``.done``
+events, each call's
 ``response.output_item.added``, ``response.function_call_arguments.delta``...,
 ``.done`` and ``response.output_item.done``, and ``response.completed`` (or
 ``response.incomplete`` when the token budget ran out) with the whole response and its

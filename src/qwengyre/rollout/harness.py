@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import signal
@@ -56,7 +57,9 @@ __all__ = [
     "claude_code_spec",
     "harness_env",
     "mini_swe_agent_spec",
+    "opencode_spec",
     "prepare_harness",
+    "qwen_code_spec",
     "render_command",
     "supervise",
 ]
@@ -109,6 +112,7 @@ class HarnessSpec:
     command: tuple[str, ...]
     deadline_s: float
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    files: Mapping[str, str] = field(default_factory=dict, hash=False)
     limits: Limits = field(default_factory=Limits)
     kill_grace_s: float = DEFAULT_KILL_GRACE_S
     sandbox: Sandbox = field(default_factory=NoSandbox)
@@ -128,6 +132,18 @@ class HarnessSpec:
                 raise TypeError(f"HarnessSpec.env must map str to str, got {key!r}: {value!r}")
             _check_template(value, f"HarnessSpec.env[{key!r}]")
         object.__setattr__(self, "env", env)
+        files = dict(self.files)
+        for name, text in files.items():
+            if not isinstance(name, str) or not isinstance(text, str):
+                raise TypeError(f"HarnessSpec.files must map str to str, got {name!r}: {text!r}")
+            parts = Path(name).parts
+            if not parts or Path(name).is_absolute() or ".." in parts:
+                raise ValueError(
+                    f"HarnessSpec.files: {name!r} must be a path inside the home, relative,"
+                    " without '..'"
+                )
+            _check_template(text, f"HarnessSpec.files[{name!r}]")
+        object.__setattr__(self, "files", files)
         if not (isinstance(self.deadline_s, int | float) and math.isfinite(self.deadline_s)):
             raise ValueError(f"deadline_s must be a finite number, got {self.deadline_s!r}")
         if self.deadline_s <= 0:
@@ -337,7 +353,8 @@ def prepare_harness(
     hidden: Sequence[Path] = (),
 ) -> HarnessLaunch:
     """The launch of ``spec`` for one execution; creates the logs directory and the
-    private home (``home_dir``, else ``logs_dir/home``). Run it with :func:`supervise`.
+    private home (``home_dir``, else ``logs_dir/home``) and writes ``spec.files``
+    there. Run it with :func:`supervise`.
 
     ``hidden``: directories the spec's sandbox keeps from the harness (the run
     directory, which holds every execution's workspace and logs).
@@ -365,6 +382,8 @@ def prepare_harness(
         execution_id=execution_id,
         home_dir=home,
     )
+    for name, text in spec.files.items():
+        _write_home_file(home, name, text.format_map(values))
     argv = confine.wrap(
         render_command(spec, values),
         workspace=workspace,
@@ -387,6 +406,24 @@ def prepare_harness(
         user_namespace=confine.namespaced,
         relay=target,
     )
+
+
+def _write_home_file(home: Path, name: str, text: str) -> None:
+    """Write ``text`` to ``home/name``, replacing a link a harness left on the way (an
+    earlier attempt of the execution may have run in this home): never through one."""
+    at = home
+    parts = Path(name).parts
+    for part in parts[:-1]:
+        at = at / part
+        if at.is_symlink():
+            at.unlink()
+        at.mkdir(exist_ok=True)
+    path = at / parts[-1]
+    if path.is_symlink():
+        path.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(path, flags, 0o644), "w") as out:
+        out.write(text)
 
 
 async def supervise(
@@ -598,6 +635,121 @@ def mini_swe_agent_spec(
     )
 
 
+#: Qwen Code's ``~/.qwen/settings.json``: the OpenAI-compatible provider (the proxy,
+#: from OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL), no usage statistics, telemetry
+#: or auto-update, no background memory agents (auto-memory, dream, auto-skill), every
+#: tool approved, and its own sandbox off (qwengyre's ``harness.sandbox`` confines it).
+QWEN_CODE_SETTINGS: dict[str, Any] = {
+    "security": {"auth": {"selectedType": "openai"}},
+    "privacy": {"usageStatisticsEnabled": False},
+    "general": {"enableAutoUpdate": False},
+    "telemetry": {"enabled": False},
+    "memory": {
+        "enableManagedAutoMemory": False,
+        "enableManagedAutoDream": False,
+        "enableAutoSkill": False,
+    },
+    "tools": {"approvalMode": "yolo", "sandbox": False},
+}
+
+
+def qwen_code_spec(
+    binary: str = "qwen",
+    model: str = "qwengyre",
+    *,
+    deadline_s: float = 1800.0,
+    limits: Limits | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> HarnessSpec:
+    """Qwen Code one-shot (``qwen --yolo -o json -- TASK``), as measured in
+    docs/harnesses.md, with :data:`QWEN_CODE_SETTINGS` in ``{home_dir}/.qwen``.
+
+    The proxy URL/key arrive as OPENAI_BASE_URL / OPENAI_API_KEY; ``model`` is the name
+    it asks for (OPENAI_MODEL; the proxy serves its one model whatever the name).
+    stdout is a JSON array of events, the last one's ``result`` the final answer.
+    """
+    command = (binary, "--yolo", "--output-format", "json", "--prompt={instructions}")
+    env = {
+        "HOME": "{home_dir}",
+        "OPENAI_MODEL": _escape(model),
+        "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+    }
+    env.update(extra_env or {})
+    settings = _escape(json.dumps(QWEN_CODE_SETTINGS, indent=2))
+    return HarnessSpec(
+        command=command,
+        env=env,
+        files={".qwen/settings.json": settings},
+        deadline_s=deadline_s,
+        limits=limits or Limits(),
+    )
+
+
+#: The provider OpenCode's config names (``qwengyre/<model>``).
+OPENCODE_PROVIDER = "qwengyre"
+
+
+def opencode_config(model: str) -> dict[str, Any]:
+    """OpenCode's global ``opencode.json``: one ``@ai-sdk/openai-compatible`` provider
+    whose URL and key OpenCode reads from OPENAI_BASE_URL / OPENAI_API_KEY when it starts
+    (``{env:...}``: the key is never written to disk), ``model`` as both its model and
+    its small model (title generation), no auto-update, no sharing."""
+    return {
+        "provider": {
+            OPENCODE_PROVIDER: {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": OPENCODE_PROVIDER,
+                "options": {"baseURL": "{env:OPENAI_BASE_URL}", "apiKey": "{env:OPENAI_API_KEY}"},
+                "models": {model: {}},
+            }
+        },
+        "model": f"{OPENCODE_PROVIDER}/{model}",
+        "small_model": f"{OPENCODE_PROVIDER}/{model}",
+        "autoupdate": False,
+        "share": "disabled",
+    }
+
+
+def opencode_spec(
+    binary: str = "opencode",
+    model: str = "qwengyre",
+    *,
+    deadline_s: float = 1800.0,
+    limits: Limits | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> HarnessSpec:
+    """OpenCode one-shot (``opencode run --auto --pure --format json -- TASK``), as
+    measured in docs/harnesses.md, with :func:`opencode_config` as its global config in
+    ``{home_dir}/.config/opencode``.
+
+    ``--auto`` approves every permission OpenCode would ask for (those it denies stay
+    denied); ``--pure`` loads no external plugin. The environment turns off its update
+    check, models.dev fetch, sharing, LSP downloads, default plugins and a workspace's
+    own ``opencode.json`` (the run is the same whatever the task's repository holds).
+    stdout is JSON events, one a line.
+    """
+    command = (binary, "run", "--auto", "--pure", "--format", "json", "--", "{instructions}")
+    env = {
+        "HOME": "{home_dir}",
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_SHARE": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+        "OPENCODE_DISABLE_PROJECT_CONFIG": "1",
+        "npm_config_offline": "true",
+    }
+    env.update(extra_env or {})
+    config = _escape(json.dumps(opencode_config(model), indent=2))
+    return HarnessSpec(
+        command=command,
+        env=env,
+        files={".config/opencode/opencode.json": config},
+        deadline_s=deadline_s,
+        limits=limits or Limits(),
+    )
+
+
 def _escape(literal: str) -> str:
     """A literal value made safe to embed in a template."""
     return literal.replace("{", "{{").replace("}", "}}")
@@ -605,6 +757,10 @@ def _escape(literal: str) -> str:
 
 #: Environment variable naming the Claude Code binary (default: ``claude`` on PATH).
 CLAUDE_BIN_ENV = "QWENGYRE_CLAUDE_BIN"
+#: Environment variable naming the Qwen Code binary (default: ``qwen`` on PATH).
+QWEN_BIN_ENV = "QWENGYRE_QWEN_BIN"
+#: Environment variable naming the OpenCode binary (default: ``opencode`` on PATH).
+OPENCODE_BIN_ENV = "QWENGYRE_OPENCODE_BIN"
 
 
 def harness_spec(
@@ -619,11 +775,19 @@ def harness_spec(
 
     ``claude-code`` runs Claude Code with ``--tools Bash,Read,Edit,Write``;
     ``claude-code-bare`` runs it with ``--bare`` (3 tools, a far shorter prompt: the one
-    that fits a tiny model's window). The binary is ``$QWENGYRE_CLAUDE_BIN`` if set, else
-    ``claude`` looked up on the PATH the harness inherits.
+    that fits a tiny model's window); ``qwen-code`` runs Qwen Code and ``opencode``
+    OpenCode (:func:`qwen_code_spec`, :func:`opencode_spec`). Each one's binary is
+    ``$QWENGYRE_CLAUDE_BIN`` / ``$QWENGYRE_QWEN_BIN`` / ``$QWENGYRE_OPENCODE_BIN`` if
+    set, else ``claude`` / ``qwen`` / ``opencode`` looked up on the PATH the harness
+    inherits.
     """
     named = _named_spec(name, deadline_s)
     return replace(named, sandbox=sandbox or NoSandbox(), limits=limits or Limits())
+
+
+def _binary(variable: str, default: str) -> str:
+    """``$variable`` if set, else ``default``, as a literal for a command template."""
+    return _escape(os.environ.get(variable) or default)
 
 
 def _named_spec(name: str, deadline_s: float) -> HarnessSpec:
@@ -634,16 +798,20 @@ def _named_spec(name: str, deadline_s: float) -> HarnessSpec:
         env = {CRITIQUE_ENV: role} if role else {}
         return HarnessSpec(command=command, deadline_s=deadline_s, env=env)
     if name in ("claude-code", "claude-code-bare"):
-        binary = os.environ.get(CLAUDE_BIN_ENV) or "claude"
-        binary = binary.replace("{", "{{").replace("}", "}}")  # a literal, not a template
+        binary = _binary(CLAUDE_BIN_ENV, "claude")
         if name == "claude-code-bare":
             return claude_code_spec(binary, tools=None, deadline_s=deadline_s)
         return claude_code_spec(binary, deadline_s=deadline_s)
+    if name == "qwen-code":
+        return qwen_code_spec(_binary(QWEN_BIN_ENV, "qwen"), deadline_s=deadline_s)
+    if name == "opencode":
+        return opencode_spec(_binary(OPENCODE_BIN_ENV, "opencode"), deadline_s=deadline_s)
     if name == "mini-swe-agent":
         return mini_swe_agent_spec(deadline_s=deadline_s)
     if "{instructions}" not in name:
         raise ValueError(
             f"harness {name!r}: use toy, toy-critique, toy-critique-assistant, claude-code,"
-            " claude-code-bare, mini-swe-agent or a command template containing {instructions}"
+            " claude-code-bare, qwen-code, opencode, mini-swe-agent or a command template"
+            " containing {instructions}"
         )
     return HarnessSpec(command=tuple(name.split()), deadline_s=deadline_s)
