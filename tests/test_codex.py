@@ -3,18 +3,19 @@ scripted engine.
 
 The ``codex_bin`` fixture (conftest) installs the pinned ``@openai/codex`` with npm into
 a cache folder (about 5 s, 424 MB) and skips, saying why, when node/npm are missing or
-the install fails. Codex runs with a private HOME whose ``config.toml`` points a model
-provider at the execution's base URL (``wire_api = "responses"``, the key in an
-environment variable), analytics and feedback off, and every proxy variable aimed at a
-closed port, so that nothing but its calls to the proxy (loopback, ``NO_PROXY``) can
+the install fails. Codex runs as the ``codex`` harness preset runs it
+(:func:`~qwengyre.rollout.harness.codex_spec`): a private HOME whose ``config.toml``
+points a model provider at the execution's base URL (``wire_api = "responses"``, the key
+in OPENAI_API_KEY), analytics and feedback off; here also every proxy variable aimed at
+a closed port, so that nothing but its calls to the proxy (loopback, ``NO_PROXY``) can
 leave.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from qwengyre.engines.scripted import ScriptedEngine
 from qwengyre.proxy import server as proxy_server
 from qwengyre.proxy.body import BodyMemo, SplitBody
 from qwengyre.proxy.types import Message, ToolCall
+from qwengyre.rollout.harness import codex_spec, prepare_harness, supervise
 
 pytestmark = pytest.mark.slow  # seconds; still in the default suite
 
@@ -88,53 +90,32 @@ def bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 def run_codex(
     binary: Path, ex: dict, home: Path, workspace: Path, task: str, config: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    """``codex exec`` of ``task`` against the execution ``ex``; ``config``: more top-level
-    ``config.toml`` lines."""
-    codex_home = home / ".codex"
-    codex_home.mkdir(parents=True)
-    (codex_home / "config.toml").write_text(
-        config
-        + f"""model = "tiny"
-model_provider = "qwengyre"
-check_for_update_on_startup = false
-
-[model_providers.qwengyre]
-name = "qwengyre proxy"
-base_url = "{ex["openai_base_url"]}"
-wire_api = "responses"
-env_key = "QWENGYRE_API_KEY"
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-"""
+    """``codex exec`` of ``task`` against the execution ``ex``, as the ``codex`` harness
+    preset runs it (its command, environment and ``config.toml`` in the private home);
+    ``config``: more top-level ``config.toml`` lines. Every proxy variable points at a
+    closed port (loopback excepted): nothing but its calls to the proxy can leave."""
+    offline = {name: NOWHERE for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")}
+    spec = codex_spec(
+        str(binary),
+        "tiny",
+        extra_config=config,
+        deadline_s=120,
+        extra_env={**offline, "NO_PROXY": "127.0.0.1,localhost"},
     )
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(home),
-        "CODEX_HOME": str(codex_home),
-        "QWENGYRE_API_KEY": ex["key"],
-        **{name: NOWHERE for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")},
-        "NO_PROXY": "127.0.0.1,localhost",
-    }
-    return subprocess.run(
-        [
-            str(binary),
-            "exec",
-            "--strict-config",  # a config key this version does not know fails the run
-            "--dangerously-bypass-approvals-and-sandbox",
-            "--skip-git-repo-check",
-            "--json",
-            task,
-        ],
-        cwd=workspace,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    launch = prepare_harness(
+        spec,
+        workspace=workspace,
+        logs_dir=home.parent / "logs",
+        execution_id=ex["id"],
+        base_url=ex["base_url"],
+        api_key=ex["key"],
+        instructions=task,
+        home_dir=home,
+    )
+    ran = asyncio.run(supervise(launch))
+    assert not ran.timed_out
+    return subprocess.CompletedProcess(
+        spec.command, ran.exit_code, ran.stdout_path.read_text(), ran.stderr_path.read_text()
     )
 
 

@@ -1,4 +1,4 @@
-"""The ``qwen-code`` and ``opencode`` harness presets (their launch: argv, environment,
+"""The ``qwen-code``, ``opencode`` and ``codex`` harness presets (their launch: argv, environment,
 the settings written into the private home) and the request-class rule set a harness
 preset brings to ``proxy.classes``."""
 
@@ -12,6 +12,7 @@ import pytest
 from qwengyre.apps.preflight import PreflightError, require_program
 from qwengyre.config import load_config
 from qwengyre.rollout.harness import (
+    CODEX_BIN_ENV,
     OPENCODE_BIN_ENV,
     QWEN_BIN_ENV,
     HarnessSpec,
@@ -76,6 +77,24 @@ def test_opencode_runs_unattended_offline_with_its_config_in_the_home(
     assert config["autoupdate"] is False and config["share"] == "disabled"
 
 
+def test_codex_runs_unattended_with_its_config_in_the_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(CODEX_BIN_ENV, raising=False)
+    run = launch("codex", tmp_path)
+    home = tmp_path / "logs" / "home"
+    assert run.argv[:3] == ("codex", "exec", "--strict-config")
+    assert "--dangerously-bypass-approvals-and-sandbox" in run.argv
+    assert run.argv[-2:] == ("--", BRACES)
+    assert run.env["CODEX_HOME"] == str(home / ".codex")
+    config = (home / ".codex" / "config.toml").read_text()
+    assert 'base_url = "http://127.0.0.1:9/x/ex_1/v1"' in config  # the execution's
+    assert 'wire_api = "responses"' in config and 'env_key = "OPENAI_API_KEY"' in config
+    assert "check_for_update_on_startup = false" in config
+    assert "[analytics]\nenabled = false" in config and "[feedback]\nenabled = false" in config
+    assert "sk-secret" not in config  # the key stays in the environment
+
+
 def test_home_files_replace_a_link_the_harness_left(tmp_path: Path) -> None:
     outside = tmp_path / "outside.json"
     outside.write_text("operator's")
@@ -111,13 +130,18 @@ def test_home_files_are_templates(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "package"),
-    [("qwen-code", "@qwen-code/qwen-code"), ("opencode", "opencode-ai")],
+    [
+        ("qwen-code", "@qwen-code/qwen-code"),
+        ("opencode", "opencode-ai"),
+        ("codex", "@openai/codex"),
+    ],
 )
 def test_preflight_names_the_npm_package_of_a_missing_client(
     name: str, package: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(QWEN_BIN_ENV, raising=False)
     monkeypatch.delenv(OPENCODE_BIN_ENV, raising=False)
+    monkeypatch.delenv(CODEX_BIN_ENV, raising=False)
     spec = harness_spec(name, 60)
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(PreflightError, match=f"npm install -g {package}"):
@@ -129,6 +153,7 @@ def test_preflight_names_the_npm_package_of_a_missing_client(
     [
         ("qwen-code", "qwen-code"),
         ("opencode", "opencode"),
+        ("codex", "codex"),
         ("claude-code", "claude-code"),
         ("claude-code-bare", "claude-code"),
         ("toy", "claude-code"),

@@ -483,7 +483,7 @@ class ProxyConfig(_Section):
         description="the request-class rules of the harness behind the proxy: a built-in"
         " rule set (claude-code, codex, opencode, qwen-code) or a YAML file of one's own"
         " (docs/harnesses.md, Request classes); None: the one of harness.name when that"
-        " preset has one (qwen-code, opencode), else claude-code",
+        " preset has one (qwen-code, opencode, codex), else claude-code",
     )
     tool_parser: ToolParserName = Field(
         "auto",

@@ -61,6 +61,7 @@ def require_program(spec: HarnessSpec, name: str) -> None:
             "claude": "npm install -g @anthropic-ai/claude-code, or set QWENGYRE_CLAUDE_BIN",
             "qwen": "npm install -g @qwen-code/qwen-code, or set QWENGYRE_QWEN_BIN",
             "opencode": "npm install -g opencode-ai, or set QWENGYRE_OPENCODE_BIN",
+            "codex": "npm install -g @openai/codex, or set QWENGYRE_CODEX_BIN",
             "mini": "pip install mini-swe-agent",
         }
         hint = hints.get(Path(program).name, "install it, or give its full path in harness.name")

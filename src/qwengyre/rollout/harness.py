@@ -750,6 +750,71 @@ def opencode_spec(
     )
 
 
+def codex_config(model: str, extra: str = "") -> str:
+    """Codex's ``config.toml`` (a template: ``{openai_base_url}`` is the execution's):
+    one ``responses`` model provider at the proxy, its key read from OPENAI_API_KEY,
+    no update check, analytics or feedback; ``extra``: more top-level TOML lines (e.g.
+    ``model_auto_compact_token_limit = 100000``), literal."""
+    return (
+        _escape(extra)
+        + f"""model = "{_escape(model)}"
+model_provider = "qwengyre"
+check_for_update_on_startup = false
+
+[model_providers.qwengyre]
+name = "qwengyre"
+base_url = "{{openai_base_url}}"
+wire_api = "responses"
+env_key = "OPENAI_API_KEY"
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+"""
+    )
+
+
+def codex_spec(
+    binary: str = "codex",
+    model: str = "qwengyre",
+    *,
+    extra_config: str = "",
+    deadline_s: float = 1800.0,
+    limits: Limits | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> HarnessSpec:
+    """Codex CLI one-shot (``codex exec ... --json -- TASK``), as measured in
+    docs/harnesses.md: the OpenAI Responses API only, with :func:`codex_config` in its
+    private ``CODEX_HOME`` (``{home_dir}/.codex``).
+
+    ``--strict-config`` fails a run whose config this version does not know (a drifted
+    preset shows at once); ``--dangerously-bypass-approvals-and-sandbox``: no approval
+    prompts and none of Codex's own sandbox, which would nest inside ``run.sandbox``
+    (the harness's confinement is qwengyre's). stdout is JSON events, one a line.
+    """
+    command = (
+        binary,
+        "exec",
+        "--strict-config",
+        "--dangerously-bypass-approvals-and-sandbox",
+        "--skip-git-repo-check",
+        "--json",
+        "--",
+        "{instructions}",
+    )
+    env = {"HOME": "{home_dir}", "CODEX_HOME": "{home_dir}/.codex"}
+    env.update(extra_env or {})
+    return HarnessSpec(
+        command=command,
+        env=env,
+        files={".codex/config.toml": codex_config(model, extra_config)},
+        deadline_s=deadline_s,
+        limits=limits or Limits(),
+    )
+
+
 def _escape(literal: str) -> str:
     """A literal value made safe to embed in a template."""
     return literal.replace("{", "{{").replace("}", "}}")
@@ -761,6 +826,8 @@ CLAUDE_BIN_ENV = "QWENGYRE_CLAUDE_BIN"
 QWEN_BIN_ENV = "QWENGYRE_QWEN_BIN"
 #: Environment variable naming the OpenCode binary (default: ``opencode`` on PATH).
 OPENCODE_BIN_ENV = "QWENGYRE_OPENCODE_BIN"
+#: Environment variable naming the Codex CLI binary (default: ``codex`` on PATH).
+CODEX_BIN_ENV = "QWENGYRE_CODEX_BIN"
 
 
 def harness_spec(
@@ -775,11 +842,12 @@ def harness_spec(
 
     ``claude-code`` runs Claude Code with ``--tools Bash,Read,Edit,Write``;
     ``claude-code-bare`` runs it with ``--bare`` (3 tools, a far shorter prompt: the one
-    that fits a tiny model's window); ``qwen-code`` runs Qwen Code and ``opencode``
-    OpenCode (:func:`qwen_code_spec`, :func:`opencode_spec`). Each one's binary is
-    ``$QWENGYRE_CLAUDE_BIN`` / ``$QWENGYRE_QWEN_BIN`` / ``$QWENGYRE_OPENCODE_BIN`` if
-    set, else ``claude`` / ``qwen`` / ``opencode`` looked up on the PATH the harness
-    inherits.
+    that fits a tiny model's window); ``qwen-code`` runs Qwen Code, ``opencode``
+    OpenCode and ``codex`` Codex CLI (:func:`qwen_code_spec`, :func:`opencode_spec`,
+    :func:`codex_spec`). Each one's binary is ``$QWENGYRE_CLAUDE_BIN`` /
+    ``$QWENGYRE_QWEN_BIN`` / ``$QWENGYRE_OPENCODE_BIN`` / ``$QWENGYRE_CODEX_BIN`` if set,
+    else ``claude`` / ``qwen`` / ``opencode`` / ``codex`` looked up on the PATH the
+    harness inherits.
     """
     named = _named_spec(name, deadline_s)
     return replace(named, sandbox=sandbox or NoSandbox(), limits=limits or Limits())
@@ -806,12 +874,14 @@ def _named_spec(name: str, deadline_s: float) -> HarnessSpec:
         return qwen_code_spec(_binary(QWEN_BIN_ENV, "qwen"), deadline_s=deadline_s)
     if name == "opencode":
         return opencode_spec(_binary(OPENCODE_BIN_ENV, "opencode"), deadline_s=deadline_s)
+    if name == "codex":
+        return codex_spec(_binary(CODEX_BIN_ENV, "codex"), deadline_s=deadline_s)
     if name == "mini-swe-agent":
         return mini_swe_agent_spec(deadline_s=deadline_s)
     if "{instructions}" not in name:
         raise ValueError(
             f"harness {name!r}: use toy, toy-critique, toy-critique-assistant, claude-code,"
-            " claude-code-bare, qwen-code, opencode, mini-swe-agent or a command template"
+            " claude-code-bare, qwen-code, opencode, codex, mini-swe-agent or a command template"
             " containing {instructions}"
         )
     return HarnessSpec(command=tuple(name.split()), deadline_s=deadline_s)
