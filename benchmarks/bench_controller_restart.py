@@ -14,6 +14,7 @@ resumed from the command line. Two scenarios, in one run of this script:
   execution thrown away and run again).
 
     python benchmarks/bench_controller_restart.py [--steps 3] [--in-flight 4]
+    python benchmarks/bench_controller_restart.py --smoke   # adopt only, 2 steps
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
 COIN = (
     "import json, random; print(json.dumps({'score': float(random.random() < 0.5), 'valid': True}))"
 )
+
+
+SCENARIOS = {"adopt": False, "lose all": True}
+"""Each scenario, and whether the harness daemon is killed too."""
 
 
 def settings(root: Path, steps: int) -> list[str]:
@@ -143,20 +148,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--in-flight", type=int, default=4, help="executions in flight at the kill")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each scenario, interleaved")
-    args = parse(parser, steps=2, in_flight=1)
-    runs: dict[str, list[dict[str, float]]] = {"adopt": [], "lose all": []}
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    args = parse(parser, steps=2, in_flight=1, scenarios=["adopt"])
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.scenarios}
     for _ in range(args.repeat):
-        for name, kill_daemon in (("adopt", False), ("lose all", True)):
+        for name in args.scenarios:
             with tempfile.TemporaryDirectory() as root:
-                runs[name].append(scenario(Path(root), args.steps, args.in_flight, kill_daemon))
+                killed = SCENARIOS[name]
+                runs[name].append(scenario(Path(root), args.steps, args.in_flight, killed))
     rows = {
         name: {c: statistics.median(r[c] for r in rs) for c in rs[0]} for name, rs in runs.items()
     }
-    columns = list(rows["adopt"])
+    columns = list(next(iter(rows.values())))
     print(f"medians of {args.repeat} run(s) each")
     print(f"{'':10}" + "".join(f"{c:>20}" for c in columns))
     for name, row in rows.items():
         print(f"{name:10}" + "".join(f"{row[c]:>20.1f}" for c in columns))
+    if len(rows) < 2:
+        return
     a, b = rows["adopt"], rows["lose all"]
     print(
         f"thrown away: {a['thrown away']:.0f} of {a['in flight']:.0f} with adoption against"

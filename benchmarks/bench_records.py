@@ -206,12 +206,13 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=4, help="distinct groups generated")
     parser.add_argument("--trajectories", type=int, default=3, help="per execution")
     parser.add_argument("--seed", type=int, default=0)
-    args = parse(parser, groups=[10], json_groups=[10], distinct=2)
+    parser.add_argument("--store-calls", type=int, default=400, help="calls in the store")
+    args = parse(parser, groups=[10], json_groups=[10], distinct=2, store_calls=40)
     rng = np.random.default_rng(args.seed)
     samples = [group(rng, gid, args.trajectories) for gid in range(args.distinct)]
     ledger_sizes(samples)
     resumes(samples, args.groups, args.json_groups)
-    store_size(rng, 400)
+    store_size(rng, args.store_calls)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ README = Path(__file__).parents[1] / "README.md"
 CANNOT_RUN_HERE = {
     "examples/claude-code.yaml": "Claude Code is not installed here",
     "--harness claude-code": "Claude Code is not installed here",
+    "--harness opencode": "OpenCode is not installed here",
     "engine.backend=vllm": "no vLLM environment here",
     "engine.backend=sglang": "SGLang starts only on a GPU machine",
     "run.device=cuda": "no GPU here",
