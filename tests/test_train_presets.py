@@ -21,7 +21,6 @@ import asyncio
 import json
 import shlex
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -79,10 +78,10 @@ def wrapper(at: Path, name: str, body: str) -> Path:
 
 def one_step(
     harness: str, max_context: int, exposed: list[Path], model: Path, tmp_path: Path
-) -> tuple[Path, float]:
+) -> Path:
     """Train one step through ``harness`` (the model's calls capped at ``max_context``
     tokens, prompt and reply: a few hundred tokens of the untrained model's garbage; the
-    sandbox showing ``exposed``); the run directory and how long it took."""
+    sandbox showing ``exposed``); its run directory."""
     from qwengyre.apps.train import TrainOptions, train
 
     try:  # the harness confined where bubblewrap runs (run unconfined elsewhere)
@@ -116,9 +115,8 @@ def one_step(
     )
     assert config.proxy.classes == harness  # the preset brings its rule set
     run_dir = tmp_path / "run"
-    began = time.monotonic()
     asyncio.run(train(TrainOptions(run_dir=run_dir, config=config, display=False)))
-    return run_dir, time.monotonic() - began
+    return run_dir
 
 
 def recorded_classes(run_dir: Path) -> list[tuple[str, str]]:
@@ -131,7 +129,7 @@ def recorded_classes(run_dir: Path) -> list[tuple[str, str]]:
     return [(node.meta.request_class, node.meta.agent_id) for node, _ in calls]
 
 
-def check_the_step(run_dir: Path, seconds: float) -> list[dict]:
+def check_the_step(run_dir: Path) -> list[dict]:
     """Every execution ran, the completed ones called the model, one optimizer step
     trained and was checkpointed; the traces."""
     traces = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
@@ -142,7 +140,6 @@ def check_the_step(run_dir: Path, seconds: float) -> list[dict]:
     assert [s.version for s in steps] == [1] and steps[0].micro_steps > 0
     assert latest_checkpoint(run_dir / "checkpoints") is not None
     assert (run_dir / "config.yaml").read_text().count("classes: ") == 1
-    assert seconds < 90, f"the run took {seconds:.0f} s"
     return traces
 
 
@@ -164,10 +161,10 @@ def test_one_step_of_rl_through_qwen_code(
     )
     monkeypatch.setenv(QWEN_BIN_ENV, str(wrapped))
     # its shortened first prompt: ~3.2k tokens
-    run_dir, seconds = one_step(
+    run_dir = one_step(
         "qwen-code", 3584, [wrapped.parent, qwen_bin.parents[2]], demo_model_dir, tmp_path
     )
-    check_the_step(run_dir, seconds)
+    check_the_step(run_dir)
     logs = sorted((run_dir / "logs").glob("*/stdout.log"))
     events = json.loads(logs[0].read_text())  # -o json: one array of events
     assert events[0]["type"] == "system" and events[0]["qwen_code_version"] == "0.24.4"
@@ -194,10 +191,10 @@ def test_one_step_of_rl_through_opencode(
     )
     monkeypatch.setenv(OPENCODE_BIN_ENV, str(wrapped))
     # its shortened first prompt: ~2.2k tokens, the title request's ~0.9k
-    run_dir, seconds = one_step(
+    run_dir = one_step(
         "opencode", 2560, [wrapped.parent, opencode_bin.parents[2]], demo_model_dir, tmp_path
     )
-    check_the_step(run_dir, seconds)
+    check_the_step(run_dir)
     # The title request (the rule set's side marker) and the build agent's turns.
     classes = recorded_classes(run_dir)
     assert set(classes) == {("main.side", "main"), ("main.task", "main")}, classes
