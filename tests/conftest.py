@@ -95,9 +95,7 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The "demo"-size tiny model (8192 positions, a 4096-token vocabulary: a harness's
     prompt takes about half the tokens it takes with the "test" model's), cached as
     :func:`tiny_model_dir` is."""
-    env = os.environ.get("QWENGYRE_CACHE")
-    cache_dir = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
-    return cached_tiny_model("demo", cache_dir=cache_dir)
+    return cached_tiny_model("demo", cache_dir=_model_cache(tmp_path_factory))
 
 
 @pytest.fixture
