@@ -45,6 +45,7 @@ from qwengyre.rollout.tasks import CommandEvaluator, Task
 from qwengyre.runtime.controller import Controller, RunOutputs
 from qwengyre.runtime.journal import LaunchJournal
 from qwengyre.runtime.ledger import LEDGER_DIR, Ledger
+from qwengyre.runtime.supervisor import Cluster
 from qwengyre.scheduler.core import Scheduler, SchedulerError, SchedulerParams
 from qwengyre.scheduler.events import (
     Action,
@@ -190,8 +191,8 @@ class ScriptedCell:
         self.costs = costs
         self.board = board
 
-    async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self, method)(*args)
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self, method)(*args, **kwargs)
 
     async def check_alive(self) -> None:
         pass
@@ -248,6 +249,16 @@ class ScriptedCell:
     async def regroup(self, members: Sequence[int], generation: int) -> None:
         self.members = tuple(members)  # the live cells it re-formed its groups with
 
+    async def pid(self) -> int:
+        return 0
+
+    async def connect(self, members: Sequence[int], generation: int, takeover: bool) -> int:
+        await self.regroup(members, generation)  # a replacement's: it joins the groups
+        return 0
+
+    async def start_engine(self) -> IdleEndpoint:
+        return IdleEndpoint()  # a replacement's engine, in its predecessor's place
+
     async def discard_gradient(self) -> None:
         pass
 
@@ -258,6 +269,13 @@ class IdleEngine:
 
     name: str
     capacity: int
+
+
+class IdleEndpoint:
+    """A scripted cell's engine, as its host starts it."""
+
+    def client(self, name: str, capacity: int, version: int) -> IdleEngine:
+        return IdleEngine(name, capacity)
 
 
 class ScriptedProxy:
@@ -356,10 +374,15 @@ TASKS = [
 
 
 async def drive(
-    config: Config, run_dir: Path, scheduler: RecordingScheduler, cells: list[CellClient]
+    config: Config,
+    run_dir: Path,
+    scheduler: RecordingScheduler,
+    cells: list[CellClient],
+    cluster: Cluster | None = None,
 ) -> Controller:
-    """The live controller's run of ``scheduler`` over scripted ``cells``, the proxy and
-    the harness host scripted too; the controller, once shut down."""
+    """The live controller's run of ``scheduler`` over scripted ``cells`` (replaced by
+    ``cluster``'s), the proxy and the harness host scripted too; the controller, once
+    shut down."""
     proxy = ScriptedProxy(config, scheduler.launches)
     hosts = HostPool([ScriptedHost(proxy, capacity=config.cells.count * config.cells.capacity)])
     outputs = RunOutputs(
@@ -371,7 +394,9 @@ async def drive(
         journal=LaunchJournal(run_dir / "launches.jsonl"),
     )
     harness = HarnessSpec(command=("true",), deadline_s=60.0)  # the host starts none
-    controller = Controller(config, scheduler, proxy, cells, TASKS, harness, outputs, hosts=hosts)
+    controller = Controller(
+        config, scheduler, proxy, cells, TASKS, harness, outputs, hosts=hosts, cluster=cluster
+    )
     try:
         await controller.run(Start(0.0))
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,8 @@ class Cells:
         self.trained: list[tuple[int, int, int]] = []  # (cell, step, micro-step index)
         self.updates: dict[int, int] = {}  # step -> cells in its update
         self.prefixes: dict[int, tuple[int, ...]] = {}  # step -> the cells in its update
-        self.dead: set[int] = set()
+        self.dead: set[int] = set()  # cells whose process died (a replacement's may live)
+        self.processes: dict[int, MortalCell] = {}  # each cell's newest process
         self.kill: Kill | None = None
         self.crash_server = False  # the next publication to a satellite finds it crashed
         self.crashed: int | None = None  # that satellite
@@ -70,6 +72,12 @@ class Cells:
         role, busy = self.scheduler.roles[kill.victim], self.scheduler.running_on(kill.victim)
         return role is kill.victim_in and bool(busy)
 
+    def die(self, cell: int) -> None:
+        """The process of ``cell`` dies now."""
+        self.dead.add(cell)
+        self.processes[cell].killed = True
+        self.drop_open(cell)
+
     def drop_open(self, cell: int) -> None:
         """``cell``'s gradient of a step not updated yet is gone (it died or left)."""
         self.trained = [t for t in self.trained if t[0] != cell or t[1] in self.updates]
@@ -82,14 +90,17 @@ class MortalCell(ScriptedCell):
         super().__init__(index, costs, board)
         self.cells = cells
         self.micro_steps = 0
+        self.killed = False
+        self.incarnation = 0
+        cells.processes[index] = self
 
     def _alive(self) -> None:
-        if self.index in self.cells.dead:
-            raise ActorDied(f"{self.name} (pid 0) died (exit code -9)")
+        if self.killed:
+            raise ActorDied(f"{self.name} (pid {self.incarnation}) died (exit code -9)")
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self._alive()
-        return await super().call(method, *args)
+        return await super().call(method, *args, **kwargs)
 
     async def check_alive(self) -> None:
         self._alive()
@@ -100,10 +111,10 @@ class MortalCell(ScriptedCell):
         due = kill is not None and kill.at == self.index and self.micro_steps >= kill.nth
         if kill is not None and due and self.cells.victim_ready(kill):
             self.cells.kill = None
-            self.cells.dead.add(kill.victim)
-            self.cells.drop_open(kill.victim)
+            self.cells.die(kill.victim)
             self._alive()  # the victim itself dies as it starts the micro-step
         result = await super().train_micro_step(ms)
+        self._alive()  # a process that died mid-call answers nothing
         self.cells.trained.append((self.index, ms.step, ms.index))
         return result
 
@@ -129,13 +140,38 @@ class MortalCell(ScriptedCell):
         return await super().finish_batch(summary, cells)
 
 
-async def run(config: Config, run_dir: Path, cells: Cells) -> Controller:
+class Spares:
+    """The cluster of scripted cells: a replacement is a new scripted process of the
+    dead cell's; ``then`` runs as it starts (another death, say)."""
+
+    def __init__(self, config: Config, board: Board, cells: Cells) -> None:
+        self.costs, self.board, self.cells = SimCosts.from_config(config), board, cells
+        self.started: list[int] = []
+        self.called_off: list[int] = []
+        self.then: Callable[[int], Awaitable[None]] | None = None
+
+    async def replacement(self, cell: int) -> CellClient:
+        self.started.append(cell)
+        if self.then is not None:
+            await self.then(cell)
+        new = MortalCell(cell, self.costs, self.board, self.cells)
+        new.incarnation = len(self.started)
+        return CellClient(new)
+
+    def call_off(self, generation: int) -> None:
+        self.called_off.append(generation)
+
+
+async def run(
+    config: Config, run_dir: Path, cells: Cells, spares: Spares | None = None
+) -> Controller:
     scheduler = RecordingScheduler(config.scheduler_params())
     cells.scheduler = scheduler
-    costs, board = SimCosts.from_config(config), Board()
+    costs = SimCosts.from_config(config)
+    board = spares.board if spares is not None else Board()
     count = config.cells.count
     clients = [CellClient(MortalCell(i, costs, board, cells)) for i in range(count)]
-    controller = await drive(config, run_dir, scheduler, clients)
+    controller = await drive(config, run_dir, scheduler, clients, cluster=spares)
     assert not scheduler.refused
     return controller
 
@@ -209,3 +245,34 @@ def test_a_publication_that_finds_a_server_crashed_has_it_revived(tmp_path: Path
     controller = asyncio.run(run(script_config("async"), tmp_path, cells))
     assert cells.crashed is not None and cells.crashed in cells.revived  # drained, revived
     assert not controller.supervisor.lost
+
+
+def test_the_core_dying_while_a_satellite_is_replaced_is_replaced_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deaths that overlap: cell 2 dies serving rollout, and the core dies while cell
+    2's replacement starts. One formation of the groups takes both replacements in
+    (none is formed with a dead member); the run trains every step on."""
+    config = script_config("elastic").model_copy(deep=True)
+    config.run.replace_dead_cells = 2
+    cells = Cells()
+    cells.kill = Kill(victim=2, at=0, victim_in=Role.ROLLOUT)
+    board = Board()
+    spares = Spares(config, board, cells)
+
+    async def the_core_dies(cell: int) -> None:
+        if cell == 2:
+            cells.die(0)
+            await asyncio.sleep(0.05)  # seen by the supervisor's watch meanwhile
+
+    spares.then = the_core_dies
+    controller = asyncio.run(run(config, tmp_path, cells, spares))
+    assert cells.dead == {0, 2} and spares.started == [2, 0]
+    assert controller.supervisor.replaced == 2 and not controller.supervisor.lost
+    assert [controller.cells[c].handle for c in (0, 2)] == [cells.processes[c] for c in (0, 2)]
+    check_every_micro_step_trained_once(cells, controller)
+    took_place = [r.getMessage() for r in caplog.records if "takes its place" in r.getMessage()]
+    assert [m.split(";")[0] for m in took_place] == [
+        "cell-2 (pid 0) died (exit code -9)",
+        "cell-0 (pid 0) died (exit code -9)",
+    ]

@@ -24,7 +24,7 @@ from qwengyre.cluster.net import free_port
 from qwengyre.cluster.placement import CellGroup, start_cells, stop_cells
 from qwengyre.config import CellsConfig, Config, TrainerConfig
 from qwengyre.training.buffers import BatchSummary, MicroStep, PackingBuffer, TrajectoryBuffer
-from qwengyre.training.distributed import CellComm, connect_store
+from qwengyre.training.distributed import CellComm, call_off, connect_store
 from qwengyre.training.trainer import Trainer
 
 CONFIG = TrainerConfig(lr=1e-3, micro_step_tokens=160, grad_clip=1e9)
@@ -371,9 +371,10 @@ async def a_death_in_the_update(
     model_dir: Path, run_dir: Path, data: list[tuple[list[MicroStep], BatchSummary]]
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Cells 0, 1 and 2 train step 0; cell 1 dies as the update begins: the update of
-    cells 0 and 2 fails, not hangs, and does not happen. They drop their gradients,
-    re-form their groups and train the step again. Returns the core's parameters and
-    its version after the failed update."""
+    cells 0 and 2 fails, not hangs, and does not happen. They drop their gradients and
+    re-form their groups: first still with cell 1 (as when its death is not seen yet),
+    which a controller calls off, then without it. They train the step again. Returns
+    the core's parameters and its version after the failed update."""
     port, board = free_port(), f"qg-test-{uuid.uuid4().hex[:12]}"
     cells = start_cells("local", specs(model_dir, 3, 1, port=port, board=board), run_dir=run_dir)
     try:
@@ -393,7 +394,13 @@ async def a_death_in_the_update(
         assert all(isinstance(f, ActorError) for f in failed), failed
         version = await cells[0].join_training()
         await asyncio.gather(*(cells[c].discard_gradient() for c in (0, 2)))
-        await asyncio.gather(*(cells[c].regroup((0, 2), 1) for c in (0, 2)))
+        waiting = asyncio.gather(
+            *(cells[c].regroup((0, 1, 2), 1) for c in (0, 2)), return_exceptions=True
+        )
+        call_off(connect_store(f"tcp://127.0.0.1:{port}", master=False, timeout_s=60), 1)
+        called_off = await waiting
+        assert all("GroupsCalledOff" in str(f) for f in called_off), called_off
+        await asyncio.gather(*(cells[c].regroup((0, 2), 2) for c in (0, 2)))
         await cells[2].join_training()
         for i, ms in enumerate(micro):
             await cells[(0, 2)[i % 2]].train_micro_step(ms)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from torch.distributed import TCPStore
 
 from qwengyre.apps.preflight import preflight
 from qwengyre.cluster.cell import CellSpec
@@ -74,7 +75,7 @@ from qwengyre.scheduler.events import STANDALONE, Start
 from qwengyre.scheduler.staleness import predicted_staleness
 from qwengyre.training.buffers import TrajectoryBuffer
 from qwengyre.training.checkpoint import latest_checkpoint, read_checkpoint
-from qwengyre.training.distributed import connect_store
+from qwengyre.training.distributed import call_off, connect_store
 
 __all__ = ["Resumed", "TrainOptions", "train"]
 
@@ -268,7 +269,7 @@ class Engines:
     standalone: EngineClient | None = None
     specs: list[CellSpec] = field(default_factory=list)
     run_dir: Path = Path()
-    store: object = None  # a TCPStore: held here, no cell's death takes it with it
+    store: TCPStore | None = None  # held here: no cell's death takes it with it
     _incarnations: Counter[int] = field(default_factory=Counter)
 
     async def replacement(self, cell: int) -> CellClient:
@@ -291,6 +292,12 @@ class Engines:
         placement = config.run.placement
         (client,) = await asyncio.to_thread(start_cells, placement, again, run_dir=self.run_dir)
         return client
+
+    def call_off(self, generation: int) -> None:
+        """The cells forming ``generation``'s groups stop waiting (a member died); under
+        Ray, where the core holds the store, they wait until the rendezvous times out."""
+        if self.store is not None:
+            call_off(self.store, generation)
 
     def stop(self) -> None:
         stop_cells([*self.cells, *([self.standalone] if self.standalone else [])])
@@ -478,7 +485,7 @@ async def _train_once(options: TrainOptions, restarts: int) -> Controller:
             trained=resumed.trained,
             standalone=engines.standalone,
             adoption=taken_over,
-            replacement=engines.replacement,
+            cluster=engines,
         )
         view = asyncio.create_task(show(controller)) if options.display else None
         try:

@@ -130,6 +130,8 @@ class Cell:
         (:meth:`regroup`; all cells and 0 at start-up). ``takeover``: this is the core's
         replacement: it adopts the dead core's boards and takes their weights and
         version, and the optimizer state of ``spec.checkpoint`` (fresh without one).
+        Groups called off (a member died: :class:`~qwengyre.training.distributed.GroupsCalledOff`)
+        leave it to be called again, with the next generation.
 
         Returns this process's id (for logs and kill tests).
         """
@@ -138,24 +140,26 @@ class Cell:
         name = board_name(spec.board, spec.shard)
         layout = shard_layout(self.model.named_parameters(), spec.shards, spec.shard)
         owned = core and not takeover
-        board = open_board(spec.board_kind, name, layout, create=True) if owned else None
-        self._comm = comm = CellComm(
-            spec.rank,
-            spec.config.cells.count,
-            spec.init_method,
-            shard=spec.shard,
-            shards=spec.shards,
-            backend=spec.backend,
-            device=spec.device,
-            store_master=spec.store_on_core,
-            incarnation=spec.incarnation,
-            members=members,
-            generation=generation,
-        )
+        if owned and self._board is None:
+            self._board = open_board(spec.board_kind, name, layout, create=True)
+        if self._comm is None:  # kept if the groups are called off: connect again
+            self._comm = CellComm(
+                spec.rank,
+                spec.config.cells.count,
+                spec.init_method,
+                shard=spec.shard,
+                shards=spec.shards,
+                backend=spec.backend,
+                device=spec.device,
+                store_master=spec.store_on_core,
+                incarnation=spec.incarnation,
+            )
+        comm = self._comm
+        comm.regroup(range(spec.config.cells.count) if members is None else members, generation)
         # Creating the groups is collective: once it returned everywhere the boards exist.
-        if board is None:
-            board = open_board(spec.board_kind, name, layout, adopt=takeover)
-        self._board = board
+        if self._board is None:
+            self._board = open_board(spec.board_kind, name, layout, adopt=takeover)
+        board = self._board
         build = trainer_backend(spec.config.trainer.backend)
         self.trainer = build(
             self.model, spec.config.trainer, comm, version=spec.version, board=board

@@ -53,7 +53,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -74,7 +74,7 @@ from qwengyre.rollout.tasks import Task
 from qwengyre.runtime.journal import Adoption, LaunchJournal, LaunchRecord
 from qwengyre.runtime.ledger import Ledger
 from qwengyre.runtime.observer import Observer
-from qwengyre.runtime.supervisor import Supervisor
+from qwengyre.runtime.supervisor import Cluster, Supervisor
 from qwengyre.scheduler.core import GroupState, Scheduler
 from qwengyre.scheduler.events import (
     STANDALONE,
@@ -193,10 +193,10 @@ class Controller:
         trained: Sequence[int] = (),
         standalone: EngineClient | None = None,
         adoption: Adoption | None = None,
-        replacement: Callable[[int], Awaitable[CellClient]] | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         """``cells``: the run's list of cells, which a replacement's process takes its
-        cell's place in (``replacement`` starts it: ``run.replace_dead_cells``)."""
+        cell's place in (``cluster`` starts it: ``run.replace_dead_cells``)."""
         self.config = config
         self.scheduler = scheduler
         self.proxy = proxy
@@ -250,7 +250,7 @@ class Controller:
             spawn=self._spawn,
             emit=self._emit,
             leave=self._leave_step,
-            start=replacement,
+            cluster=cluster,
             adopt=self._adopt_replacement,
             rejoin=self._rejoin,
             replacements=config.run.replace_dead_cells,

@@ -18,7 +18,11 @@ the cells that stay) and the proxy stops routing to it. Then:
   the run.
 
 The groups are re-formed under :attr:`Supervisor.groups`, which an update's collectives
-hold too: a regroup never interleaves with one. An engine the proxy drained for failing,
+hold too: a regroup never interleaves with one. Deaths may overlap (the core dies while
+a satellite's replacement starts): one formation connects every replacement started so
+far, and a member found dead while the groups form is handled first (its replacement
+joins the next formation, or the groups form without it); the others stop waiting for it
+at once (``call_off``). An engine the proxy drained for failing,
 on a rollout cell or the standalone pool, is asked to start its server again if it
 crashed (a publication that found its server dead drains it so: nothing calls a dead
 server, and it serves again with the newest weights).
@@ -30,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from qwengyre.cluster.client import CellClient, EngineClient
 from qwengyre.cluster.local import ActorDied
@@ -39,7 +43,7 @@ from qwengyre.proxy.routing import Router
 from qwengyre.scheduler.core import Scheduler
 from qwengyre.scheduler.events import STANDALONE, CellLost, Event, Role
 
-__all__ = ["CELL_WATCH_S", "Supervisor"]
+__all__ = ["CELL_WATCH_S", "Cluster", "Supervisor"]
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +51,27 @@ CELL_WATCH_S = 1.0
 """How often every cell's liveness is checked."""
 
 
+class Cluster(Protocol):
+    """What the supervisor asks of the cluster the cells run on."""
+
+    async def replacement(self, cell: int) -> CellClient:
+        """New processes for the ranks of ``cell``, its model loaded, not connected."""
+        ...
+
+    def call_off(self, generation: int) -> None:
+        """The cells forming ``generation``'s groups stop waiting for each other (see
+        :func:`qwengyre.training.distributed.call_off`)."""
+        ...
+
+
 class Supervisor:
     """Watches ``cells`` and ``standalone`` for the controller: ``spawn`` runs a
     background task of the controller's, ``emit`` puts an event on its queue, ``leave``
     takes a cell (and those past it) out of the open step, ``rejoin`` lets the training
-    cells take part again once a death is handled, ``start`` starts a cell's
-    replacement (``replacements`` of them in all) and ``adopt`` gives it its cell's role.
+    cells take part again once a death is handled; ``cluster`` starts a cell's
+    replacement (``replacements`` of them in all), which ``adopt`` gives its cell's
+    role, and calls off the forming of groups a member died in (without it, the
+    others wait for the dead one until the rendezvous times out).
     ``cells`` is the controller's list: a replacement takes its cell's place in it."""
 
     def __init__(
@@ -65,7 +84,7 @@ class Supervisor:
         spawn: Callable[[Coroutine[Any, Any, Any]], object],
         emit: Callable[[Callable[[float], Event]], None],
         leave: Callable[[int], Awaitable[None]],
-        start: Callable[[int], Awaitable[CellClient]] | None = None,
+        cluster: Cluster | None = None,
         adopt: Callable[[int, CellClient], Awaitable[None]] | None = None,
         rejoin: Callable[[], None] = lambda: None,
         replacements: int = 0,
@@ -77,15 +96,20 @@ class Supervisor:
         self._spawn = spawn
         self._emit = emit
         self._leave = leave  # the cell leaves the open training step, at once
-        self._start = start
+        self._cluster = cluster
         self._adopt = adopt
         self._rejoin = rejoin  # the training cells take part in the open step again
-        self.replacements = replacements if start is not None and adopt is not None else 0
+        self.replacements = replacements if cluster is not None and adopt is not None else 0
         self.replaced = 0  # replacements started so far
         self.lost: dict[int, ActorDied] = {}  # cells given up for dead: why
         self.members: tuple[int, ...] = tuple(range(len(cells)))  # of the groups now
-        self.generation = 0  # of the groups now
+        self.generation = 0  # of the groups now (or being formed)
         self.groups = asyncio.Lock()  # the cells' groups: held by an update, or a regroup
+        # What the next groups are to be: their members, the replacements to connect
+        # (started, not yet in the groups), and how many changes they reflect.
+        self._wanted = self.members
+        self._joining: dict[int, CellClient] = {}
+        self._changes = self._formed = 0
         self._handling: dict[int, asyncio.Task[None]] = {}  # deaths being handled
         self._reviving: set[int] = set()  # cells starting a crashed engine again
 
@@ -169,16 +193,17 @@ class Supervisor:
         if self.scheduler.why_not_lose(cell) is not None:
             raise died
         self.lost[cell] = died
+        want = self._change(members=tuple(c for c in self._wanted if c != cell))
         log.warning("%s; the run goes on without it", died)
         await self._leave(cell)
         await self.router.drain(engine_name(cell), wait=False)
         await asyncio.to_thread(self.cells[cell].close)  # its other ranks, if any
         self._emit(lambda t: CellLost(t, cell))
-        await self._regroup(tuple(c for c in self.members if c != cell))
+        await self._form(want)
 
     async def _replace(self, cell: int, died: ActorDied) -> None:
         """A new process takes the place of ``cell``'s dead one; ``died`` if it cannot."""
-        assert self._start is not None and self._adopt is not None
+        assert self._cluster is not None and self._adopt is not None
         self.replaced += 1
         log.warning(
             "%s; a new %s takes its place (replacement %d of %d)",
@@ -191,26 +216,81 @@ class Supervisor:
         await self.router.drain(engine_name(cell), wait=False)
         await asyncio.to_thread(self.cells[cell].close)  # its other ranks, if any
         try:
-            new = await self._start(cell)
+            new = await self._cluster.replacement(cell)
             await new.pid()  # built, its model loaded: the others wait for it no longer
-            async with self.groups:
-                self.generation += 1
-                members, generation = self.members, self.generation
-                await asyncio.gather(
-                    new.connect(members, generation, takeover=cell == 0),
-                    *(self.cells[c].regroup(members, generation) for c in members if c != cell),
-                )
-            await self._adopt(cell, new)
         except Exception as exc:
             raise died from exc  # the run stops (or restarts: run.restarts)
+        self._joining[cell] = new
+        await self._form(self._change())
+        try:
+            await self._adopt(cell, new)
+        except Exception as exc:
+            raise died from exc
 
-    async def _regroup(self, members: tuple[int, ...]) -> None:
-        """The live cells ``members`` re-form their groups without the others."""
-        async with self.groups:
-            self.generation += 1
-            generation = self.generation
-            await asyncio.gather(*(self.cells[c].regroup(members, generation) for c in members))
-            self.members = members
+    def _change(self, members: tuple[int, ...] | None = None) -> int:
+        """Note a change the groups are to reflect (new ``members``, or a replacement
+        to connect); its number, for :meth:`_form`."""
+        if members is not None:
+            self._wanted = members
+        self._changes += 1
+        return self._changes
+
+    async def _form(self, change: int) -> None:
+        """Form the groups among the wanted members, connecting every replacement
+        started, unless a formation since ``change`` did. A member dying meanwhile is
+        handled first: its replacement joins the next formation, or that one goes
+        without it. Raise what stops the run (a death the run cannot go on after)."""
+        while self._formed < change:
+            async with self.groups:
+                if self._formed >= change:
+                    return
+                changes, members, joining = self._changes, self._wanted, dict(self._joining)
+                # A member whose death is being handled and whose replacement has not
+                # started yet cannot be in the groups: its handling forms them.
+                starting = [c for c in members if c in self._handling and c not in joining]
+                dead = None if starting else await self._meet(members, joining)
+                if not starting and dead is None:
+                    self.members, self._formed = members, changes
+                    for c in joining:
+                        del self._joining[c]
+                    return
+            if starting:
+                await asyncio.shield(self._handling[starting[0]])
+            else:
+                assert dead is not None
+                cell, died = dead
+                if cell in joining:
+                    raise died  # a replacement that died joining
+                await self.lose(cell, died)
+
+    async def _meet(
+        self, members: tuple[int, ...], joining: dict[int, CellClient]
+    ) -> tuple[int, ActorDied] | None:
+        """One formation, of a new generation: the ``joining`` replacements connect,
+        the other ``members`` regroup. A member found dead calls it off; returns it,
+        or None once formed."""
+        self.generation += 1
+        generation = self.generation
+        calls = {
+            asyncio.ensure_future(
+                joining[c].connect(members, generation, takeover=c == 0)
+                if c in joining
+                else self.cells[c].regroup(members, generation)
+            ): c
+            for c in members
+        }
+        waiting: set[asyncio.Future[Any]] = set(calls)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_EXCEPTION)
+            if self._cluster is not None and any(t.exception() is not None for t in done):
+                self._cluster.call_off(generation)  # the others stop waiting for it
+        failed = {calls[t]: exc for t in calls if (exc := t.exception()) is not None}
+        for cell, exc in failed.items():
+            if isinstance(exc, ActorDied):
+                return cell, exc
+        for exc in failed.values():
+            raise exc  # no member died: a bug
+        return None
 
     async def _check_cells(self) -> None:
         """Raise ``ActorDied`` for the first cell (or the standalone pool) that is gone,

@@ -22,6 +22,11 @@ The prefix groups are re-formed without a restart (:meth:`CellComm.regroup`, a n
 survivors, so that cells past the dead one train again, or with a replacement process
 that took the dead cell's place (which builds its own cell group under a key of its
 own). Nothing else changes: the trainers keep their weights, gradients and optimizer.
+Before building a generation's groups its members meet under the store's keys, and the
+controller can call the meeting off (:func:`call_off`) when one of them died meanwhile:
+the others stop waiting for it at once instead of at the rendezvous timeout, and a
+later generation forms the groups without it (or with its replacement). A member that
+dies after all met, inside the groups' own rendezvous, is waited for until the timeout.
 
 gloo on CPU, NCCL for CUDA tensors (``"cpu:gloo,cuda:nccl"``).
 """
@@ -29,6 +34,7 @@ gloo on CPU, NCCL for CUDA tensors (``"cpu:gloo,cuda:nccl"``).
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any, cast
@@ -39,10 +45,35 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["BUCKET_BYTES", "CellComm", "buckets", "flatten", "unflatten_into"]
+__all__ = [
+    "BUCKET_BYTES",
+    "CellComm",
+    "GroupsCalledOff",
+    "buckets",
+    "call_off",
+    "flatten",
+    "unflatten_into",
+]
 
 BUCKET_BYTES = 64 << 20
 """Most bytes one cross-cell collective moves at once (a larger tensor goes alone)."""
+
+MEET_POLL_S = 0.01
+"""How often a member waiting for a generation's others looks at the store."""
+
+
+class GroupsCalledOff(RuntimeError):
+    """The controller called off forming a generation's groups: a member died."""
+
+
+def _called_off_key(generation: int) -> str:
+    return f"prefix.{generation}/off"
+
+
+def call_off(store: dist.Store, generation: int) -> None:
+    """The members forming ``generation``'s prefix groups stop waiting for each other
+    (:class:`GroupsCalledOff`): one of them died before it came."""
+    store.set(_called_off_key(generation), "1")
 
 
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
@@ -113,8 +144,8 @@ class CellComm:
     """Shard ``shard`` of cell ``cell``, among ``cells`` cells of ``shards`` ranks that
     meet at ``init_method`` (the core's shard 0 serves the store there when
     ``store_master``). ``incarnation`` tells a replacement's cell group from its dead
-    predecessor's; ``members`` and ``generation``: the live cells and the generation of
-    their prefix groups (:meth:`regroup`), all ``cells`` and 0 at a run's start."""
+    predecessor's. It has no prefix groups until :meth:`regroup` (collective) builds
+    them: every rank of a run calls it at start, with all the cells and generation 0."""
 
     def __init__(
         self,
@@ -130,8 +161,6 @@ class CellComm:
         bucket_bytes: int = BUCKET_BYTES,
         store_master: bool = False,
         incarnation: int = 0,
-        members: Sequence[int] | None = None,
-        generation: int = 0,
     ) -> None:
         if not 0 <= cell < cells:
             raise ValueError(f"cell must be in [0, {cells}), got {cell}")
@@ -162,7 +191,6 @@ class CellComm:
             _SINGLE.append(True)
         self.cell_group: dist.ProcessGroup = dist.group.WORLD  # type: ignore[assignment]
         self.mesh = DeviceMesh.from_group(self.cell_group, self.device.type)
-        self.regroup(range(cells) if members is None else members, generation)
 
     @property
     def is_core(self) -> bool:
@@ -180,6 +208,8 @@ class CellComm:
             raise ValueError(f"members must start with the core (cell 0): {members}")
         self._prefix.clear()  # every handle on the old groups goes before the new ones
         gc.collect()
+        if len(members) > 1:
+            self._meet(members, generation)
         self.members = members
         me = members.index(self.cell)
         for k in range(2, len(members) + 1):  # the same order everywhere: no deadlock
@@ -189,6 +219,28 @@ class CellComm:
                 self._prefix[k] = _cross_cell_group(
                     self.store, key, me, k, self.device, self.timeout_s
                 )
+
+    def _meet(self, members: tuple[int, ...], generation: int) -> None:
+        """Wait until this shard's peers in every member came to ``generation``'s
+        groups; raise :class:`GroupsCalledOff` if the controller called them off
+        (:func:`call_off`), ``TimeoutError`` after the store's timeout."""
+        assert self.store is not None
+        here = [f"prefix.{generation}/here/{c}.{self.shard}" for c in members]
+        self.store.set(here[members.index(self.cell)], "1")
+        off = _called_off_key(generation)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(here):
+            if self.store.check([off]):
+                raise GroupsCalledOff(
+                    f"cell {self.cell}: the groups of generation {generation} among cells"
+                    f" {members} were called off (a member died)"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"cell {self.cell}: not every cell of {members} came to generation"
+                    f" {generation}'s groups within {self.timeout_s:.0f} s"
+                )
+            time.sleep(MEET_POLL_S)
 
     def _group(self, k: int) -> dist.ProcessGroup | None:
         if not 1 <= k <= len(self.members) or self.members.index(self.cell) >= k:
