@@ -11,8 +11,8 @@ one-line system prompt, the shell tool alone and replies of 256 tokens (Qwen Cod
 ``--system-prompt``, ``--core-tools``/``--exclude-tools`` and a workspace
 ``.qwen/settings.json`` hiding its bundled skills; OpenCode: its build agent's ``prompt``,
 ``permission``, the model's output limit and no auto-compaction in
-``OPENCODE_CONFIG_CONTENT``; Codex: ``-c`` overrides, see ``CODEX_SHORT``, which has no
-output limit to set). Everything else is the preset's: its settings in the
+``OPENCODE_CONFIG_CONTENT``; Codex: ``-c`` overrides, ``CODEX_SHORT``, and no reply limit:
+it has no option for one). Everything else is the preset's: its settings in the
 private home, its flags and environment, the sandbox (bubblewrap where it runs), the
 proxy's rule set.
 """
