@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -88,12 +90,20 @@ def bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 
 def run_codex(
-    binary: Path, ex: dict, home: Path, workspace: Path, task: str, config: str = ""
+    binary: Path,
+    ex: dict,
+    home: Path,
+    workspace: Path,
+    task: str,
+    config: str = "",
+    resume: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """``codex exec`` of ``task`` against the execution ``ex``, as the ``codex`` harness
     preset runs it (its command, environment and ``config.toml`` in the private home);
-    ``config``: more top-level ``config.toml`` lines. Every proxy variable points at a
-    closed port (loopback excepted): nothing but its calls to the proxy can leave."""
+    ``config``: more top-level ``config.toml`` lines; ``resume``: run ``codex exec resume
+    RESUME...`` instead (a session of that home, ``--last`` or its id). Every proxy
+    variable points at a closed port (loopback excepted): nothing but its calls to the
+    proxy can leave."""
     offline = {name: NOWHERE for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")}
     spec = codex_spec(
         str(binary),
@@ -102,6 +112,9 @@ def run_codex(
         deadline_s=120,
         extra_env={**offline, "NO_PROXY": "127.0.0.1,localhost"},
     )
+    if resume:
+        at = spec.command.index("exec") + 1
+        spec = replace(spec, command=(*spec.command[:at], "resume", *resume, *spec.command[at:]))
     launch = prepare_harness(
         spec,
         workspace=workspace,
@@ -285,3 +298,90 @@ def test_a_codex_auto_compaction_is_recorded_as_a_main_summary_and_a_new_root(
     assert "tools" not in compaction or not compaction["tools"]
     assert "CONTEXT CHECKPOINT COMPACTION" in json.dumps(compaction["input"][-1])
     assert "Summary: said hi with the shell." in json.dumps(after["input"])  # goes on from it
+
+
+RESUME_SCRIPT = {
+    "main.task": [
+        "Saying hi." + tool_call("exec_command", {"cmd": "echo hi"}),
+        "Done: said hi.",
+        "Bye!",
+    ],
+    "default": ["ok"],
+}
+
+
+def test_a_resumed_codex_session_extends_the_first_sessions_chain(
+    codex_bin: Path,
+    tiny_model_dir: Path,
+    bodies: list[dict],
+    splits: list[tuple[bool, int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``codex exec resume --last PROMPT``, a new process, resends the stored session
+    (read back from ``$CODEX_HOME/sessions``) and the new turn: the proxy extends the first
+    session's last call, whose tokens it already has."""
+    headers: list[dict] = []
+    read = proxy_server.read_body
+
+    async def spy(http, max_bytes):  # type: ignore[no-untyped-def]
+        headers.append(json.loads(http.headers["x-codex-turn-metadata"]))
+        return await read(http, max_bytes)
+
+    monkeypatch.setattr(proxy_server, "read_body", spy)
+    home, workspace = tmp_path / "home", tmp_path / "ws"
+    workspace.mkdir()
+    with codex_proxy(tmp_path, tiny_model_dir, RESUME_SCRIPT) as proxy:
+        ex = proxy.new_execution()
+        first = run_codex(codex_bin, ex, home, workspace, "Say hi")
+        assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
+        second = run_codex(codex_bin, ex, home, workspace, "Say bye", resume=("--last",))
+        assert second.returncode == 0, second.stderr[-3000:] + second.stdout[-3000:]
+        nodes = proxy.tree(ex["id"])
+        recorder = proxy.server.residency.executions[ex["id"]].recorder
+        assert recorder is not None
+        conversations = [recorder.conversation(node["id"]) for node in nodes]
+
+    # The same thread, resumed from disk (Codex says so in its turn metadata).
+    started = [json.loads(done.stdout.splitlines()[0]) for done in (first, second)]
+    assert started[0]["type"] == started[1]["type"] == "thread.started"
+    thread = started[0]["thread_id"]
+    assert started[1]["thread_id"] == thread
+    assert [(h["thread_id"], h["history_initialization"]) for h in headers] == [
+        (thread, "new"),
+        (thread, "new"),
+        (thread, "cold_resume"),
+    ]
+    items = [json.loads(line) for line in second.stdout.splitlines()]
+    said = [e["item"] for e in items if e["type"] == "item.completed"]
+    assert [i["text"] for i in said if i["type"] == "agent_message"] == ["Bye!"]
+
+    # One chain: the resumed call extends the first session's last one, the main agent's.
+    assert [(n["parent"], n["class"], n["agent_id"]) for n in nodes] == [
+        (None, "main.task", "main"),
+        (0, "main.task", "main"),
+        (1, "main.task", "main"),
+    ]
+    assert len(nodes[2]["input_ids"]) < 50  # the reply's end and the new user turn only
+    # Codex resent the first session word for word, then the reply it was streamed and
+    # the new turn; the proxy decoded only those two items.
+    before, resumed = bodies[1], bodies[2]
+    assert resumed["input"][: len(before["input"])] == before["input"]
+    assert resumed["tools"] == before["tools"]
+    reply, turn = resumed["input"][len(before["input"]) :]
+    assert (reply["role"], reply["content"][0]["text"]) == ("assistant", "Done: said hi.")
+    assert (turn["role"], turn["content"]) == ("user", [{"type": "input_text", "text": "Say bye"}])
+    assert splits[-1] == (True, 2)
+    # What was recorded round-trips: the tool call's payload, by its call_id, and each
+    # conversation extends the one before it.
+    [call] = conversations[0][-1].tool_calls
+    echoed = [i for i in resumed["input"] if i.get("type") == "function_call"]
+    assert [(i["call_id"], json.loads(i["arguments"])) for i in echoed] == [
+        (call.id, {"cmd": "echo hi"})
+    ]
+    for shorter, longer in itertools.pairwise(conversations):
+        assert longer[: len(shorter)] == shorter
+    assert list(conversations[2][-2:]) == [
+        Message("user", "Say bye"),
+        Message("assistant", "Bye!"),
+    ]

@@ -21,7 +21,9 @@ from tests.test_request_classes import QWEN
 from transformers import AutoTokenizer
 
 from qwengyre.engines.scripted import ScriptedEngine
+from qwengyre.proxy import server as proxy_server
 from qwengyre.proxy.classes import load_rule_set
+from qwengyre.proxy.types import Message, ToolCall
 
 AGENT_CALL = {
     "name": "agent",
@@ -47,8 +49,8 @@ SCRIPT = {
 }
 
 
-def qwen_proxy(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Running]:
-    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), SCRIPT)
+def qwen_proxy(tmp_path: Path, tiny_model_dir: Path, script: dict = SCRIPT) -> Iterator[Running]:
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), script)
     yield from start(
         tmp_path,
         tiny_model_dir,
@@ -117,11 +119,12 @@ SETTINGS = {
 
 
 def run_qwen(
-    binary: Path, ex: dict, home: Path, workspace: Path, *args: str
+    binary: Path, ex: dict, home: Path, workspace: Path, *args: str, settings: dict = SETTINGS
 ) -> subprocess.CompletedProcess[str]:
-    """``qwen ARGS --yolo -o json`` offline against the execution's proxy URL."""
+    """``qwen ARGS --yolo -o json`` offline against the execution's proxy URL, with
+    ``settings`` as its ``$HOME/.qwen/settings.json``."""
     (home / ".qwen").mkdir(parents=True, exist_ok=True)
-    (home / ".qwen" / "settings.json").write_text(json.dumps(SETTINGS))
+    (home / ".qwen" / "settings.json").write_text(json.dumps(settings))
     env = {
         "PATH": os.environ["PATH"],
         "HOME": str(home),
@@ -169,3 +172,82 @@ def test_the_real_qwen_code_records_sub_task_and_main_summary(
     assert [n["class"] for n in nodes if "summary" in n["class"]] == ["main.summary"], found
     assert {n["class"] for n in nodes} <= {"main.task", "sub.task", "main.summary", "main.side"}
     assert all(n["agent_id"] == "main" for n in nodes if n["class"] != "sub.task")
+
+
+SHELL = {"name": "run_shell_command", "arguments": {"command": "echo hi"}}
+RESUME_SCRIPT = {
+    "main.task": [
+        f"Saying hi.\n<tool_call>\n{json.dumps(SHELL)}\n</tool_call>",
+        "Done: said hi.",
+        "Bye!",
+    ],
+    "default": ["ok"],
+}
+# The preset's: no background memory agents (their calls would be roots of their own).
+NO_MEMORY = {
+    **SETTINGS,
+    "memory": {
+        "enableManagedAutoMemory": False,
+        "enableManagedAutoDream": False,
+        "enableAutoSkill": False,
+    },
+}
+
+
+@pytest.mark.slow
+def test_a_resumed_qwen_code_session_is_a_main_task_root_of_its_rewritten_history(
+    qwen_bin: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``qwen --continue`` (``--resume ID`` sends the same) reloads the session, but not
+    as it sent it: the first user message loses the part that said the date (a
+    ``<system-reminder>`` Qwen Code does not store), and the new turn carries a fresh
+    one. The resumed request extends no recorded call message for message, so the proxy
+    renders it whole, a new root: the main agent's (same prompt and tools), a task call,
+    its earlier turns restored as recorded (the tool call by its id)."""
+    bodies: list[dict] = []
+    read = proxy_server.read_body
+
+    async def spy(http, max_bytes):  # type: ignore[no-untyped-def]
+        body = await read(http, max_bytes)
+        bodies.append(json.loads(body))
+        return body
+
+    monkeypatch.setattr(proxy_server, "read_body", spy)
+    home, workspace = tmp_path / "home", tmp_path / "ws"
+    workspace.mkdir()
+    for proxy in qwen_proxy(tmp_path, tiny_model_dir, RESUME_SCRIPT):
+        ex = proxy.new_execution()
+        first = run_qwen(qwen_bin, ex, home, workspace, "Say hi", settings=NO_MEMORY)
+        assert result(first) == "Done: said hi."
+        second = run_qwen(
+            qwen_bin, ex, home, workspace, "Say bye", "--continue", settings=NO_MEMORY
+        )
+        assert result(second) == "Bye!"
+        nodes = proxy.tree(ex["id"])
+        recorder = proxy.server.residency.executions[ex["id"]].recorder
+        assert recorder is not None
+        before, resumed = recorder.conversation(1), recorder.conversation(2)
+    sessions = [json.loads(done.stdout)[0]["session_id"] for done in (first, second)]
+    assert sessions[0] == sessions[1]  # the same session, resumed
+
+    assert [(n["parent"], n["class"], n["agent_id"]) for n in nodes] == [
+        (None, "main.task", "main"),
+        (0, "main.task", "main"),
+        (None, "main.task", "main"),  # rendered whole: it extends nothing recorded
+    ]
+    assert len(nodes[2]["input_ids"]) > len(nodes[0]["input_ids"])
+    # Why: what Qwen Code sent for the first user message, then and on resuming.
+    assert len(bodies) == 3 and bodies[2]["tools"] == bodies[0]["tools"]
+    sent, resent = bodies[0]["messages"][1]["content"], bodies[2]["messages"][1]["content"]
+    [dated] = [p for p in sent if "The current date is" in p["text"]]
+    assert resent == [p for p in sent if p is not dated]
+    assert bodies[2]["messages"][-1]["content"] == [dated, {"type": "text", "text": "Say bye"}]
+    # Everything else of the first session came back as recorded: the system prompt,
+    # the tool call (its id and arguments), its result, the last reply.
+    assert resumed[0] == before[0] and resumed[1] != before[1]
+    assert resumed[2 : len(before)] == before[2:]
+    [call] = before[2].tool_calls
+    assert call == ToolCall(call.id, "run_shell_command", SHELL["arguments"])
+    turn, reply = resumed[len(before) :]
+    assert turn.role == "user" and turn.content.endswith("\nSay bye")
+    assert reply == Message("assistant", "Bye!")

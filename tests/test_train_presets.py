@@ -1,16 +1,18 @@
-"""`qwengyre train` with the real Qwen Code and OpenCode CLIs as harnesses, through their
-presets (``harness.name=qwen-code`` / ``opencode``): one RL step each, as
+"""`qwengyre train` with the real Qwen Code, OpenCode and Codex CLIs as harnesses, through
+their presets (``harness.name=qwen-code`` / ``opencode`` / ``codex``): one RL step each, as
 tests/test_train_claude_code.py runs Claude Code.
 
 The npm fixtures (conftest) install the pinned clients, or skip saying why. Each client's
 own prompt is far longer than a tiny model's window (Qwen Code 0.24.4: ~24.6k tokens with
-the "demo" model's tokenizer, OpenCode 1.18.33: ~10.5k), so the binary the preset runs
-(``$QWENGYRE_QWEN_BIN`` / ``$QWENGYRE_OPENCODE_BIN``) is a wrapper that shortens it with
-the client's own options: a one-line system prompt, the shell tool alone and replies of
-256 tokens (Qwen Code: ``--system-prompt``, ``--core-tools``/``--exclude-tools`` and a
-workspace ``.qwen/settings.json`` hiding its bundled skills; OpenCode: its build agent's
-``prompt``, ``permission``, the model's output limit and no auto-compaction in
-``OPENCODE_CONFIG_CONTENT``). Everything else is the preset's: its settings in the
+the "demo" model's tokenizer, OpenCode 1.18.33: ~10.5k, Codex 0.171.0: ~13.3k), so the
+binary the preset runs (``$QWENGYRE_QWEN_BIN`` / ``$QWENGYRE_OPENCODE_BIN`` /
+``$QWENGYRE_CODEX_BIN``) is a wrapper that shortens it with the client's own options: a
+one-line system prompt, the shell tool alone and replies of 256 tokens (Qwen Code:
+``--system-prompt``, ``--core-tools``/``--exclude-tools`` and a workspace
+``.qwen/settings.json`` hiding its bundled skills; OpenCode: its build agent's ``prompt``,
+``permission``, the model's output limit and no auto-compaction in
+``OPENCODE_CONFIG_CONTENT``; Codex: ``-c`` overrides, ``CODEX_SHORT``, and no reply limit:
+it has no option for one). Everything else is the preset's: its settings in the
 private home, its flags and environment, the sandbox (bubblewrap where it runs), the
 proxy's rule set.
 """
@@ -29,7 +31,7 @@ from tests.test_train_claude_code import alternating_tasks
 from qwengyre.config import load_config
 from qwengyre.proxy.store import Store
 from qwengyre.records.metrics import read_metrics
-from qwengyre.rollout.harness import OPENCODE_BIN_ENV, QWEN_BIN_ENV
+from qwengyre.rollout.harness import CODEX_BIN_ENV, OPENCODE_BIN_ENV, QWEN_BIN_ENV
 from qwengyre.rollout.sandbox import SandboxUnavailable, sandbox
 from qwengyre.training.checkpoint import latest_checkpoint
 
@@ -65,6 +67,24 @@ OPENCODE_SHORT = {
     # its title request's reply, which max_context leaves long, short too
     "provider": {"qwengyre": {"models": {"qwengyre": {"limit": {"context": 2560, "output": 256}}}}},
 }
+
+# Codex's own options (``codex -c KEY=VALUE``, its config.toml keys): a one-line base
+# prompt instead of its ~6.4k-token one (``model_instructions_file``), no sub-agent
+# (``multi_agent``), goal, image, web-search or ask-the-user tool, no bundled skills'
+# list, no permissions or environment-context block. Left: the developer line, the task
+# and its shell, ``exec_command`` and ``write_stdin`` (turning ``unified_exec`` off
+# changes nothing). Codex has no option for a reply's length: its requests carry no
+# ``max_output_tokens``, so a reply may take the rest of ``engine.max_context``.
+CODEX_SHORT = [
+    "features.multi_agent=false",
+    "features.goals=false",
+    "features.view_image=false",
+    'web_search="disabled"',
+    "tools.experimental_request_user_input.enabled=false",
+    "skills.bundled.enabled=false",
+    "include_permissions_instructions=false",
+    "include_environment_context=false",
+]
 
 
 def wrapper(at: Path, name: str, body: str) -> Path:
@@ -129,13 +149,14 @@ def recorded_classes(run_dir: Path) -> list[tuple[str, str]]:
     return [(node.meta.request_class, node.meta.agent_id) for node, _ in calls]
 
 
-def check_the_step(run_dir: Path) -> list[dict]:
-    """Every execution ran, the completed ones called the model, one optimizer step
-    trained and was checkpointed; the traces."""
+def check_the_step(run_dir: Path, completed: int = 2 * 2) -> list[dict]:
+    """Every execution ran, at least ``completed`` completed (default B x min_valid), the
+    completed ones called the model, one optimizer step trained and was checkpointed;
+    the traces."""
     traces = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
     assert len(traces) >= 2 * 4
     assert all(t["calls"] for t in traces if t["outcome"] == "completed")
-    assert sum(t["outcome"] == "completed" for t in traces) >= 2 * 2  # B x min_valid
+    assert sum(t["outcome"] == "completed" for t in traces) >= completed
     steps = read_metrics(run_dir).steps
     assert [s.version for s in steps] == [1] and steps[0].micro_steps > 0
     assert latest_checkpoint(run_dir / "checkpoints") is not None
@@ -198,3 +219,53 @@ def test_one_step_of_rl_through_opencode(
     # The title request (the rule set's side marker) and the build agent's turns.
     classes = recorded_classes(run_dir)
     assert set(classes) == {("main.side", "main"), ("main.task", "main")}, classes
+
+
+# How Codex ends a turn whose reply ran out of tokens (the proxy's ``incomplete``).
+OUT_OF_TOKENS = {
+    "type": "turn.failed",
+    "error": {"message": "Incomplete response returned, reason: max_output_tokens"},
+}
+
+
+def test_one_step_of_rl_through_codex(
+    codex_bin: Path, demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if shutil.which("node") is None:
+        pytest.skip("node is needed to run the real Codex CLI")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "instructions.md").write_text("You are a coding agent. Use exec_command to act.\n")
+    overrides = [f'model_instructions_file="{bin_dir / "instructions.md"}"', *CODEX_SHORT]
+    options = [arg for override in overrides for arg in ("-c", override)]
+    wrapped = wrapper(bin_dir, "codex", f'exec {shlex.join([str(codex_bin), *options])} "$@"')
+    monkeypatch.setenv(CODEX_BIN_ENV, str(wrapped))
+    # its shortened first prompt: 986 tokens; a reply may take the other 550
+    max_context = 1536
+    run_dir = one_step(
+        "codex", max_context, [bin_dir, codex_bin.parents[2]], demo_model_dir, tmp_path
+    )
+    # Codex fails a turn whose reply ran out of tokens ("incomplete"): the untrained
+    # model's garbage mostly does, so few executions complete (each still gets a reward).
+    traces = check_the_step(run_dir, completed=0)
+    logs = sorted((run_dir / "logs").glob("*/stdout.log"))
+    assert len(logs) == len(traces)
+    for log in logs:  # --json: Codex's events, one a line
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        assert events[0]["type"] == "thread.started"
+        assert events[-1]["type"] == "turn.completed" or events[-1] == OUT_OF_TOKENS, events[-3:]
+    # The preset's config.toml was in the private home, the wrapper's overrides on top.
+    home = logs[0].parent / "home"
+    assert 'wire_api = "responses"' in (home / ".codex" / "config.toml").read_text()
+    # The main agent's turns only (no sub-agent tool, no compaction at this size); a
+    # call that failed spent the whole budget.
+    assert set(recorded_classes(run_dir)) == {("main.task", "main")}
+    store = Store(run_dir / "proxy.sqlite")
+    try:
+        calls = [node for ex in store.executions() for node, _ in store.calls(ex.id)]
+    finally:
+        store.close()
+    assert {len(node.input_ids) for node in calls if node.parent is None} == {986}
+    failed = sum(t["outcome"] == "failed" for t in traces)
+    spent = sum(len(n.input_ids) + len(n.output_ids) == max_context for n in calls)
+    assert spent >= failed, (spent, failed)
