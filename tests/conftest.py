@@ -32,6 +32,16 @@ def coder_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "test"-size tiny model whose generation prompt opens the reasoning
+    (``<|im_start|>assistant\n<think>\n``, as Qwen3 thinking models; hermes tool calls),
+    cached as :func:`tiny_model_dir`."""
+    return cached_tiny_model(
+        "test", cache_dir=_model_cache(tmp_path_factory), template="qwen3-thinking"
+    )
+
+
 def _model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("QWENGYRE_CACHE")
     return Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"

@@ -471,3 +471,178 @@ def test_history_reasoning_from_the_harness_is_rendered_by_the_template(
     prompt = coder_proxy.tokenizer.decode(node["input_ids"])
     assert "<|im_start|>assistant\n<think>\nGreet back.\n</think>\n\nHello!<|im_end|>" in prompt
     assert "opaque" not in prompt
+
+
+# ------------------------------------------ the tiny model whose prompt opens the reasoning
+
+# Its generation prompt ends "<|im_start|>assistant\n<think>\n" (Qwen3 thinking models):
+# the model writes no <think>, only the reasoning's end.
+OPENED_CALL = (
+    '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls -la", "timeout": 30}}\n</tool_call>'
+)
+OPENED_SCRIPT = {
+    "default": [
+        "The user wants the files.\n</think>\n\nLet me look.\n" + OPENED_CALL,
+        "Both are listed.\n</think>\n\nTwo files: a.txt and b.txt.",
+    ]
+}
+
+
+@pytest.fixture
+def thinking_proxy(tmp_path: Path, thinking_model_dir: Path) -> Iterator[Running]:
+    tokenizer = AutoTokenizer.from_pretrained(thinking_model_dir)
+    yield from start(tmp_path, thinking_model_dir, [ScriptedEngine(tokenizer, OPENED_SCRIPT)])
+
+
+def test_the_thinking_template_opens_the_reasoning_in_its_generation_prompt(
+    thinking_model_dir: Path,
+) -> None:
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(thinking_model_dir))
+    assert renderer.local and renderer.replies == ReplyFormat(TOOL_PARSERS["hermes"], QWEN3)
+    prompt = renderer.render([Message("user", "Hi")], [], generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    turn = Message("assistant", "Hello.", reasoning="Greet.")
+    text = renderer.render([Message("user", "Hi"), turn], [], generation_prompt=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\nGreet.\n</think>\n\nHello.<|im_end|>\n")
+
+
+def _engine_ids(proxy: Running, reply: str) -> list[int]:
+    """The scripted engine's tokens for ``reply``: its text, then end-of-sequence."""
+    tokenizer: Any = proxy.tokenizer
+    return [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]
+
+
+def _check_recorded(proxy: Running, execution: str) -> None:
+    """Two calls, one chain, each node's output the engine's own tokens; the prompts
+    end with the opened reasoning, and the second prompt adds only the new turn."""
+    tokenizer: Any = proxy.tokenizer
+    first, second = proxy.tree(execution)
+    assert (first["parent"], second["parent"]) == (None, 0)
+    for node, reply in zip((first, second), OPENED_SCRIPT["default"], strict=True):
+        assert node["output_ids"] == _engine_ids(proxy, reply)
+        assert tokenizer.decode(node["input_ids"]).endswith("<|im_start|>assistant\n<think>\n")
+    assert tokenizer.decode(second["input_ids"]) == (
+        "\n<|im_start|>user\n<tool_response>\na.txt\nb.txt\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n"
+    )
+
+
+def test_openai_sdk_reasoning_opened_by_the_prompt_streams_as_it_answers_whole(
+    thinking_proxy: Running,
+) -> None:
+    answers = []
+    for stream in (False, True):
+        ex = thinking_proxy.new_execution()
+        client = gpt(thinking_proxy, ex)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "List the files."}]
+        kwargs: dict[str, Any] = {"model": "tiny", "tools": OPENAI_TOOLS, "max_tokens": 300}
+        for _ in range(2):
+            if stream:
+                chunks = client.chat.completions.create(messages=messages, stream=True, **kwargs)
+                deltas = [c.choices[0].delta for c in chunks if c.choices]
+                reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+                content = "".join(d.content or "" for d in deltas)
+                calls = [
+                    {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments}
+                    for d in deltas
+                    for tc in d.tool_calls or ()
+                ]
+                if calls:  # a call streams as its header, then its arguments
+                    arguments = "".join(c["arguments"] or "" for c in calls)
+                    calls = [{**calls[0], "arguments": arguments}]
+            else:
+                made = client.chat.completions.create(messages=messages, **kwargs)
+                message = made.choices[0].message
+                reasoning, content = getattr(message, "reasoning_content", None), message.content
+                calls = [
+                    {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments}
+                    for tc in message.tool_calls or ()
+                ]
+            answers.append(
+                (stream, reasoning, content, [(c["name"], c["arguments"]) for c in calls])
+            )
+            if not calls:
+                break
+            [call] = calls
+            messages += [
+                {
+                    "role": "assistant",
+                    "content": content,
+                    "reasoning_content": reasoning,
+                    "tool_calls": [
+                        {
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["name"], "arguments": call["arguments"]},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": call["id"], "content": "a.txt\nb.txt"},
+            ]
+        _check_recorded(thinking_proxy, ex["id"])
+    whole, streamed = answers[:2], answers[2:]
+    assert [a[1:] for a in streamed] == [a[1:] for a in whole]
+    [(_, reasoning, content, [(name, arguments)]), (_, *last)] = whole
+    assert (reasoning, content, name) == ("The user wants the files.", "Let me look.", "bash")
+    assert json.loads(arguments) == {"cmd": "ls -la", "timeout": 30}
+    assert last == ["Both are listed.", "Two files: a.txt and b.txt.", []]
+
+
+def test_anthropic_sdk_reasoning_opened_by_the_prompt_is_a_thinking_block_streamed_or_whole(
+    thinking_proxy: Running,
+) -> None:
+    answers = []
+    for stream in (False, True):
+        ex = thinking_proxy.new_execution()
+        client = claude(thinking_proxy, ex)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "List the files."}]
+        kwargs: dict[str, Any] = {"model": "tiny", "tools": ANTHROPIC_TOOLS, "max_tokens": 300}
+        for _ in range(2):
+            if stream:
+                with client.messages.stream(messages=messages, **kwargs) as events:  # type: ignore[arg-type]
+                    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+                    reply = events.get_final_message()
+                thought = "".join(d.thinking for d in deltas if d.type == "thinking_delta")
+                said = "".join(d.text for d in deltas if d.type == "text_delta")
+                thinking = [b.thinking for b in reply.content if b.type == "thinking"]
+                assert [thought] == thinking and [said] == [
+                    b.text for b in reply.content if b.type == "text"
+                ]
+            else:
+                reply = client.messages.create(messages=messages, **kwargs)  # type: ignore[arg-type]
+            answers.append(
+                (
+                    [b.model_dump(exclude={"id", "signature"}) for b in reply.content],
+                    reply.stop_reason,
+                )
+            )
+            uses = [b for b in reply.content if b.type == "tool_use"]
+            if not uses:
+                break
+            messages += [
+                {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": uses[0].id,
+                            "content": "a.txt\nb.txt",
+                        }
+                    ],
+                },
+            ]
+        _check_recorded(thinking_proxy, ex["id"])
+    whole, streamed = answers[:2], answers[2:]
+    assert streamed == whole
+    (first, stop), (second, end) = whole
+    assert [(b["type"], b.get("thinking") or b.get("text") or b.get("input")) for b in first] == [
+        ("thinking", "The user wants the files."),
+        ("text", "Let me look."),
+        ("tool_use", {"cmd": "ls -la", "timeout": 30}),
+    ]
+    assert stop == "tool_use" and end == "end_turn"
+    assert [(b["type"], b.get("thinking") or b.get("text")) for b in second] == [
+        ("thinking", "Both are listed."),
+        ("text", "Two files: a.txt and b.txt."),
+    ]

@@ -4,6 +4,7 @@ ToolCallStream (proxy/parsers/base.py)."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -217,3 +218,22 @@ def test_a_stop_string_inside_a_call_cuts_it_into_text() -> None:
         [],
         '"x"',
     )
+
+
+@pytest.mark.parametrize(
+    "stops",
+    [(), ("</tool_call>",), ('"}}\n</tool_call> END',), ("zz", "\n</tool"), ("x" * 40,)],
+)
+def test_a_long_block_fed_a_character_at_a_time_streams_as_it_parses_whole(
+    stops: tuple[str, ...],
+) -> None:
+    # While a block waits for its close tag, a feed that can neither close it nor hit a
+    # stop string is put aside (linear time); the close tag or a stop string straddling
+    # two feeds is still found.
+    body = json.dumps({"name": "f", "arguments": {"text": "line\n" * 300 + "x" * 39}})
+    full = "Writing.\n<tool_call>\n" + body + "\n</tool_call> END and after"
+    shown, (last, text, calls, stop) = stream(list(full), stops)
+    assert "".join(shown) + last == text
+    assert (text, calls, stop) == reference(full, stops)
+    if calls:  # the block closed as it was fed: what follows it showed at once
+        assert last == "" and text.endswith("END and after")

@@ -211,6 +211,21 @@ def test_opencode_title_call_main_agent_and_sub_agent_session(renderer: ChatRend
     ]
 
 
+def test_opencode_compaction_is_the_summary_of_the_session_it_compacts(renderer: ChatRenderer):
+    # The compaction agent's request: its own system prompt, no tools (not a side call,
+    # as side_without_tools alone would make it), the session's headers. A sub-agent's
+    # session compacts under its own headers (x-parent-session-id): its summary.
+    compaction = OPENCODE["auto-compaction (limit.output 1000): the compaction agent's request"]
+    sub = OPENCODE["sub-agent (general), first call"]["headers"]
+    in_sub = {**compaction, "headers": sub}
+    requests = [OPENCODE["main agent (build), first call"], compaction, in_sub]
+    assert classes(renderer, "opencode", [chat(entry) for entry in requests]) == [
+        ("main.task", "main"),
+        ("main.summary", "main"),
+        ("sub.summary", sub["x-session-id"]),
+    ]
+
+
 # ------------------------------------------------------------------ Codex
 
 

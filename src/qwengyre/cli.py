@@ -678,8 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--template",
         choices=list(get_args(TinyTemplate)),
         default="qwen3",
-        help="chat template: qwen3 (hermes <tool_call>{json} calls) or qwen3-coder (XML"
-        " <function=...> calls, <think> reasoning)",
+        help="chat template: qwen3 (hermes <tool_call>{json} calls), qwen3-coder (XML"
+        " <function=...> calls, <think> reasoning) or qwen3-thinking (hermes calls, the"
+        " generation prompt opens <think>)",
     )
     tiny.set_defaults(func=cmd_model_init_tiny)
     export = model_sub.add_parser(

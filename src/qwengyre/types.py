@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import Literal
 
 TinySize = Literal["test", "demo"]
-TinyTemplate = Literal["qwen3", "qwen3-coder"]
+TinyTemplate = Literal["qwen3", "qwen3-coder", "qwen3-thinking"]
 """The built-in tiny model's sizes (:mod:`qwengyre.models.tiny`, ``model.tiny_size``)."""
 
 

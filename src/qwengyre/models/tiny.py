@@ -122,6 +122,9 @@ TEMPLATES: Final[MappingProxyType[str, str]] = MappingProxyType(
         "qwen3": "chat_template.jinja",
         # Qwen3-Coder's XML tool calls (<function=NAME><parameter=ARG>) and <think> reasoning.
         "qwen3-coder": "chat_template_qwen3_coder.jinja",
+        # chat_template.jinja with the reasoning opened by the generation prompt
+        # (<|im_start|>assistant\n<think>\n), as Qwen3 thinking models; reasoning kept.
+        "qwen3-thinking": "chat_template_qwen3_thinking.jinja",
     }
 )
 """The chat templates a tiny model may have, by name: the package resource of each."""

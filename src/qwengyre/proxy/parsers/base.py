@@ -95,7 +95,10 @@ class ToolCallStream:
     cannot disagree (a block ends at the first close tag after its open tag, so text
     up to that close is settled whatever follows).
 
-    A feed costs O(its text + the held text + the stop strings' squared lengths).
+    A feed costs O(its text + the stop strings' squared lengths), amortised: while an
+    open block waits for its close tag, a feed whose text (with the few characters
+    before it) holds neither that tag nor a stop string only puts the text aside; the
+    block's text is joined once it may close (``benchmarks/bench_parsers.py``).
     """
 
     def __init__(
@@ -106,6 +109,13 @@ class ToolCallStream:
         self.stop = tuple(s for s in stop if s)
         self._open, self._close = parser.open, parser.close
         self._held = ""  # the text after what is settled (shown, whitespace, or calls)
+        self._aside: list[str] = []  # text after _held, fed while a block waits to close
+        self._waiting = False  # _held is an open block whose close tag was not found
+        # How many of the last characters fed a feed's text is searched with: enough to
+        # hold a close tag or stop string that ends in the text, or a close tag left
+        # past the limit by a stop string's beginning. _tail: those characters.
+        self._overlap = max([len(self._close), *map(len, self.stop)]) * 2
+        self._tail = ""
         self._scan = len(self._open)  # no close tag starts in _held before this
         self._stop_at: int | None = None  # the earliest stop string found in _held
         self._out = Trimmer()  # what was shown
@@ -113,8 +123,20 @@ class ToolCallStream:
 
     def feed(self, text: str) -> str:
         """Add the next text of the reply; the text that can be shown now (maybe empty)."""
+        window = self._tail + text
+        self._tail = window[-self._overlap :]
+        if (
+            self._waiting
+            and self._stop_at is None
+            and self._close not in window
+            and not any(stop in window for stop in self.stop)
+        ):
+            self._aside.append(text)  # the block cannot close yet, nor the reply stop
+            return ""
+        self._join()
         seen = len(self._held)
         self._held += text
+        self._waiting = False
         for stop in self.stop:
             at = self._held.find(stop, max(0, seen - len(stop) + 1))
             if at >= 0 and (self._stop_at is None or at < self._stop_at):
@@ -133,6 +155,7 @@ class ToolCallStream:
             closed = self._held.find(self._close, self._scan, limit)
             if closed < 0:  # wait for the block to close
                 self._scan = max(self._scan, limit - len(self._close) + 1)
+                self._waiting = True
                 return "".join(shown)
             end = closed + len(self._close)
             self._settle(self._held[:end], shown)
@@ -141,6 +164,7 @@ class ToolCallStream:
     def finish(self) -> tuple[str, str, list[ParsedCall], str | None]:
         """(the text left to show, the whole final text, the tool calls, the stop string
         the reply was cut at or None); see the class docstring."""
+        self._join()
         stop = None
         cut = len(self._held)
         if self._stop_at is not None:
@@ -149,6 +173,12 @@ class ToolCallStream:
         shown: list[str] = []
         self._settle(self._held[:cut], shown)
         return "".join(shown), "".join(self._out.pieces), self._calls, stop
+
+    def _join(self) -> None:
+        """The text put aside, back at the end of the held text."""
+        if self._aside:
+            self._held += "".join(self._aside)
+            self._aside.clear()
 
     def _limit(self) -> int:
         """Where the text may still be cut: the earliest stop string found, or the
