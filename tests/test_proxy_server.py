@@ -647,3 +647,26 @@ def test_the_admin_token_comes_from_argv_a_file_or_the_environment(tmp_path: Pat
         resolve_admin_token(token, path, env)
     args = ["proxy", "serve", "--model", "m", "--store", str(tmp_path), "--admin-token-file"]
     assert cli_main([*args, str(tmp_path / "missing")]) == 2  # before any model is loaded
+
+
+def test_a_run_s_reply_limit_caps_every_reply_whatever_the_harness_asks(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    """``proxy.max_reply_tokens``: a reply stops at the limit (``length``), below what the
+    call asks and what the context leaves; a call asking less gets what it asked."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    long_reply = {"main.task": ["one two three four five six seven eight nine ten"] * 3}
+    engine = ScriptedEngine(tokenizer, long_reply)
+    for running in start(tmp_path, tiny_model_dir, [engine], max_reply_tokens=4):
+        ex = running.new_execution()
+        ask = [{"role": "user", "content": "Count."}]
+        capped = gpt(running, ex).chat.completions.create(
+            model="tiny", max_tokens=100, messages=ask
+        )
+        assert capped.choices[0].finish_reason == "length"
+        assert capped.usage is not None and capped.usage.completion_tokens == 4
+        fewer = gpt(running, ex).chat.completions.create(model="tiny", max_tokens=2, messages=ask)
+        assert fewer.usage is not None and fewer.usage.completion_tokens == 2
+        unasked = claude(running, ex).messages.create(model="tiny", max_tokens=4096, messages=ask)
+        assert unasked.stop_reason == "max_tokens" and unasked.usage.output_tokens == 4
+        assert [len(n["output_ids"]) for n in running.tree(ex["id"])] == [4, 2, 4]

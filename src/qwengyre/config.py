@@ -497,6 +497,13 @@ class ProxyConfig(_Section):
         " names: qwen3, deepseek_r1 (<think>...</think>); none: no reasoning; auto: qwen3"
         " when the chat template renders reasoning_content or <think>, else none",
     )
+    max_reply_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="a run's reply-length limit: each call's reply at most this many tokens,"
+        " whatever the harness asks (a client that sets none, as Codex, may otherwise take"
+        " the rest of engine.max_context); None: the harness's own budget",
+    )
 
     @field_validator("classes")
     @classmethod

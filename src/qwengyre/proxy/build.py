@@ -43,7 +43,8 @@ def build_proxy(
     classified by the rule set ``settings.classes`` names (unset: the default,
     :func:`~qwengyre.proxy.classes.default_rule_set`; :class:`ConfigError` naming the
     key if it does not load); replies are parsed by ``settings.tool_parser`` and
-    ``settings.reasoning_parser`` (``auto``: found in the chat template)."""
+    ``settings.reasoning_parser`` (``auto``: found in the chat template); a reply is at
+    most ``settings.max_reply_tokens`` long, whatever the harness asks."""
     try:
         classes = load_rule_set(settings.classes or DEFAULT_RULE_SET)
     except RuleSetError as exc:
@@ -68,4 +69,5 @@ def build_proxy(
         idle_s=settings.idle_s,
         ping_s=settings.ping_s,
         classes=classes,
+        max_reply_tokens=settings.max_reply_tokens,
     )

@@ -107,6 +107,7 @@ class ProxyServer:
         idle_s: float = 300.0,
         ping_s: float = 5.0,
         classes: RuleSet | None = None,
+        max_reply_tokens: int | None = None,
     ) -> None:
         """``force_sampling`` (the default): every call samples at ``temperature`` with
         no top-k / top-p truncation, whatever the harness asks, so the recorded
@@ -120,13 +121,15 @@ class ProxyServer:
         when it is next used (:class:`Residency`). A streamed answer sends a ``ping``
         whenever nothing else was sent for ``ping_s`` seconds (a long prefill must not
         trip a client's read timeout). ``classes``: the harness's request-class rules
-        (None: the default rule set, ``proxy.classes``'s default)."""
+        (None: the default rule set, ``proxy.classes``'s default). A reply takes at most
+        what the call asks, ``max_reply_tokens`` and the rest of ``max_context``."""
         self.admin = AdminApi(admin_token, self)
         self.renderer = renderer
         self.router = router
         self.store = store
         self.model = model
         self.max_context = max_context
+        self.max_reply_tokens = max_reply_tokens
         self.max_body_bytes = max_body_bytes
         self.temperature = temperature
         self.force_sampling = force_sampling
@@ -284,8 +287,9 @@ class ProxyServer:
     def _request(self, call: _Call) -> GenerateRequest:
         room = self.max_context - len(call.prepared.prompt_ids)
         asked = call.chat.sampling
+        limits = [asked.max_tokens, room, self.max_reply_tokens or room]
         sampling = SamplingParams(
-            max_tokens=min(asked.max_tokens, room),
+            max_tokens=min(limits),
             temperature=self.temperature if self.force_sampling else asked.temperature,
             top_p=1.0 if self.force_sampling else asked.top_p,
             top_k=-1 if self.force_sampling else asked.top_k,
