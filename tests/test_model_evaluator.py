@@ -267,7 +267,42 @@ def test_the_artifact_holds_tests_diff_and_files_within_max_chars(tmp_path: Path
         '<file path="src/new.py">\n[8 characters cut: the artifact\'s max_chars]\n</file>' in small
     )
     plain = gather_artifact(ArtifactSelection(), _workspace(tmp_path / "plain"), None)
-    assert plain == "<diff>\n(no diff: the workspace is not a git repository)\n</diff>"
+    no_repo = "(no diff: the workspace is not a git repository with its own .git directory)"
+    assert plain == f"<diff>\n{no_repo}\n</diff>"
+
+
+def test_a_large_file_is_read_only_as_far_as_max_chars_needs(tmp_path: Path) -> None:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "big.txt").write_text("é" * 1000)  # 2 bytes each: a read cuts one
+    selection = ArtifactSelection(files=["*.txt"], diff=False, max_chars=9)
+    text = gather_artifact(selection, workspace, None)
+    # 36 bytes read: 18 characters and a note of what was read, cut to 9 characters.
+    assert text == (
+        '<file path="big.txt">\n' + "é" * 9 + "\n[37 characters cut: the artifact's max_chars]"
+        "\n</file>"
+    )
+
+
+def test_git_runs_nothing_the_workspace_configured(tmp_path: Path) -> None:
+    """The harness wrote .git: a config key that could run a program means no diff."""
+    _needs_git()
+    workspace = _workspace(tmp_path, repo=True)
+    ran = tmp_path / "ran"
+    (workspace / ".gitattributes").write_text("*.py filter=evil diff=evil\n")
+    _git(workspace, "config", "filter.evil.clean", f"touch {ran}; cat")
+    _git(workspace, "config", "diff.evil.textconv", f"touch {ran}; cat")
+    text = gather_artifact(ArtifactSelection(), workspace, None)
+    assert text == (
+        "<diff>\n(no diff: .git/config sets keys not read for safety:"
+        " filter.evil.clean, diff.evil.textconv)\n</diff>"
+    )
+    assert not ran.exists()
+    (workspace / ".git").rename(tmp_path / "elsewhere")
+    (workspace / ".git").write_text(f"gitdir: {tmp_path / 'elsewhere'}\n")
+    text = gather_artifact(ArtifactSelection(), workspace, None)
+    assert "(no diff: the workspace is not a git repository with its own .git" in text
+    assert not ran.exists()
 
 
 # --------------------------------------------------------------------------- the judge

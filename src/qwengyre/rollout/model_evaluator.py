@@ -98,13 +98,31 @@ class GradedTests:
 # --------------------------------------------------------------------------- artifact
 
 
+_SAFE_GIT_KEYS = re.compile(
+    r"^(core\.(repositoryformatversion|filemode|bare|logallrefupdates|ignorecase"
+    r"|precomposeunicode|symlinks|autocrlf|eol|safecrlf)"
+    r"|extensions\.objectformat|init\.defaultbranch|user\.(name|email)"
+    r"|remote\..+\.(url|fetch)|branch\..+\.(remote|merge))$",
+    re.IGNORECASE,
+)
+"""The keys of a workspace's ``.git/config`` that :func:`_diff` accepts: none can make
+git run a program (a filter, a textconv or external diff, an fsmonitor hook) or read
+another file (``include``).  The harness wrote that config; git runs outside its
+sandbox."""
+
+
+_GIT = ("git", "--no-optional-locks", "-c", "core.quotepath=off", "-c", "core.fsmonitor=false")
+
+
 def _git(workspace: Path, *args: str) -> str:
-    """``git args`` in the workspace's own repository; raises on failure.  Read-only:
+    """``git args`` in the workspace's own repository (no ``GIT_*`` variable of this
+    process, no discovery above it); raises on failure.  Read-only:
     ``--no-optional-locks`` keeps git from refreshing the index (which would change the
     workspace's digest, and so end its evaluation's retries)."""
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(workspace.parent), "LC_ALL": "C"}
+    env = {name: value for name, value in os.environ.items() if not name.startswith("GIT_")}
+    env.update(GIT_CEILING_DIRECTORIES=str(workspace.parent), LC_ALL="C")
     done = subprocess.run(
-        ["git", "--no-optional-locks", "-c", "core.quotepath=off", *args],
+        [*_GIT, *args],
         cwd=workspace,
         env=env,
         capture_output=True,
@@ -117,11 +135,22 @@ def _git(workspace: Path, *args: str) -> str:
 
 
 def _diff(workspace: Path) -> str:
-    """The workspace's changes against its git HEAD, or why there are none to show."""
-    if not (workspace / ".git").exists():
-        return "(no diff: the workspace is not a git repository)"
+    """The workspace's changes against its git HEAD, or why there are none to show.
+
+    Only a ``.git`` directory of the workspace's own (not a link, not a ``gitdir:``
+    file, no ``commondir``) whose config holds only :data:`_SAFE_GIT_KEYS` is read, and
+    git is told to run no external diff, textconv or fsmonitor.  Caveat: the check and
+    git's reading are not one step, so a harness still running (an intermediate
+    assessment) could change the config between them."""
+    dot_git = workspace / ".git"
+    if dot_git.is_symlink() or not dot_git.is_dir() or (dot_git / "commondir").exists():
+        return "(no diff: the workspace is not a git repository with its own .git directory)"
     try:
-        diff = _git(workspace, "diff", "HEAD", "--no-color", "--no-ext-diff")
+        keys = _git(workspace, "config", "--file", ".git/config", "--list", "--name-only")
+        unsafe = [key for key in keys.split("\n") if key and not _SAFE_GIT_KEYS.match(key)]
+        if unsafe:
+            return f"(no diff: .git/config sets keys not read for safety: {', '.join(unsafe)})"
+        diff = _git(workspace, "diff", "HEAD", "--no-color", "--no-ext-diff", "--no-textconv")
         untracked = _git(workspace, "ls-files", "--others", "--exclude-standard").split("\n")
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
         return f"(no diff: git failed: {error})"
@@ -144,17 +173,28 @@ def _selected_files(workspace: Path, patterns: list[str]) -> list[Path]:
     return sorted(found, key=lambda path: path.relative_to(workspace).as_posix())
 
 
-def _file_text(path: Path) -> str:
+def _file_text(path: Path, max_chars: int) -> str:
+    """The file's text, read no further than ``max_chars`` characters could need (a note
+    ends a file read in part), or why it is not shown."""
+    limit = 4 * max_chars  # UTF-8: at most 4 bytes a character
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
+        with path.open("rb") as stream:
+            data = stream.read(limit)
     except OSError as error:
         return f"(cannot be read: {error.strerror or error})"
+    if b"\0" in data:
+        return f"(not UTF-8 text: {size} bytes, not shown)"
     try:
-        if b"\0" in data:
-            raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return f"(not UTF-8 text: {len(data)} bytes, not shown)"
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        # A character cut by the read limit is not an encoding error.
+        if size <= limit or error.start < len(data) - 3:
+            return f"(not UTF-8 text: {size} bytes, not shown)"
+        text = data[: error.start].decode("utf-8")
+    if size > limit:
+        text += f"\n[read {limit} of its {size} bytes]"
+    return text
 
 
 def _attribute(value: str) -> str:
@@ -184,7 +224,9 @@ def gather_artifact(
         sections.append(("diff", "", _diff(workspace), False))
     for path in _selected_files(workspace, selection.files):
         rel = path.relative_to(workspace).as_posix()
-        sections.append(("file", f' path="{_attribute(rel)}"', _file_text(path), False))
+        sections.append(
+            ("file", f' path="{_attribute(rel)}"', _file_text(path, selection.max_chars), False)
+        )
     room = selection.max_chars
     parts: list[str] = []
     for tag, attributes, content, keep_end in sections:
