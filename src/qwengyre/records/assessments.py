@@ -46,7 +46,7 @@ class Assessment:
       only for a placeholder, or an attempt that could not read the workspace at all);
     - ``attempt``: 1-based attempt number (0 for a placeholder); for intermediate
       assessments, their 1-based sequence number within the execution;
-    - ``evaluator``: the evaluator kind (``command``, ``python``, ``exact_match``,
+    - ``evaluator``: the evaluator kind (``command``, ``python``, ``exact_match``, ``model``,
       ``placeholder``); ``evaluator_name`` names it (:func:`evaluator_name`);
     - ``detail``: ``"ok"`` or why the attempt is invalid (timeout, bad output,
       exception, ...), plus why retrying stopped where that applies; for a placeholder,

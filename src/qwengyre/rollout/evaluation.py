@@ -66,7 +66,13 @@ from typing import Any
 from qwengyre.config import EvaluationConfig
 from qwengyre.records.assessments import Assessment
 from qwengyre.rollout.harness import kill_group
-from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, PythonEvaluator
+from qwengyre.rollout.model_evaluator import GradedTests, judge
+from qwengyre.rollout.tasks import (
+    CommandEvaluator,
+    ExactMatchEvaluator,
+    ModelEvaluator,
+    PythonEvaluator,
+)
 
 __all__ = [
     "DEFAULT_PYTHON_TIMEOUT_S",
@@ -81,7 +87,7 @@ __all__ = [
 DEFAULT_PYTHON_TIMEOUT_S = 600.0
 """Timeout of one Python-evaluator attempt (the spec has no timeout field)."""
 
-Evaluator = CommandEvaluator | PythonEvaluator | ExactMatchEvaluator
+Evaluator = CommandEvaluator | PythonEvaluator | ExactMatchEvaluator | ModelEvaluator
 
 _CHUNK = 1 << 20
 _DETAIL_TAIL = 500  # characters of stderr/stdout quoted in a failure's detail
@@ -194,12 +200,14 @@ def final(assessments: Sequence[Assessment]) -> Assessment | None:
 
 def evaluator_name(spec: Evaluator) -> str:
     """A short human-readable name of an evaluator: its command (at most 200 characters),
-    its callable, or ``exact_match:<file>``."""
+    its callable, ``model:<model>@<base_url>``, or ``exact_match:<file>``."""
     if isinstance(spec, CommandEvaluator):
         text = spec.command if isinstance(spec.command, str) else " ".join(spec.command)
         return text if len(text) <= 200 else text[:197] + "..."
     if isinstance(spec, PythonEvaluator):
         return spec.callable
+    if isinstance(spec, ModelEvaluator):
+        return f"model:{spec.model}@{spec.base_url}"
     return f"exact_match:{spec.file}"
 
 
@@ -266,8 +274,10 @@ def _parse_command_output(stdout: str) -> tuple[float | None, str, str]:
 
 
 async def _run_command(
-    spec: CommandEvaluator, workspace: Path, timeout_s: float
+    spec: CommandEvaluator, workspace: Path, timeout_s: float, output: list[str] | None = None
 ) -> tuple[float | None, str, str]:
+    """(score, detail, critique) of one run of ``spec``; ``output``, when given, receives
+    the command's stdout and then its stderr once it has exited."""
     try:
         if isinstance(spec.command, str):
             proc = await asyncio.create_subprocess_shell(
@@ -304,6 +314,8 @@ async def _run_command(
             await asyncio.shield(proc.wait())
     stdout = stdout_b.decode("utf-8", errors="replace")
     stderr = stderr_b.decode("utf-8", errors="replace")
+    if output is not None:
+        output += [stdout, stderr]
     if proc.returncode != 0:
         status = f"evaluator command exited with status {proc.returncode}: {_tail(stderr)}"
         return None, status, ""
@@ -375,6 +387,21 @@ async def _run_python(
     return (*_interpret_python(result), _critique(result))
 
 
+async def _run_model(
+    spec: ModelEvaluator, workspace: Path, timeout_s: float | None
+) -> tuple[float | None, str, str]:
+    """The spec's tests (if any, cut to ``timeout_s``), then the judge in the time left."""
+    began_s = time.monotonic()
+    tests: GradedTests | None = None
+    if spec.tests is not None:
+        limit = spec.tests.timeout_s if timeout_s is None else min(spec.tests.timeout_s, timeout_s)
+        output: list[str] = []
+        score, detail, _ = await _run_command(spec.tests, workspace, limit, output)
+        tests = GradedTests(evaluator_name(spec.tests), score, detail, "".join(output))
+    left = None if timeout_s is None else timeout_s - (time.monotonic() - began_s)
+    return await judge(spec, workspace, tests=tests, timeout_s=left)
+
+
 async def evaluate_once(
     spec: Evaluator,
     workspace: Path | str,
@@ -397,7 +424,11 @@ async def evaluate_once(
       working directory is *not* changed; use the path), with timeout ``timeout_s``
       (default :data:`DEFAULT_PYTHON_TIMEOUT_S`); see :func:`_interpret_python` for the
       accepted return forms;
-    - exact_match: ``spec.score(workspace)``, always valid.
+    - exact_match: ``spec.score(workspace)``, always valid;
+    - model: its ``tests`` command (as a command evaluator), then the judge model
+      (:func:`qwengyre.rollout.model_evaluator.judge`), all within ``timeout_s``
+      (default: no limit beyond each call's and the tests' own); an answer without a
+      score after ``spec.attempts`` calls is an invalid attempt (unresolved).
 
     Any failure (non-zero exit, timeout, unparsable or incomplete result, non-finite
     score, ``valid: false``, an exception) gives ``valid=False, score=None`` with the
@@ -437,6 +468,8 @@ async def evaluate_once(
         score, detail, critique = await _run_python(spec, workspace, metadata or {}, limit)
     elif isinstance(spec, ExactMatchEvaluator):
         score, detail = await asyncio.to_thread(spec.score, workspace), "ok"
+    elif isinstance(spec, ModelEvaluator):
+        score, detail, critique = await _run_model(spec, workspace, timeout_s)
     else:  # pragma: no cover - guarded by the type
         raise TypeError(f"unknown evaluator spec: {spec!r}")
     return Assessment(

@@ -25,7 +25,12 @@ A line::
   - ``{"type": "python", "callable": "package.module:function"}``
     (:class:`PythonEvaluator`);
   - ``{"type": "exact_match", "expected": "82", "file": "answer.txt"}``
-    (:class:`ExactMatchEvaluator`).
+    (:class:`ExactMatchEvaluator`);
+  - ``{"type": "model", "api": "openai", "base_url": "http://judge:8000/v1",
+    "model": "judge", "api_key_env": "JUDGE_API_KEY", "rubric": "...",
+    "artifact": {"files": ["src/**/*.py"], "diff": true, "max_chars": 20000},
+    "tests": {"command": "pytest -q"}, "tests_weight": 0.5}``: a judge model over
+    HTTP (:class:`ModelEvaluator`, :class:`ArtifactSelection`).
 
 - ``metadata`` (optional, default ``{}``): free-form JSON object, carried along.
 
@@ -44,6 +49,7 @@ from collections.abc import Callable, Iterable
 from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -58,9 +64,11 @@ from pydantic_core import ErrorDetails
 from qwengyre.jsonl import JsonlError, parse_line
 
 __all__ = [
+    "ArtifactSelection",
     "CommandEvaluator",
     "EvaluatorSpec",
     "ExactMatchEvaluator",
+    "ModelEvaluator",
     "PythonEvaluator",
     "Task",
     "TaskFileError",
@@ -73,12 +81,23 @@ __all__ = [
 TASK_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 _CALLABLE_RE = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
-_EVALUATOR_TYPES = ("command", "python", "exact_match")
+_EVALUATOR_TYPES = ("command", "python", "exact_match", "model")
 
 
 def _non_blank(value: str, what: str) -> str:
     if not value.strip():
         raise ValueError(f"{what} must not be empty or blank")
+    return value
+
+
+def _inside_workspace(value: str, what: str) -> str:
+    """``value`` if it is a non-blank relative path (or glob) that stays in the workspace."""
+    _non_blank(value, what)
+    path = PurePosixPath(value)
+    if path.is_absolute() or value.startswith("\\") or re.match(r"^[A-Za-z]:", value):
+        raise ValueError(f"{value!r} must be a path relative to the workspace")
+    if ".." in path.parts:
+        raise ValueError(f"{value!r} must stay inside the workspace (no '..')")
     return value
 
 
@@ -164,13 +183,7 @@ class ExactMatchEvaluator(BaseModel):
     @field_validator("file")
     @classmethod
     def _check_file(cls, value: str) -> str:
-        _non_blank(value, "file")
-        path = PurePosixPath(value)
-        if path.is_absolute() or value.startswith("\\") or re.match(r"^[A-Za-z]:", value):
-            raise ValueError(f"{value!r} must be a path relative to the workspace")
-        if ".." in path.parts:
-            raise ValueError(f"{value!r} must stay inside the workspace (no '..')")
-        return value
+        return _inside_workspace(value, "file")
 
     def matches(self, content: str) -> bool:
         """Whether the file content ``content`` is a match."""
@@ -185,8 +198,125 @@ class ExactMatchEvaluator(BaseModel):
         return 1.0 if self.matches(content) else 0.0
 
 
+class ArtifactSelection(BaseModel):
+    """What of the workspace a :class:`ModelEvaluator` shows its judge.
+
+    - ``files``: glob patterns relative to the workspace (``**`` spans directories,
+      e.g. ``"src/**/*.py"``); every regular file they match, in path order, is shown
+      whole (symlinks are not followed; a file that is not UTF-8 text is named only);
+    - ``diff``: show the workspace's changes as ``git diff HEAD`` (plus the names of
+      untracked files) when the workspace is a git repository; otherwise the artifact
+      says there is no diff;
+    - ``max_chars``: the most characters of artifact sent (tests output, then diff,
+      then files; what does not fit is cut, and the cut is said in the text).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    files: list[StrictStr] = Field(default_factory=list)
+    diff: bool = True
+    max_chars: Annotated[int, Field(gt=0)] = 20_000
+
+    @field_validator("files")
+    @classmethod
+    def _check_files(cls, value: list[str]) -> list[str]:
+        return [_inside_workspace(pattern, "a files pattern") for pattern in value]
+
+
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ModelEvaluator(BaseModel):
+    """Score a workspace by asking a judge model (an LLM over HTTP) with a rubric.
+
+    Contract (:mod:`qwengyre.rollout.model_evaluator` runs it):
+
+    - ``api``: ``"openai"`` (Chat Completions: ``POST {base_url}/chat/completions``) or
+      ``"anthropic"`` (Messages: ``POST {base_url}/messages``); ``base_url`` is the API
+      root with its version, e.g. ``https://api.openai.com/v1``,
+      ``https://api.anthropic.com/v1``, ``http://127.0.0.1:8000/v1``.  It must not be an
+      execution's proxy URL (a path with ``/x/<id>``): the judge's calls are never an
+      execution's calls, so never training data;
+    - ``model``: the model name sent; ``api_key_env``: the environment variable (of the
+      process that evaluates) holding the key, sent as ``Authorization: Bearer``
+      (openai) or ``x-api-key`` (anthropic); ``None`` sends no key;
+    - ``rubric``: what to judge; it is sent with the artifact (:class:`ArtifactSelection`)
+      and an instruction to end the answer with a line ``SCORE: <number from 0 to 1>``
+      (a last line ``{"score": <number>}`` is accepted too); the text before it is kept
+      as the critique;
+    - ``tests``: an optional :class:`CommandEvaluator` run first, in the workspace; its
+      score and output join the artifact, and the assessment's score is
+      ``w * tests_score + (1 - w) * model_score`` with ``w`` = ``tests_weight`` (0 to 1,
+      default 0.5; given only with ``tests``: :attr:`weight_of_tests`).  Tests without
+      a valid score make the whole attempt invalid (the judge is not asked);
+    - ``attempts``: judge calls per evaluation attempt: an answer without a parsable
+      score in [0, 1], or a failed call, is asked again up to this many calls; then the
+      attempt is *unresolved*: invalid (no score, never 0), with the reason;
+    - ``timeout_s``: the longest one call may take (also cut to the evaluation's time
+      left); ``max_tokens``: the answer's length limit sent with each call.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["model"] = "model"
+    api: Literal["openai", "anthropic"]
+    base_url: StrictStr
+    model: StrictStr
+    api_key_env: StrictStr | None = None
+    rubric: StrictStr
+    artifact: ArtifactSelection = Field(default_factory=ArtifactSelection)
+    tests: CommandEvaluator | None = None
+    tests_weight: Annotated[float | None, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = None
+    attempts: Annotated[int, Field(ge=1)] = 3
+    timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 120.0
+    max_tokens: Annotated[int, Field(ge=1)] = 1024
+
+    @field_validator("base_url")
+    @classmethod
+    def _check_base_url(cls, value: str) -> str:
+        url = urlsplit(value.strip())
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
+        if url.query or url.fragment:
+            raise ValueError(f"{value!r} must not have a query or a fragment")
+        parts = [part for part in url.path.split("/") if part]
+        if "x" in parts[:-1]:  # /x/<id>: the proxy's per-execution prefix
+            raise ValueError(
+                f"{value!r} is an execution's proxy URL (/x/<id>): the judge's calls would"
+                " be recorded as that execution's; use the server's own /v1"
+            )
+        return value.strip().rstrip("/")
+
+    @field_validator("model", "rubric")
+    @classmethod
+    def _check_text(cls, value: str, info: ValidationInfo) -> str:
+        return _non_blank(value, str(info.field_name))
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _check_env(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME_RE.match(value):
+            raise ValueError(f"{value!r} is not an environment variable name")
+        return value
+
+    @field_validator("tests_weight")
+    @classmethod
+    def _weight_needs_tests(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and "tests" in info.data and info.data["tests"] is None:
+            raise ValueError("is given without tests (it weighs the tests' score)")
+        return value
+
+    @property
+    def weight_of_tests(self) -> float:
+        """The tests' share of the score: ``tests_weight`` (default 0.5), 0 without tests."""
+        if self.tests is None:
+            return 0.0
+        return 0.5 if self.tests_weight is None else self.tests_weight
+
+
 EvaluatorSpec = Annotated[
-    CommandEvaluator | PythonEvaluator | ExactMatchEvaluator, Field(discriminator="type")
+    CommandEvaluator | PythonEvaluator | ExactMatchEvaluator | ModelEvaluator,
+    Field(discriminator="type"),
 ]
 """How a task's result is scored: one of the evaluator models, tagged by ``type``."""
 
