@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -56,6 +57,24 @@ CODEX = "@openai/codex@0.171.0"
 OPENCODE = "opencode-ai@1.18.33"
 """The real OpenCode CLI the harness tests install with npm (pinned; its platform binary
 comes as an optional dependency)."""
+
+
+def proxy_bodies(monkeypatch: pytest.MonkeyPatch, suffix: str) -> list[tuple[dict, dict]]:
+    """From now on, every request body the proxy reads on a path ending ``suffix``: (its
+    headers, lower-cased, and its JSON), in order."""
+    from qwengyre.proxy import server
+
+    seen: list[tuple[dict, dict]] = []
+    read = server.read_body
+
+    async def spy(http, max_bytes):  # type: ignore[no-untyped-def]
+        body = await read(http, max_bytes)
+        if http.path.endswith(suffix):
+            seen.append(({k.lower(): v for k, v in http.headers.items()}, json.loads(body)))
+        return body
+
+    monkeypatch.setattr(server, "read_body", spy)
+    return seen
 
 
 def npm_bin(tmp_path_factory: pytest.TempPathFactory, package: str, name: str) -> Path:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.conftest import proxy_bodies
 from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
@@ -74,19 +75,9 @@ def splits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, int]]:
 
 
 @pytest.fixture
-def bodies(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """Every ``/responses`` body the proxy read, as JSON."""
-    seen: list[dict] = []
-    read = proxy_server.read_body
-
-    async def spy(http, max_bytes):  # type: ignore[no-untyped-def]
-        body = await read(http, max_bytes)
-        if http.path.endswith("/responses"):
-            seen.append(json.loads(body))
-        return body
-
-    monkeypatch.setattr(proxy_server, "read_body", spy)
-    return seen
+def requests(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, dict]]:
+    """Every ``/responses`` request the proxy read: (its headers, its body as JSON)."""
+    return proxy_bodies(monkeypatch, "/responses")
 
 
 def run_codex(
@@ -135,7 +126,7 @@ def run_codex(
 def test_codex_runs_a_tool_loop_through_the_proxy(
     codex_bin: Path,
     proxy: Running,
-    bodies: list[dict],
+    requests: list[tuple[dict, dict]],
     splits: list[tuple[bool, int]],
     tmp_path: Path,
 ) -> None:
@@ -159,6 +150,7 @@ def test_codex_runs_a_tool_loop_through_the_proxy(
         assert node["delivered"]
     # Codex streams and resends the whole conversation (it asks the server to store none);
     # the proxy decodes the second body only past the first's items.
+    bodies = [body for _, body in requests]
     assert [(b["stream"], b["store"]) for b in bodies] == [(True, False), (True, False)]
     new_items = len(bodies[1]["input"]) - len(bodies[0]["input"])
     assert splits == [(False, len(bodies[0]["input"])), (True, new_items)]
@@ -227,7 +219,7 @@ def codex_proxy(tmp_path: Path, model_dir: Path, script: dict) -> Iterator[Runni
 
 
 def test_a_codex_sub_agent_is_recorded_as_its_own_sub_task_chain(
-    codex_bin: Path, tiny_model_dir: Path, bodies: list[dict], tmp_path: Path
+    codex_bin: Path, tiny_model_dir: Path, requests: list[tuple[dict, dict]], tmp_path: Path
 ) -> None:
     home, workspace = tmp_path / "home", tmp_path / "ws"
     workspace.mkdir()
@@ -248,7 +240,7 @@ def test_a_codex_sub_agent_is_recorded_as_its_own_sub_task_chain(
     # The namespaced call reached Codex split as it sent it: namespace and name.
     echoed = {
         (i.get("namespace"), i["name"])
-        for body in bodies
+        for _, body in requests
         for i in body["input"]
         if i.get("type") == "function_call"
     }
@@ -275,7 +267,7 @@ COMPACTION_SCRIPT = {
 
 
 def test_a_codex_auto_compaction_is_recorded_as_a_main_summary_and_a_new_root(
-    codex_bin: Path, tmp_path: Path, tiny_model_dir: Path, bodies: list[dict]
+    codex_bin: Path, tmp_path: Path, tiny_model_dir: Path, requests: list[tuple[dict, dict]]
 ) -> None:
     """Codex compacts mid-turn once the usage it is told passes its limit (its own prompt
     is ~17.3k tokens with the tiny tokenizer: a limit of 17k compacts after the first
@@ -294,7 +286,7 @@ def test_a_codex_auto_compaction_is_recorded_as_a_main_summary_and_a_new_root(
         (None, "main.summary"),
         (None, "main.task"),
     ]
-    compaction, after = bodies[1], bodies[2]
+    compaction, after = requests[1][1], requests[2][1]
     assert "tools" not in compaction or not compaction["tools"]
     assert "CONTEXT CHECKPOINT COMPACTION" in json.dumps(compaction["input"][-1])
     assert "Summary: said hi with the shell." in json.dumps(after["input"])  # goes on from it
@@ -313,7 +305,7 @@ RESUME_SCRIPT = {
 def test_a_resumed_codex_session_extends_the_first_sessions_chain(
     codex_bin: Path,
     tiny_model_dir: Path,
-    bodies: list[dict],
+    requests: list[tuple[dict, dict]],
     splits: list[tuple[bool, int]],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -365,7 +357,7 @@ def test_a_resumed_codex_session_extends_the_first_sessions_chain(
     assert len(nodes[2]["input_ids"]) < 50  # the reply's end and the new user turn only
     # Codex resent the first session word for word, then the reply it was streamed and
     # the new turn; the proxy decoded only those two items.
-    before, resumed = bodies[1], bodies[2]
+    before, resumed = requests[1][1], requests[2][1]
     assert resumed["input"][: len(before["input"])] == before["input"]
     assert resumed["tools"] == before["tools"]
     reply, turn = resumed["input"][len(before["input"]) :]

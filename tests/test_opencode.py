@@ -23,10 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.conftest import proxy_bodies
 from tests.test_proxy_server import Running, start
 
 from qwengyre.engines.scripted import ScriptedEngine
-from qwengyre.proxy import server as proxy_server
 from qwengyre.proxy.classes import load_rule_set
 from qwengyre.proxy.openai_api import parse_chat_request_with_ignored
 from qwengyre.proxy.types import Message, ToolCall
@@ -62,17 +62,7 @@ def opencode_proxy(tmp_path: Path, model_dir: Path, script: dict) -> Iterator[Ru
 @pytest.fixture
 def requests(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, dict]]:
     """Every Chat Completions request the proxy read: (its headers, its body as JSON)."""
-    seen: list[tuple[dict, dict]] = []
-    read = proxy_server.read_body
-
-    async def spy(http, max_bytes):  # type: ignore[no-untyped-def]
-        body = await read(http, max_bytes)
-        if http.path.endswith("/chat/completions"):
-            seen.append(({k.lower(): v for k, v in http.headers.items()}, json.loads(body)))
-        return body
-
-    monkeypatch.setattr(proxy_server, "read_body", spy)
-    return seen
+    return proxy_bodies(monkeypatch, "/chat/completions")
 
 
 def run_opencode(
