@@ -125,6 +125,29 @@ def test_swe_workspace_is_the_repository_at_its_base_commit(tmp_path: Path):
     assert "test_median_odd" in stats_tests and "test_median_even" not in stats_tests
 
 
+@pytest.mark.parametrize("kind", ["mirror", "working-tree", "archive"])
+def test_swe_repository_may_be_a_directory_or_an_archive(tmp_path: Path, kind: str):
+    bundle = example_path("swe").parent / "calc.bundle"
+    if kind == "mirror":
+        repository = tmp_path / "calc.git"
+        subprocess.run(["git", "clone", "-q", "--mirror", str(bundle), str(repository)], check=True)
+    else:
+        repository = tmp_path / "calc"
+        subprocess.run(["git", "clone", "-q", str(bundle), str(repository)], check=True)
+        if kind == "archive":
+            archive = tmp_path / "calc.tar.gz"
+            subprocess.run(["tar", "-czf", str(archive), "-C", str(repository), "."], check=True)
+            repository = archive
+    line = dict(swe_lines()["calc-median"], repository=str(repository))
+    path = tmp_path / "swe.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    (task,) = load_task_source(f"swe:{path}")
+    workspace = workspace_of(task, tmp_path / "workspaces")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=workspace, capture_output=True)
+    assert head.stdout.decode().strip() == line["base_commit"]
+    assert "test_median_odd" in (workspace / "tests" / "test_stats.py").read_text()
+
+
 @pytest.mark.parametrize(
     ("task_id", "failing"),
     [
