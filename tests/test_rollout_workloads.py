@@ -24,6 +24,7 @@ from qwengyre.rollout.workloads import (
     split_source,
 )
 from qwengyre.rollout.workloads.common import CRITIQUE_CHARS, TestReport
+from qwengyre.rollout.workloads.grade import main as grade_main
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -310,10 +311,13 @@ def test_spec_hidden_tests_score_the_share_that_passes(tmp_path: Path):
     package.write_text(TEXTSTATS)
     assert graded(task, workspace).score == 1.0
 
-    roman = tasks["roman"]  # score: all, an empty workspace
+    roman = tasks["roman"]  # score: all, its tests listed, an empty workspace
     workspace = workspace_of(roman, tmp_path)
     nothing = graded(roman, workspace)
     assert nothing.score == 0.0 and "ModuleNotFoundError" in nothing.critique
+    # The module fails to import (one ERROR line): both listed tests count as failing.
+    assert "hidden tests: 0/2 pass" in nothing.critique
+    assert "not passing: tests/test_roman.py::test_round_trip" in nothing.critique
 
 
 def test_spec_passes_an_evaluator_through_and_validates_it_as_a_task_s(tmp_path: Path):
@@ -335,6 +339,20 @@ def test_spec_passes_an_evaluator_through_and_validates_it_as_a_task_s(tmp_path:
     path.write_text(json.dumps(both) + "\n")
     with pytest.raises(TaskFileError, match="exactly one of specification and specification_file"):
         load_task_source(f"spec:{path}")
+
+
+def test_tests_that_cannot_start_give_no_assessment_not_a_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    (tmp_path / "hidden").mkdir()
+    line = {"id": "s", "specification": "x", "hidden_tests": "hidden"}
+    path = tmp_path / "spec.jsonl"
+    path.write_text(json.dumps(dict(line, test_command=[str(tmp_path / "no-such-runner")])))
+    (task,) = load_task_source(f"spec:{path}")
+    attempt = asyncio.run(evaluate_once(task.evaluator, workspace_of(task, tmp_path / "ws")))
+    assert not attempt.valid and attempt.score is None
+    assert "cannot grade:" in attempt.critique and "no-such-runner" in attempt.critique
+    assert grade_main(["sweep", "x"]) == 2 and "usage:" in capsys.readouterr().err
 
 
 def test_the_test_report_reads_pytest_s_summary():

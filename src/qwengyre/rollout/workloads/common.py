@@ -187,21 +187,19 @@ def run_logged(
 ) -> tuple[int | None, str]:
     """Run ``argv`` in ``cwd`` in its own process group; ``(exit status, output)`` with
     stdout and stderr interleaved. The status is ``None`` when it ran past ``timeout_s``
-    (its whole group killed) or could not start (the reason is the output)."""
-    try:
-        proc = subprocess.Popen(
-            list(argv),
-            cwd=cwd,
-            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
-    except OSError as error:
-        return None, f"cannot start {argv[0]}: {error}"
+    (its whole group killed). A program that cannot start raises ``OSError``: a grader
+    that cannot run its tests gives no assessment, not a zero."""
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(stdin, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -45,13 +45,16 @@ def grade(argv: Sequence[str], workspace: Path) -> tuple[float, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Grade the current directory; print the result line; 0 unless the usage is wrong."""
+    """Grade the current directory and print the result line (0), or the usage (2)."""
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] not in (["swe"], ["spec"], ["terminal"]):
+        print(USAGE, file=sys.stderr)
+        return 2
     try:
         score, log = grade(args, Path.cwd())
     except (ValueError, OSError) as error:
         print(result_line(0.0, f"cannot grade: {error}", valid=False))
-        return 0 if args[:1] in (["swe"], ["spec"], ["terminal"]) else 2
+        return 0
     print(result_line(score, log))
     return 0
 

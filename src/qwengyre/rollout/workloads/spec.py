@@ -18,6 +18,11 @@ A dataset is a JSONL file, one task a line::
   ``tests``; whatever the workspace has there is replaced);
 - ``score``: ``fraction`` (default: the share of hidden tests that pass, as
   NL2RepoBench reports) or ``all`` (1 only when every one passes);
+- ``tests``: the hidden tests' pytest node ids (relative to the workspace, e.g.
+  ``tests/test_x.py::test_y``), optional: when given, the score is over exactly these (one
+  absent from the output did not pass); else over the tests pytest's summary reports --
+  where a module that fails to import counts once, and tests that ran past the timeout
+  would go uncounted (so a timeout then scores 0);
 - ``evaluator``: optional, any task evaluator (:data:`~qwengyre.rollout.tasks.EvaluatorSpec`,
   validated as a task's) used *instead of* the hidden tests -- the way to name a model
   judge; ``hidden_tests``, when given too, is then only carried in the metadata
@@ -76,6 +81,7 @@ class SpecTask(DatasetLine):
     hidden_tests: Path | None = None
     tests_dest: StrictStr = "tests"
     score: Literal["fraction", "all"] = "fraction"
+    tests: list[StrictStr] | None = None
     evaluator: EvaluatorSpec | None = None
 
     @field_validator("specification_file", "workspace_template", "hidden_tests", mode="before")
@@ -101,6 +107,13 @@ class SpecTask(DatasetLine):
         path = PurePosixPath(value)
         if not value.strip() or path.is_absolute() or ".." in path.parts or value in (".", "./"):
             raise ValueError(f"{value!r} must be a directory inside the workspace")
+        return value
+
+    @field_validator("tests")
+    @classmethod
+    def _some_tests(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("list at least one test id, or leave tests out")
         return value
 
     @model_validator(mode="after")
@@ -163,7 +176,8 @@ def load_spec(path: Path | str) -> list[Task]:
 
 def grade(spec: SpecTask, workspace: Path) -> tuple[float, str]:
     """``(score, log)`` of ``workspace`` (left unchanged) by ``spec``'s hidden tests:
-    the share of them that passes (``score: fraction``) or 1.0 only if all do."""
+    the share of them (``tests``, else those reported) that passes (``score:
+    fraction``) or 1.0 only if all do."""
     assert spec.hidden_tests is not None
     with graded_copy(workspace) as copy:
         dest = copy / spec.tests_dest
@@ -175,7 +189,7 @@ def grade(spec: SpecTask, workspace: Path) -> tuple[float, str]:
         command = spec.test_command or pytest_command(spec.tests_dest)
         status, output = run_logged(command, copy, spec.timeout_s)
     report = TestReport.parse(output)
-    tests = sorted(report.outcomes)
+    tests = spec.tests or sorted(report.outcomes)
     failing = report.failing(tests)
     passed = len(tests) - len(failing)
     header = [
@@ -184,6 +198,8 @@ def grade(spec: SpecTask, workspace: Path) -> tuple[float, str]:
     ]
     if status is None:
         header.append(f"the tests did not finish within {spec.timeout_s:g} s")
+        if spec.tests is None:  # the unreported ones would be left out of the share
+            return 0.0, critique(header, output)
     if not tests:
         return 0.0, critique([*header, "no test outcome in the output"], output)
     if spec.score == "all":

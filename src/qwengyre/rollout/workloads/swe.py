@@ -198,7 +198,9 @@ def load_swe(path: Path | str) -> list[Task]:
 
 
 def _git(copy: Path, *args: str, stdin: str | None = None) -> tuple[int | None, str]:
-    return run_logged(["git", *args], copy, _GIT_TIMEOUT_S, stdin=stdin)
+    """Git in the graded copy, none of the workspace's hooks or fsmonitor run."""
+    safe = ["-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false"]
+    return run_logged(["git", *safe, *args], copy, _GIT_TIMEOUT_S, stdin=stdin)
 
 
 def _apply_test_patch(instance: SweInstance, copy: Path) -> str | None:
