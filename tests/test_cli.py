@@ -318,6 +318,59 @@ def test_rollout_cli_on_the_bundled_example(tmp_path: Path, tiny_model_dir: Path
     assert len((tmp_path / "run" / "traces.jsonl").read_text().splitlines()) == 8
 
 
+@pytest.mark.parametrize(
+    ("tasks", "logged"),
+    [
+        ("swe:example", "FAIL_TO_PASS: "),
+        ("terminal:example", " exited with status "),
+        ("spec:example", "hidden tests: "),
+    ],
+)
+def test_rollout_cli_runs_and_grades_each_workload_format_s_example(
+    tmp_path: Path, tiny_model_dir: Path, tasks: str, logged: str
+):
+    """Each bundled workload example through ``qwengyre rollout --tasks FORMAT:example``
+    with the toy harness: two tasks, each execution graded by its format's grader (a
+    valid assessment, its test log kept as the critique)."""
+    from qwengyre.records.assessments import read_assessments
+
+    out = run(
+        "rollout",
+        "--model",
+        str(tiny_model_dir),
+        "--tasks",
+        tasks,
+        "--harness",
+        "toy",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "groups.size=1",
+        "groups.min_valid=null",
+        "cells.capacity=4",
+        "harness.deadline_s=60",
+        "harness.budget_s=180",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 executions (completed 2)" in out.stdout
+    finals = [
+        r.assessment
+        for r in read_assessments(tmp_path / "run" / "assessments.jsonl")
+        if r.assessment.kind == "final"
+    ]
+    assert len(finals) == 2
+    assert all(a.valid and a.evaluator == "command" and logged in a.critique for a in finals)
+
+
+def test_an_unknown_task_format_is_refused_naming_the_allowed_ones(tmp_path: Path):
+    out = run("train", "--tasks", "swebench:data.jsonl", "--check")
+    assert out.returncode == 2
+    assert "unknown task format 'swebench'" in out.stderr
+    assert "one of swe, terminal, spec" in out.stderr
+    ready = run("train", "--tasks", "terminal:example", "--check")
+    assert ready.returncode == 0, ready.stderr[-2000:]
+    assert "ready: 2 tasks" in ready.stdout
+
+
 def test_the_readme_s_scripted_replies_load(tiny_model_dir: Path):
     """The file the README's scripted-proxy line names ships with the repository."""
     from transformers import AutoTokenizer

@@ -144,6 +144,35 @@ def test_elastic_run_trains_every_group_once_and_moves_cells(
     assert recommended.sim.micro_step_tokens == 512
 
 
+def test_train_takes_rl_steps_on_the_bundled_swe_example(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`qwengyre train --tasks swe:example`: every execution's workspace is the bundled
+    repository at its base commit and is graded by its hidden tests (the toy harness
+    fixes no bug: each score is a valid 0, the log naming the failing test)."""
+    argv = [o for o in overrides(tmp_path, tiny_model_dir) if not o.startswith("harness.tasks=")]
+    run_dir = tmp_path / "run"
+    command = ["train", "--quiet", "--run-dir", str(run_dir), "--tasks", "swe:example"]
+    code = main([*command, *argv, "run.steps=1", "groups.size=2"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1]  # run.steps=1 below
+    traces = [json.loads(t) for t in (run_dir / "traces.jsonl").read_text().splitlines()]
+    assert {t["query"] for t in traces} <= {"calc-clamp", "calc-median"}
+    finals = [
+        r for r in read_assessments(run_dir / "assessments.jsonl") if r.assessment.kind == "final"
+    ]
+    assert len(finals) >= 2 * 2  # groups.batch=2 groups of groups.size=2
+    failing = {
+        "calc-clamp": "not passing: tests/test_ranges.py::test_clamp_below",
+        "calc-median": "not passing: tests/test_stats.py::test_median_even",
+    }
+    for record in finals:
+        assessment = record.assessment
+        assert assessment.valid and assessment.score == 0.0 and assessment.evaluator == "command"
+        assert failing[record.task_id] in assessment.critique
+
+
 def test_async_keeps_the_roles_fixed(tiny_model_dir: Path, tmp_path: Path) -> None:
     run_dir = run(tmp_path, tiny_model_dir, "run.steps=2", "scheduler.policy=async")
     metrics = read_metrics(run_dir)

@@ -40,7 +40,7 @@ USER_ERRORS = (ConfigError, ValueError, OSError)
 """Exceptions that describe bad input rather than a bug in qwengyre."""
 
 SHORTCUTS: dict[str, dict[str, str]] = {
-    "train": {"--harness": "harness.name"},
+    "train": {"--tasks": "harness.tasks", "--harness": "harness.name"},
     "rollout": {
         "--model": "model.path",
         "--tasks": "harness.tasks",
@@ -60,6 +60,13 @@ HARNESSES = (
     "toy, claude-code, claude-code-bare, qwen-code, opencode, mini-swe-agent, or a command template"
 )
 """What ``--harness`` takes (``harness.name``)."""
+
+TASKS_HELP = (
+    "tasks JSONL, or FORMAT:PATH with FORMAT swe (SWE-bench JSONL), terminal (a directory of"
+    " Terminal-Bench task directories) or spec (NL2RepoBench-style JSONL); 'example' or"
+    " FORMAT:example: a bundled example (default: the toy tasks)"
+)
+"""What ``--tasks`` takes (``harness.tasks``; :mod:`qwengyre.rollout.workloads`)."""
 
 COMMANDS = ("train", "simulate", "rollout", "proxy", "engine")
 """What ``config show COMMAND`` resolves the tree for."""
@@ -129,6 +136,10 @@ def _resolve_config(
             from qwengyre.rollout.tasks import example_tasks_path
 
             value = example_tasks_path()
+        elif flag == "--tasks":
+            from qwengyre.rollout.workloads import resolve_example
+
+            value = resolve_example(value)
         values[key] = value
     return load_config(config_file, overrides, values)
 
@@ -463,7 +474,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import time
 
     if args.resume is not None:
-        if args.config_file or args.overrides or args.run_dir or args.harness:
+        if args.config_file or args.overrides or args.run_dir or args.harness or args.tasks:
             raise ConfigError("--resume RUN_DIR continues that run with its own config.yaml")
         if not (Path(args.resume) / "config.yaml").is_file():  # in a second, before torch
             raise ValueError(f"{args.resume} is not a training run (no config.yaml) to resume")
@@ -634,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(roll)
     _add_shortcut(roll, "rollout", "--model", "HF model directory (default: the tiny model)")
-    _add_shortcut(roll, "rollout", "--tasks", "tasks JSONL, or 'example' (default: the toy tasks)")
+    _add_shortcut(roll, "rollout", "--tasks", TASKS_HELP)
     _add_shortcut(roll, "rollout", "--harness", HARNESSES)
     roll.add_argument("--run-dir", required=True, help="output directory")
     roll.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
@@ -703,6 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
         "default (preset 'embedded'): the tiny local model, the toy harness, 3 cells.",
     )
     _add_config_args(trainp)
+    _add_shortcut(trainp, "train", "--tasks", TASKS_HELP)
     _add_shortcut(trainp, "train", "--harness", HARNESSES)
     trainp.add_argument("--run-dir", help="output directory (default runs/<timestamp>)")
     trainp.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run")

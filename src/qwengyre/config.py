@@ -354,7 +354,12 @@ class HarnessConfig(_Section):
         "toy",
         description="toy, claude-code, claude-code-bare, mini-swe-agent, or a command template",
     )
-    tasks: Path | None = Field(None, description="JSONL tasks; None = the bundled toy tasks")
+    tasks: Path | None = Field(
+        None,
+        description="the tasks: a task JSONL, or FORMAT:PATH for a workload format -- swe:"
+        " (SWE-bench / DeepSWE JSONL), terminal: (a directory of Terminal-Bench task"
+        " directories), spec: (NL2RepoBench-style JSONL); None = the bundled toy tasks",
+    )
     deadline_s: float = Field(120.0, gt=0.0, description="harness deadline per execution")
     budget_s: float = Field(
         300.0,

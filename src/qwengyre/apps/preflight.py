@@ -21,7 +21,8 @@ from qwengyre.report.sinks import check_metrics
 from qwengyre.rollout.harness import HarnessSpec, harness_spec
 from qwengyre.rollout.limits import Limits
 from qwengyre.rollout.sandbox import Sandbox, sandbox
-from qwengyre.rollout.tasks import Task, load_tasks
+from qwengyre.rollout.tasks import Task
+from qwengyre.rollout.workloads import load_task_source
 
 __all__ = ["Preflight", "PreflightError", "load_task_set", "preflight", "require_program"]
 
@@ -40,10 +41,11 @@ class Preflight:
 
 
 def load_task_set(config: Config) -> list[Task]:
-    """``harness.tasks``'s tasks (errors name the file, line and field), else the
-    bundled toy task set."""
+    """``harness.tasks``'s tasks -- a task JSONL or ``FORMAT:PATH`` of a workload format
+    (:func:`~qwengyre.rollout.workloads.load_task_source`; errors name the file, line and
+    field) -- else the bundled toy task set."""
     if config.harness.tasks is not None:
-        return load_tasks(config.harness.tasks)
+        return load_task_source(config.harness.tasks)
     from qwengyre.rollout.toy_tasks import rl_tasks
 
     return rl_tasks()

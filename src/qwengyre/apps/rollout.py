@@ -44,8 +44,9 @@ from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec, harness_spec, kill_orphaned_harnesses
 from qwengyre.rollout.limits import Limits
 from qwengyre.rollout.sandbox import sandbox
-from qwengyre.rollout.tasks import Task, load_tasks
+from qwengyre.rollout.tasks import Task
 from qwengyre.rollout.toy_tasks import toy_tasks_path
+from qwengyre.rollout.workloads import load_task_source
 from qwengyre.runtime.lock import lock_run_dir
 
 _SCHEMA = """
@@ -143,7 +144,7 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     config = options.config
     harness = config.harness
     # What can be checked in seconds, before the model loads (as train's preflight).
-    tasks = load_tasks(harness.tasks or toy_tasks_path())
+    tasks = load_task_source(harness.tasks or toy_tasks_path())
     confine = sandbox(harness.sandbox, harness.sandbox_hide, harness.sandbox_expose)
     confine.check()
     spec = harness_spec(harness.name, harness.deadline_s, confine, Limits.of(harness.limits))
