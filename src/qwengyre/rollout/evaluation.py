@@ -57,6 +57,7 @@ import json
 import math
 import os
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -66,6 +67,7 @@ from typing import Any
 from qwengyre.config import EvaluationConfig
 from qwengyre.records.assessments import Assessment
 from qwengyre.rollout.harness import kill_group
+from qwengyre.rollout.sandbox import Sandbox
 from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, PythonEvaluator
 
 __all__ = [
@@ -266,8 +268,11 @@ def _parse_command_output(stdout: str) -> tuple[float | None, str, str]:
 
 
 async def _run_command(
-    spec: CommandEvaluator, workspace: Path, timeout_s: float
+    spec: CommandEvaluator, workspace: Path, timeout_s: float, sandbox: Sandbox | None = None
 ) -> tuple[float | None, str, str]:
+    if sandbox is not None:  # in the task's environment, with a private home
+        with tempfile.TemporaryDirectory(prefix="qwengyre-evaluator-") as home:
+            return await _run_in(spec, sandbox, workspace, Path(home), timeout_s)
     try:
         if isinstance(spec.command, str):
             proc = await asyncio.create_subprocess_shell(
@@ -289,6 +294,36 @@ async def _run_command(
             )
     except OSError as error:
         return None, f"cannot start evaluator command: {error}", ""
+    return await _communicate(proc, timeout_s)
+
+
+async def _run_in(
+    spec: CommandEvaluator, sandbox: Sandbox, workspace: Path, home: Path, timeout_s: float
+) -> tuple[float | None, str, str]:
+    """``spec``'s command run by ``sandbox`` (a string by ``/bin/sh -c`` inside), with
+    ``home`` as its HOME and no network."""
+    argv = ["/bin/sh", "-c", spec.command] if isinstance(spec.command, str) else spec.command
+    wrapped = sandbox.wrap(argv, workspace=workspace, home=home, hidden=(), env=("HOME",))
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *wrapped,
+            cwd=workspace,
+            env={**os.environ, "HOME": str(home)},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as error:
+        return None, f"cannot start evaluator command in its environment: {error}", ""
+    return await _communicate(proc, timeout_s)
+
+
+async def _communicate(
+    proc: asyncio.subprocess.Process, timeout_s: float
+) -> tuple[float | None, str, str]:
+    """Wait for an evaluator command (its group killed after ``timeout_s``) and parse
+    what it printed."""
     try:
         try:
             stdout_b, stderr_b = await asyncio.wait_for(proc.communicate(), timeout_s)
@@ -386,13 +421,16 @@ async def evaluate_once(
     kind: str = "final",
     version: int | None = None,
     branch: int | None = None,
+    sandbox: Sandbox | None = None,
 ) -> Assessment:
     """Run one evaluation attempt of ``spec`` on ``workspace``.
 
     - command: run in the workspace in its own process group, killed (the whole group)
       after ``min(spec.timeout_s, timeout_s)``; the last non-blank stdout line must be
       ``{"score": <finite number>, "valid": true}`` (an optional ``"critique"`` string
-      is kept);
+      is kept). With ``sandbox`` (the task's environment,
+      :mod:`qwengyre.rollout.environments`) it runs confined by it: in the task's root
+      or image, the workspace its working directory, a private home, no network;
     - python: ``fn(workspace: Path, task_metadata: dict)`` called in a thread (the
       working directory is *not* changed; use the path), with timeout ``timeout_s``
       (default :data:`DEFAULT_PYTHON_TIMEOUT_S`); see :func:`_interpret_python` for the
@@ -431,7 +469,7 @@ async def evaluate_once(
     critique = ""
     if isinstance(spec, CommandEvaluator):
         limit = spec.timeout_s if timeout_s is None else min(spec.timeout_s, timeout_s)
-        score, detail, critique = await _run_command(spec, workspace, limit)
+        score, detail, critique = await _run_command(spec, workspace, limit, sandbox)
     elif isinstance(spec, PythonEvaluator):
         limit = DEFAULT_PYTHON_TIMEOUT_S if timeout_s is None else timeout_s
         score, detail, critique = await _run_python(spec, workspace, metadata or {}, limit)
@@ -466,6 +504,7 @@ async def assess(
     metadata: dict[str, Any] | None = None,
     reference: str | None = None,
     version: int | None = None,
+    sandbox: Sandbox | None = None,
 ) -> list[Assessment]:
     """Evaluate ``workspace`` until one attempt is valid; return every attempt, in order.
 
@@ -481,7 +520,7 @@ async def assess(
     each retry; if it changed (or can no longer be read), retrying stops and the last
     attempt's ``detail`` says so.  Why retrying stopped at the deadline or the cap is
     also noted there.  ``version`` is recorded on every attempt (the artifact version of
-    the preserved state).
+    the preserved state); ``sandbox``: the task's environment (:func:`evaluate_once`).
 
     The result is empty when the deadline had passed before the first attempt.  Use
     :func:`final` for the outcome: ``None`` (unresolved) is never a zero reward.
@@ -552,6 +591,7 @@ async def assess(
             attempt=number,
             artifact=reference,
             version=version,
+            sandbox=sandbox,
         )
         attempts.append(result)
         if result.valid:
