@@ -437,6 +437,42 @@ def test_a_rootfs_shows_its_root_around_what_the_sandbox_mounts(
     ]  # fmt: skip
 
 
+@needs_bwrap
+def test_a_rootfs_checks_that_its_shell_runs(tmp_path: Path) -> None:
+    Rootfs(make_root(tmp_path / "good"), tuple(Path(p) for p in SHARE)).check()
+    with pytest.raises(SandboxUnavailable, match="cannot run /bin/sh in it"):
+        Rootfs(make_root(tmp_path / "bare")).check()
+
+
+def test_what_a_sandbox_hides_stays_hidden_inside_a_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sandbox, "python_runtime", lambda: ())
+    (tmp_path / "tool" / "keys").mkdir(parents=True)
+    (tmp_path / "tool" / "token").write_text("t")
+    where = {"workspace": tmp_path / "w", "home": tmp_path / "h"}
+    hidden = (tmp_path / "tool" / "keys", tmp_path / "tool" / "token", tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()
+    docker = Container("docker", "img", (tmp_path / "tool",)).wrap(["x"], hidden=hidden, **where)
+    keys, token = hidden[0], hidden[1]
+    at = docker.index(f"{tmp_path}/tool:{tmp_path}/tool:ro")
+    assert docker[at + 1 : at + 5] == ["--tmpfs", str(keys), "--volume", f"/dev/null:{token}:ro"]
+    assert str(tmp_path / "elsewhere") not in " ".join(docker)  # not shown: nothing to cover
+    rootfs = Rootfs(tmp_path / "root", (tmp_path / "tool",)).wrap(["x"], hidden=hidden, **where)
+    assert ["--tmpfs", str(keys)] == rootfs[
+        rootfs.index(str(keys)) - 1 : rootfs.index(str(keys)) + 1
+    ]
+    assert ["--ro-bind", "/dev/null", str(token)] == rootfs[
+        rootfs.index(str(token)) - 2 : rootfs.index(str(token)) + 1
+    ]
+    assert rootfs[rootfs.index("/") - 1 : rootfs.index("/") + 3] == [
+        "--remount-ro",
+        "/",
+        "--remount-ro",
+        str(keys),
+    ]
+
+
 def _startable_runtime(tmp_path: Path) -> Container:
     """A container runtime on this machine that starts a container of a root made here
     (imported as an image), found by trying; skips with what each said."""

@@ -239,14 +239,16 @@ class Bubblewrap:
         )
 
 
-def _probe(confine: Sandbox, *, missing: str, failed: str, program: str = "true") -> None:
-    """Run ``program`` under ``confine`` once: :class:`SandboxUnavailable` saying
+def _probe(confine: Sandbox, *, missing: str, failed: str, argv: Sequence[str] = ("true",)) -> None:
+    """Run ``argv`` under ``confine`` once: :class:`SandboxUnavailable` saying
     ``missing`` when the sandbox's own program is not there, ``failed`` and the error
     when it does not run."""
     with tempfile.TemporaryDirectory(prefix="qwengyre-sandbox-check-") as scratch:
-        probe = confine.wrap([program], workspace=Path(scratch), home=Path(scratch), hidden=())
+        probe = confine.wrap(argv, workspace=Path(scratch), home=Path(scratch), hidden=())
         try:
-            done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+            done = subprocess.run(
+                probe, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60
+            )
         except FileNotFoundError:
             raise SandboxUnavailable(missing) from None
         except subprocess.TimeoutExpired:
@@ -307,7 +309,7 @@ class Rootfs:
             if path not in mounts and not _under(path, shown):
                 mounts[path] = ["--ro-bind", str(path), str(path)]
                 shown.add(path)
-        hide = [p for p in (*HIDDEN, Path.home(), *hidden) if p.exists() and _under(p, shown)]
+        hide = _hidden_within(shown, hidden)
         for path in hide:
             mounts[path] = (
                 ["--tmpfs", str(path)] if path.is_dir() else ["--ro-bind", "/dev/null", str(path)]
@@ -330,8 +332,15 @@ class Rootfs:
             missing=f"rootfs environment: no {self.binary!r} on PATH (Debian/Ubuntu: "
             "apt-get install bubblewrap)",
             failed=f"rootfs environment {self.root}: {self.binary} cannot run /bin/sh in it",
-            program="/bin/sh",
+            argv=("/bin/sh", "-c", "exit 0"),
         )
+
+
+def _hidden_within(shown: set[Path], hidden: Sequence[Path]) -> list[Path]:
+    """What :class:`Bubblewrap` hides (and ``hidden``) that lies inside the machine's
+    directories ``shown`` in a sandbox of its own root."""
+    hide = {p for p in (*HIDDEN, Path.home(), *hidden) if p.exists() and _under(p, shown)}
+    return sorted(hide)
 
 
 def _root_entries(root: Path, at: Path, mounts: Collection[Path]) -> list[str]:
@@ -380,11 +389,18 @@ class Container:
       ``max_processes`` / ``max_memory_mb`` (the container's processes are the
       runtime's children, not qwengyre's, so the harness's own limits cannot reach
       them); the variables named in ``env`` are passed on (``--env NAME``), but
-      ``PATH``: the image's holds;
+      ``PATH``: the image's holds. ``hidden`` inside what is shown of the machine is
+      covered (an empty tmpfs, or ``/dev/null`` for a file);
     - apptainer: ``exec --contain --pid --ipc --no-privs --net --network none``,
       ``image`` the prepared SIF file, the home as ``--home``; the launching
       environment passes through (apptainer's default), the processes are its
-      children."""
+      children; ``hidden`` is not covered there (share no directory that holds
+      one).
+
+    A harness killed at its deadline is signalled through the runtime's client
+    (podman and docker pass SIGTERM on to the container, whose first process, the
+    relay, passes it to the harness); SIGKILL ends the client only, and a container
+    that outlives it is the runtime's to remove (``--rm`` when it ends)."""
 
     runtime: ContainerRuntime
     image: str
@@ -432,6 +448,10 @@ class Container:
         for keep in (workspace, home):
             args += ["--volume", f"{keep}:{keep}"]
         args += [arg for path in shown for arg in ("--volume", f"{path}:{path}:ro")]
+        for path in _hidden_within(set(shown), hidden):
+            args += (
+                ["--tmpfs", str(path)] if path.is_dir() else ["--volume", f"/dev/null:{path}:ro"]
+            )
         if proxy_socket is not None:
             args += ["--volume", f"{proxy_socket}:{SANDBOX_SOCKET}"]
         args += ["--workdir", str(workspace), "--env", "TMPDIR=/tmp"]
