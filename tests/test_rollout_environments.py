@@ -277,6 +277,57 @@ def test_a_preparation_past_its_time_and_a_missing_runtime_are_placeholders(
         asyncio.run(prepare_environment(auto, EnvironmentOptions(), tmp_path))
 
 
+FAKE_RUNTIME = """#!/bin/sh
+echo "${{0##*/}} $*" >> "{log}"
+case "$1 $2" in
+  "image exists"|"image inspect") exit 1 ;;  # not on this node yet
+esac
+if [ "$1" = pull ]; then
+  [ -n "$FAIL_PULL" ] && {{ echo "manifest unknown: $2" >&2; exit 125; }}
+  [ "${{0##*/}}" = apptainer ] && echo sif > "$3"
+fi
+exit 0
+"""
+
+
+@pytest.mark.parametrize("runtime", ["podman", "docker", "apptainer"])
+def test_an_image_is_pulled_once_per_node_with_the_runtimes_own_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime: str
+) -> None:
+    """A stand-in runtime on PATH records what it is asked: whether the node has the
+    image, then a pull, once for any number of preparations; a failed pull names the
+    runtime's error."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / runtime).write_text(FAKE_RUNTIME.format(log=log))
+    (bin_dir / runtime).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))  # the stand-in alone
+    spec = ImageEnvironment(image="python:3.11-slim")  # auto: the only one on PATH
+    options = EnvironmentOptions(cache=tmp_path / "cache", max_processes=64)
+    prepared = [asyncio.run(prepare_environment(spec, options, tmp_path / "cache")) for _ in "ab"]
+    calls = log.read_text().splitlines()
+    if runtime == "apptainer":
+        (sif,) = (tmp_path / "cache" / "images").iterdir()
+        assert sif.suffix == ".sif" and sif.read_text() == "sif\n"
+        assert len(calls) == 1 and calls[0].startswith("apptainer pull --force ")
+        assert calls[0].endswith(" docker://python:3.11-slim")
+        assert prepared == [Container("apptainer", str(sif), max_processes=64)] * 2
+    else:
+        exists = "image exists" if runtime == "podman" else "image inspect"
+        assert calls == [
+            f"{runtime} {exists} python:3.11-slim",
+            f"{runtime} pull python:3.11-slim",
+        ]
+        assert prepared == [Container(runtime, "python:3.11-slim", max_processes=64)] * 2  # type: ignore[arg-type]
+    monkeypatch.setenv("FAIL_PULL", "1")
+    task = Task(id="t", instructions="x", evaluator=IN_ROOT, environment=spec)
+    fresh = EnvironmentOptions(cache=tmp_path / "other-cache")
+    result = execute(task, probe_spec(tmp_path / "f", fresh), tmp_path / "run")
+    assert (result.outcome, result.reward, result.harness) == (Outcome.FAILED, 0.0, None)
+    assert result.detail.startswith(f"environment image python:3.11-slim: {runtime} pull")
+    assert "failed with status 125: manifest unknown: " in result.detail
+
+
 def test_environments_load_dump_and_name_the_bad_field(tmp_path: Path) -> None:
     base = {"id": "t", "instructions": "x", "evaluator": IN_ROOT.model_dump()}
     rootfs = {"type": "rootfs", "path": "envs/py.tgz", "share": ["/usr"]}

@@ -397,7 +397,8 @@ class HarnessConfig(_Section):
     sandbox_expose: list[Path] = Field(
         default_factory=list,
         description="directories a sandboxed harness sees read-only even inside a hidden"
-        " one (e.g. where the harness is installed); the Python qwengyre runs on is",
+        " one (e.g. where the harness is installed), and inside every task's environment;"
+        " the Python qwengyre runs on is",
     )
     environment_timeout_s: float = Field(
         600.0,
