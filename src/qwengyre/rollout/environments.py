@@ -68,6 +68,8 @@ __all__ = [
 ]
 
 ENVIRONMENT_TYPES = ("rootfs", "image")
+CACHE_NAME = ".qwengyre-environments"
+"""The default cache directory's name, beside the run directory."""
 RUNTIMES: tuple[ContainerRuntime, ...] = ("podman", "docker", "apptainer")
 
 
@@ -96,7 +98,7 @@ class RootfsEnvironment(BaseModel):
     def _resolve_path(cls, value: Path, info: ValidationInfo) -> Path:
         context = info.context if isinstance(info.context, dict) else {}
         base = Path(context.get("base_dir") or Path.cwd())
-        return (base / value.expanduser()).absolute()
+        return (base / value.expanduser()).resolve()
 
     @field_validator("share", mode="before")
     @classmethod
@@ -134,7 +136,9 @@ class ImageEnvironment(BaseModel):
     @classmethod
     def _check_image(cls, value: str) -> str:
         if not value.strip() or any(c.isspace() for c in value) or value.startswith("-"):
-            raise ValueError(f"image {value!r} must be an image name, without spaces")
+            raise ValueError(
+                f"image {value!r} must be an image name (no spaces, not starting with '-')"
+            )
         return value
 
     def to_json_dict(self, base_dir: Path | None = None) -> dict[str, Any]:
@@ -181,9 +185,6 @@ class EnvironmentOptions:
     def cache_dir(self, run_dir: Path) -> Path:
         """Where this node's prepared environments live for a run in ``run_dir``."""
         return self.cache if self.cache is not None else run_dir.parent / CACHE_NAME
-
-
-CACHE_NAME = ".qwengyre-environments"
 
 
 async def prepare_environment(

@@ -250,6 +250,11 @@ async def run_execution(
     harness's node; its ``execution_id`` must be this one) receives the intermediate
     assessor while the harness runs and is asked for the model-call count
     (:func:`infrastructure_failure`, :func:`_model_calls`).
+
+    A task naming an environment has it prepared first, as ``harness.environment``
+    says (:func:`~qwengyre.rollout.environments.prepare_environment`); its sandbox then
+    confines the harness in place of ``harness.sandbox`` and runs a command evaluator,
+    and a preparation that fails ends the execution with the zero-reward placeholder.
     """
     options = evaluation or EvaluationConfig()
     workspace = run_dir / "workspaces" / execution_id
