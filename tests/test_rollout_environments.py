@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 from tests.test_rollout_relay import Upstream, with_upstream
+from tests.test_rollout_runner import _options
 
+from qwengyre.apps.rollout import rollout
 from qwengyre.config import Config
+from qwengyre.records.trace import read_trace
 from qwengyre.rollout import environments, sandbox
 from qwengyre.rollout.environments import (
     EnvironmentOptions,
@@ -37,6 +40,7 @@ from qwengyre.rollout.tasks import (
     Task,
     TaskFileError,
     dump_tasks,
+    example_tasks_path,
     load_tasks,
     parse_task_line,
 )
@@ -584,3 +588,30 @@ def test_a_container_runtime_runs_the_harness_in_its_image_and_reaches_the_proxy
     with_upstream(scenario)
     saw = json.loads((workspace / "seen.json").read_text())
     assert (saw["marker"], saw["host_file"], saw["proxy"]) == ("only-in-the-root", False, "hi")
+
+
+@needs_bwrap
+def test_a_rollout_runs_the_toy_harness_in_its_tasks_archive_and_grades_it_there(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``qwengyre rollout`` end to end: the config's cache, an archive unpacked once for
+    the group, the toy harness reaching the proxy from inside (its calls are traced),
+    the evaluator seeing the root's marker, with ``harness.sandbox=none`` for the run."""
+    archive(make_root(tmp_path / "root"), tmp_path / "envs" / "root.tgz")
+    environment = RootfsEnvironment(path=tmp_path / "envs" / "root.tgz", share=SHARE)
+    (example,) = load_tasks(example_tasks_path())[:1]
+    task = example.model_copy(update={"environment": environment, "evaluator": IN_ROOT})
+    dump_tasks(tmp_path / "tasks.jsonl", [task])
+    cache = tmp_path / "cache"
+    options = _options(
+        tmp_path,
+        tiny_model_dir,
+        tmp_path / "tasks.jsonl",
+        "harness.sandbox=none",
+        f"harness.environment_cache={cache}",
+    )
+    rows = asyncio.run(rollout(options))
+    assert [(outcome, reward) for _, _, outcome, reward in rows] == [("completed", 1.0)] * 2
+    traces = read_trace(options.run_dir / "traces.jsonl")
+    assert len(traces) == 2 and all(t.calls for t in traces)  # through the proxy relay
+    assert len(list((cache / "rootfs").iterdir())) == 1
