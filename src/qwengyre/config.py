@@ -402,7 +402,20 @@ class HarnessConfig(_Section):
     sandbox_expose: list[Path] = Field(
         default_factory=list,
         description="directories a sandboxed harness sees read-only even inside a hidden"
-        " one (e.g. where the harness is installed); the Python qwengyre runs on is",
+        " one (e.g. where the harness is installed), and inside every task's environment;"
+        " the Python qwengyre runs on is",
+    )
+    environment_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="longest preparation of a task's environment before its launch (unpacking"
+        " a root file system archive, pulling an image); a preparation that fails or runs"
+        " over is the execution's complete failure (a zero-reward placeholder)",
+    )
+    environment_cache: Path | None = Field(
+        None,
+        description="where each node keeps prepared task environments (unpacked archives by"
+        " digest, apptainer images); None = .qwengyre-environments beside the run directory",
     )
     limits: HarnessLimitsConfig = Field(default_factory=HarnessLimitsConfig)
 

@@ -18,6 +18,7 @@ from qwengyre.cluster.devices import require_device
 from qwengyre.config import Config
 from qwengyre.engines.factory import server_backend
 from qwengyre.report.sinks import check_metrics
+from qwengyre.rollout.environments import EnvironmentOptions
 from qwengyre.rollout.harness import HarnessSpec, harness_spec
 from qwengyre.rollout.limits import Limits
 from qwengyre.rollout.sandbox import Sandbox, sandbox
@@ -80,7 +81,13 @@ def preflight(config: Config, *, warn: Callable[[str], None]) -> Preflight:
     h = config.harness
     confine = sandbox(h.sandbox, h.sandbox_hide, h.sandbox_expose, warn=warn)
     confine.check()
-    spec = harness_spec(h.name, h.deadline_s, confine, Limits.of(h.limits))
+    spec = harness_spec(
+        h.name,
+        h.deadline_s,
+        confine,
+        Limits.of(h.limits),
+        EnvironmentOptions.of(h),
+    )
     require_program(spec, h.name)
     if config.engine.backend != "embedded":
         server_backend(config.engine.backend).require_installed()

@@ -39,6 +39,7 @@ from qwengyre.proxy.build import build_proxy
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.records.trace import TraceWriter
+from qwengyre.rollout.environments import EnvironmentOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution, trace_record
 from qwengyre.rollout.groups import group_advantages
 from qwengyre.rollout.harness import HarnessSpec, harness_spec, kill_orphaned_harnesses
@@ -147,7 +148,13 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     tasks = load_task_source(harness.tasks or toy_tasks_path())
     confine = sandbox(harness.sandbox, harness.sandbox_hide, harness.sandbox_expose)
     confine.check()
-    spec = harness_spec(harness.name, harness.deadline_s, confine, Limits.of(harness.limits))
+    spec = harness_spec(
+        harness.name,
+        harness.deadline_s,
+        confine,
+        Limits.of(harness.limits),
+        EnvironmentOptions.of(harness),
+    )
     require_program(spec, harness.name)
     if config.engine.backend != "embedded":
         server_backend(config.engine.backend).require_installed()

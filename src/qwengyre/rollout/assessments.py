@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from qwengyre.records.assessments import Assessment
 from qwengyre.rollout.evaluation import Evaluator, artifact_digest, evaluate_once
+from qwengyre.rollout.sandbox import Sandbox
 
 __all__ = [
     "ArtifactVersions",
@@ -108,6 +109,8 @@ class IntermediateAssessor:
     ``deadline`` is the execution's overall deadline (:func:`time.monotonic`): no
     assessment starts after it, and each is cut to the time left.  ``versions`` is
     shared with the final assessment so that the same state keeps its number.
+    ``sandbox``: the task's environment, where a command evaluator runs
+    (:func:`~qwengyre.rollout.evaluation.evaluate_once`).
     """
 
     def __init__(
@@ -118,8 +121,10 @@ class IntermediateAssessor:
         deadline: float,
         versions: ArtifactVersions,
         metadata: dict[str, Any] | None = None,
+        sandbox: Sandbox | None = None,
     ) -> None:
         self.spec = spec
+        self.sandbox = sandbox
         self.workspace = Path(workspace)
         self.deadline = deadline
         self.versions = versions
@@ -173,6 +178,7 @@ class IntermediateAssessor:
                 kind="intermediate",
                 version=version,
                 branch=branch,
+                sandbox=self.sandbox,
             )
             self.assessments.append(assessment)
             return assessment

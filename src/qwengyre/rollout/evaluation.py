@@ -57,6 +57,7 @@ import json
 import math
 import os
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -67,6 +68,7 @@ from qwengyre.config import EvaluationConfig
 from qwengyre.records.assessments import Assessment
 from qwengyre.rollout.harness import kill_group
 from qwengyre.rollout.model_evaluator import GradedTests, judge
+from qwengyre.rollout.sandbox import Sandbox
 from qwengyre.rollout.tasks import (
     CommandEvaluator,
     ExactMatchEvaluator,
@@ -274,10 +276,18 @@ def _parse_command_output(stdout: str) -> tuple[float | None, str, str]:
 
 
 async def _run_command(
-    spec: CommandEvaluator, workspace: Path, timeout_s: float, output: list[str] | None = None
+    spec: CommandEvaluator,
+    workspace: Path,
+    timeout_s: float,
+    output: list[str] | None = None,
+    sandbox: Sandbox | None = None,
 ) -> tuple[float | None, str, str]:
-    """(score, detail, critique) of one run of ``spec``; ``output``, when given, receives
-    the command's stdout and then its stderr once it has exited."""
+    """(score, detail, critique) of one run of ``spec``, in ``sandbox`` (the task's
+    environment) when given; ``output``, when given, receives the command's stdout and
+    then its stderr once it has exited."""
+    if sandbox is not None:  # in the task's environment, with a private home
+        with tempfile.TemporaryDirectory(prefix="qwengyre-evaluator-") as home:
+            return await _run_in(spec, sandbox, workspace, Path(home), timeout_s, output)
     try:
         if isinstance(spec.command, str):
             proc = await asyncio.create_subprocess_shell(
@@ -299,6 +309,41 @@ async def _run_command(
             )
     except OSError as error:
         return None, f"cannot start evaluator command: {error}", ""
+    return await _communicate(proc, timeout_s, output)
+
+
+async def _run_in(
+    spec: CommandEvaluator,
+    sandbox: Sandbox,
+    workspace: Path,
+    home: Path,
+    timeout_s: float,
+    output: list[str] | None,
+) -> tuple[float | None, str, str]:
+    """``spec``'s command run by ``sandbox`` (a string by ``/bin/sh -c`` inside), with
+    ``home`` as its HOME and no network."""
+    argv = ["/bin/sh", "-c", spec.command] if isinstance(spec.command, str) else spec.command
+    wrapped = sandbox.wrap(argv, workspace=workspace, home=home, hidden=(), env=("HOME",))
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *wrapped,
+            cwd=workspace,
+            env={**os.environ, "HOME": str(home)},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as error:
+        return None, f"cannot start evaluator command in its environment: {error}", ""
+    return await _communicate(proc, timeout_s, output)
+
+
+async def _communicate(
+    proc: asyncio.subprocess.Process, timeout_s: float, output: list[str] | None
+) -> tuple[float | None, str, str]:
+    """Wait for an evaluator command (its group killed after ``timeout_s``) and parse
+    what it printed; ``output`` receives its stdout and stderr."""
     try:
         try:
             stdout_b, stderr_b = await asyncio.wait_for(proc.communicate(), timeout_s)
@@ -388,15 +433,16 @@ async def _run_python(
 
 
 async def _run_model(
-    spec: ModelEvaluator, workspace: Path, timeout_s: float | None
+    spec: ModelEvaluator, workspace: Path, timeout_s: float | None, sandbox: Sandbox | None
 ) -> tuple[float | None, str, str]:
-    """The spec's tests (if any, cut to ``timeout_s``), then the judge in the time left."""
+    """The spec's tests (if any, cut to ``timeout_s``; in ``sandbox``, the task's
+    environment, when given), then the judge in the time left."""
     began_s = time.monotonic()
     tests: GradedTests | None = None
     if spec.tests is not None:
         limit = spec.tests.timeout_s if timeout_s is None else min(spec.tests.timeout_s, timeout_s)
         output: list[str] = []
-        score, detail, _ = await _run_command(spec.tests, workspace, limit, output)
+        score, detail, _ = await _run_command(spec.tests, workspace, limit, output, sandbox)
         tests = GradedTests(evaluator_name(spec.tests), score, detail, "".join(output))
     left = None if timeout_s is None else timeout_s - (time.monotonic() - began_s)
     return await judge(spec, workspace, tests=tests, timeout_s=left)
@@ -413,13 +459,16 @@ async def evaluate_once(
     kind: str = "final",
     version: int | None = None,
     branch: int | None = None,
+    sandbox: Sandbox | None = None,
 ) -> Assessment:
     """Run one evaluation attempt of ``spec`` on ``workspace``.
 
     - command: run in the workspace in its own process group, killed (the whole group)
       after ``min(spec.timeout_s, timeout_s)``; the last non-blank stdout line must be
       ``{"score": <finite number>, "valid": true}`` (an optional ``"critique"`` string
-      is kept);
+      is kept). With ``sandbox`` (the task's environment,
+      :mod:`qwengyre.rollout.environments`) it runs confined by it: in the task's root
+      or image, the workspace its working directory, a private home, no network;
     - python: ``fn(workspace: Path, task_metadata: dict)`` called in a thread (the
       working directory is *not* changed; use the path), with timeout ``timeout_s``
       (default :data:`DEFAULT_PYTHON_TIMEOUT_S`); see :func:`_interpret_python` for the
@@ -462,14 +511,14 @@ async def evaluate_once(
     critique = ""
     if isinstance(spec, CommandEvaluator):
         limit = spec.timeout_s if timeout_s is None else min(spec.timeout_s, timeout_s)
-        score, detail, critique = await _run_command(spec, workspace, limit)
+        score, detail, critique = await _run_command(spec, workspace, limit, sandbox=sandbox)
     elif isinstance(spec, PythonEvaluator):
         limit = DEFAULT_PYTHON_TIMEOUT_S if timeout_s is None else timeout_s
         score, detail, critique = await _run_python(spec, workspace, metadata or {}, limit)
     elif isinstance(spec, ExactMatchEvaluator):
         score, detail = await asyncio.to_thread(spec.score, workspace), "ok"
     elif isinstance(spec, ModelEvaluator):
-        score, detail, critique = await _run_model(spec, workspace, timeout_s)
+        score, detail, critique = await _run_model(spec, workspace, timeout_s, sandbox)
     else:  # pragma: no cover - guarded by the type
         raise TypeError(f"unknown evaluator spec: {spec!r}")
     return Assessment(
@@ -499,6 +548,7 @@ async def assess(
     metadata: dict[str, Any] | None = None,
     reference: str | None = None,
     version: int | None = None,
+    sandbox: Sandbox | None = None,
 ) -> list[Assessment]:
     """Evaluate ``workspace`` until one attempt is valid; return every attempt, in order.
 
@@ -514,7 +564,7 @@ async def assess(
     each retry; if it changed (or can no longer be read), retrying stops and the last
     attempt's ``detail`` says so.  Why retrying stopped at the deadline or the cap is
     also noted there.  ``version`` is recorded on every attempt (the artifact version of
-    the preserved state).
+    the preserved state); ``sandbox``: the task's environment (:func:`evaluate_once`).
 
     The result is empty when the deadline had passed before the first attempt.  Use
     :func:`final` for the outcome: ``None`` (unresolved) is never a zero reward.
@@ -585,6 +635,7 @@ async def assess(
             attempt=number,
             artifact=reference,
             version=version,
+            sandbox=sandbox,
         )
         attempts.append(result)
         if result.valid:

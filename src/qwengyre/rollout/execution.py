@@ -1,6 +1,8 @@
 """One execution end to end: workspace, harness, evaluation, outcome (the execution lifecycle).
 
-Two budgets, both from the execution's launch:
+Two budgets, both from the execution's launch (after its task's environment, if it
+names one, was prepared: :mod:`qwengyre.rollout.environments`; the harness and the
+command evaluator then run in it):
 
 - the *harness deadline*: the harness is stopped (its whole process group) and its work
   is still evaluated — outcome ``harness_timeout`` with a reward;
@@ -12,6 +14,9 @@ Two budgets, both from the execution's launch:
 Complete failures that leave nothing assessable get outcome ``failed`` with the
 zero-reward :func:`~qwengyre.rollout.evaluation.placeholder`, its reason in ``detail``:
 
+- the task's environment cannot be prepared (:mod:`qwengyre.rollout.environments`: a
+  missing root or archive, one that does not unpack, a root without ``/bin/sh``, an
+  image that cannot be pulled, ``harness.environment_timeout_s`` passed);
 - the workspace never comes up (the template cannot be copied, the setup command fails);
 - an *infrastructure failure* of the harness (:func:`infrastructure_failure`): it could
   not be spawned, or it exited non-zero by itself without having touched the workspace
@@ -47,6 +52,7 @@ from qwengyre.config import EvaluationConfig
 from qwengyre.records.assessments import Assessment
 from qwengyre.records.trace import TraceCall, TraceRecord
 from qwengyre.rollout.assessments import ArtifactVersions, AssessmentHub, IntermediateAssessor
+from qwengyre.rollout.environments import EnvironmentUnavailable, prepare_environment
 from qwengyre.rollout.evaluation import (
     artifact_digest,
     assess,
@@ -60,6 +66,7 @@ from qwengyre.rollout.harness import (
     prepare_harness,
     supervise,
 )
+from qwengyre.rollout.sandbox import Sandbox
 from qwengyre.rollout.tasks import Task
 from qwengyre.types import Outcome
 
@@ -177,6 +184,21 @@ def infrastructure_failure(
     )
 
 
+async def _environment(
+    task: Task, harness: HarnessSpec, run_dir: Path
+) -> tuple[Sandbox | None, str | None]:
+    """The sandbox of the task's environment (None: the task has none), or why it
+    could not be prepared (:func:`~qwengyre.rollout.environments.prepare_environment`)."""
+    if task.environment is None:
+        return None, None
+    options = harness.environment
+    try:
+        prepared = await prepare_environment(task.environment, options, options.cache_dir(run_dir))
+    except EnvironmentUnavailable as error:
+        return None, str(error)
+    return prepared, None
+
+
 async def _digest(workspace: Path) -> str | None:
     try:
         return await asyncio.to_thread(artifact_digest, workspace)
@@ -228,10 +250,16 @@ async def run_execution(
     harness's node; its ``execution_id`` must be this one) receives the intermediate
     assessor while the harness runs and is asked for the model-call count
     (:func:`infrastructure_failure`, :func:`_model_calls`).
+
+    A task naming an environment has it prepared first, as ``harness.environment``
+    says (:func:`~qwengyre.rollout.environments.prepare_environment`); its sandbox then
+    confines the harness in place of ``harness.sandbox`` and runs a command evaluator,
+    and a preparation that fails ends the execution with the zero-reward placeholder.
     """
     options = evaluation or EvaluationConfig()
     workspace = run_dir / "workspaces" / execution_id
     logs = run_dir / "logs" / execution_id
+    confine, unprepared = await _environment(task, harness, run_dir)
     started = time.monotonic()
     if adopt is not None:
         launched = json.loads((logs / LAUNCH_FILE).read_text())
@@ -259,6 +287,9 @@ async def run_execution(
             detail=detail,
         )
 
+    if unprepared is not None:  # never leave an adopted harness behind
+        left = await adopt(cancel) if adopt is not None else None
+        return result(Outcome.FAILED, 0.0, left, (placeholder(unprepared),), unprepared)
     if adopt is None:
         problem = await _prepare_workspace(task, workspace, budgets.harness_s)
         setup_digest = await _digest(workspace) if problem is None else None
@@ -277,6 +308,7 @@ async def run_execution(
         deadline=overall_deadline,
         versions=versions,
         metadata=dict(task.metadata),
+        sandbox=confine,
     )
     if hub is not None:
         hub.register_assessor(execution_id, intermediate.answer)
@@ -288,7 +320,7 @@ async def run_execution(
             run = await adopt(cancel)
         else:
             launch = prepare_harness(
-                replace(harness, deadline_s=budgets.harness_s),
+                replace(harness, deadline_s=budgets.harness_s, sandbox=confine or harness.sandbox),
                 workspace=workspace,
                 logs_dir=logs,
                 execution_id=execution_id,
@@ -332,6 +364,7 @@ async def run_execution(
             metadata=dict(task.metadata),
             reference=after,
             version=versions.version_of(after) if after else None,
+            sandbox=confine,
         )
     )
     everything = (*made, *attempts)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from qwengyre.rollout import toy_harness
+from qwengyre.rollout.environments import EnvironmentOptions
 from qwengyre.rollout.limits import Limits, enforce, release
 from qwengyre.rollout.relay import (
     PLACEHOLDER_KEY,
@@ -106,7 +107,9 @@ class HarnessSpec:
     ``limits`` bound its processes, memory, open files and CPU time
     (:mod:`qwengyre.rollout.limits`; default: none); ``kill_grace_s`` is the
     SIGTERM-to-SIGKILL grace period; ``sandbox`` confines the harness
-    (:mod:`qwengyre.rollout.sandbox`; default: none).
+    (:mod:`qwengyre.rollout.sandbox`; default: none) of a task without an environment;
+    ``environment`` says how a task's environment is prepared, which then confines it
+    instead (:mod:`qwengyre.rollout.environments`).
     """
 
     command: tuple[str, ...]
@@ -116,6 +119,7 @@ class HarnessSpec:
     limits: Limits = field(default_factory=Limits)
     kill_grace_s: float = DEFAULT_KILL_GRACE_S
     sandbox: Sandbox = field(default_factory=NoSandbox)
+    environment: EnvironmentOptions = field(default_factory=EnvironmentOptions)
 
     def __post_init__(self) -> None:
         command = tuple(self.command)
@@ -384,16 +388,17 @@ def prepare_harness(
     )
     for name, text in spec.files.items():
         _write_home_file(home, name, text.format_map(values))
+    env = harness_env(spec, values, api_key=api_key)
+    if confine.namespaced and "HOME" not in spec.env:
+        env["HOME"] = str(home)  # the operator's is hidden
     argv = confine.wrap(
         render_command(spec, values),
         workspace=workspace,
         home=home,
         hidden=hidden,
         proxy_socket=target.socket if target is not None else None,
+        env=env.keys(),
     )
-    env = harness_env(spec, values, api_key=api_key)
-    if confine.namespaced and "HOME" not in spec.env:
-        env["HOME"] = str(home)  # the operator's is hidden
     return HarnessLaunch(
         execution_id=execution_id,
         argv=tuple(argv),
@@ -831,10 +836,15 @@ CODEX_BIN_ENV = "QWENGYRE_CODEX_BIN"
 
 
 def harness_spec(
-    name: str, deadline_s: float, sandbox: Sandbox | None = None, limits: Limits | None = None
+    name: str,
+    deadline_s: float,
+    sandbox: Sandbox | None = None,
+    limits: Limits | None = None,
+    environment: EnvironmentOptions | None = None,
 ) -> HarnessSpec:
     """A named harness, or a command template (``{instructions}`` etc.; see HarnessSpec),
-    confined by ``sandbox`` and bounded by ``limits`` (default: none).
+    confined by ``sandbox`` and bounded by ``limits`` (default: none), its tasks'
+    environments prepared as ``environment`` says (default: :class:`EnvironmentOptions`).
 
     ``toy-critique`` / ``toy-critique-assistant`` run the toy harness in critique mode
     (it asks for an intermediate assessment after each tool turn and feeds the critique
@@ -850,7 +860,12 @@ def harness_spec(
     harness inherits.
     """
     named = _named_spec(name, deadline_s)
-    return replace(named, sandbox=sandbox or NoSandbox(), limits=limits or Limits())
+    return replace(
+        named,
+        sandbox=sandbox or NoSandbox(),
+        limits=limits or Limits(),
+        environment=environment or EnvironmentOptions(),
+    )
 
 
 def _binary(variable: str, default: str) -> str:

@@ -32,6 +32,18 @@ A line::
     "tests": {"command": "pytest -q"}, "tests_weight": 0.5}``: a judge model over
     HTTP (:class:`ModelEvaluator`, :class:`ArtifactSelection`).
 
+- ``environment`` (optional): where the harness and a command evaluator run, an
+  :data:`~qwengyre.rollout.environments.EnvironmentSpec` tagged by ``type``
+  (:mod:`qwengyre.rollout.environments`):
+
+  - ``{"type": "rootfs", "path": "envs/py.tar.gz", "share": ["/usr"]}``: a root file
+    system, a directory or a tar archive (a relative path resolves against the JSONL
+    file's directory; it is checked when prepared, on the node that runs the task);
+  - ``{"type": "image", "image": "python:3.11-slim", "runtime": "auto"}``: a container
+    image (podman, docker or apptainer).
+
+  Without one the harness runs under ``harness.sandbox`` and the evaluator on the
+  machine.
 - ``metadata`` (optional, default ``{}``): free-form JSON object, carried along.
 
 Blank lines and lines whose first non-blank character is ``#`` are skipped.  Unknown
@@ -62,6 +74,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from qwengyre.jsonl import JsonlError, parse_line
+from qwengyre.rollout.environments import ENVIRONMENT_TYPES, EnvironmentSpec
 
 __all__ = [
     "ArtifactSelection",
@@ -336,6 +349,7 @@ class Task(BaseModel):
     workspace_template: Path | None = None
     setup: StrictStr | None = None
     evaluator: EvaluatorSpec
+    environment: EnvironmentSpec | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("id", mode="before")
@@ -404,6 +418,10 @@ class Task(BaseModel):
         if self.setup is not None:
             data["setup"] = self.setup
         data["evaluator"] = self.evaluator.model_dump(mode="json")
+        if self.environment is not None:
+            data["environment"] = self.environment.to_json_dict(
+                Path(base_dir) if base_dir is not None else None
+            )
         data["metadata"] = self.metadata
         return data
 
@@ -416,16 +434,20 @@ def _rewrite(
     loc: tuple[int | str, ...], item: ErrorDetails, message: str
 ) -> tuple[tuple[int | str, ...], str]:
     kind = item["type"]
+    union = loc[0] if loc and loc[0] in ("evaluator", "environment") else None
+    if union is None:
+        return loc, message
+    types = _EVALUATOR_TYPES if union == "evaluator" else ENVIRONMENT_TYPES
     # A discriminated union puts the tag into the location; drop it.
-    if len(loc) > 1 and loc[0] == "evaluator" and loc[1] in _EVALUATOR_TYPES:
+    if len(loc) > 1 and loc[1] in types:
         loc = (loc[0], *loc[2:])
-    allowed = ", ".join(map(repr, _EVALUATOR_TYPES))
+    allowed = ", ".join(map(repr, types))
     if kind == "union_tag_not_found":
         return (*loc, "type"), f"missing (required; one of {allowed})"
     if kind == "union_tag_invalid":
         tag = item.get("ctx", {}).get("tag", item.get("input"))
-        return (*loc, "type"), f"unknown evaluator type {tag!r}; expected one of {allowed}"
-    if kind == "model_attributes_type" and loc == ("evaluator",):
+        return (*loc, "type"), f"unknown {union} type {tag!r}; expected one of {allowed}"
+    if kind == "model_attributes_type" and loc == (union,):
         return loc, "should be a JSON object with a 'type'"
     return loc, message
 
