@@ -332,18 +332,87 @@ def test_an_image_is_pulled_once_per_node_with_the_runtimes_own_commands(
     assert "failed with status 125: manifest unknown: " in result.detail
 
 
+FAKE_BUILDER = """#!/bin/sh
+echo "${{0##*/}} $*" >> "{log}"
+case "$1 $2" in
+  "image exists"|"image inspect")  # only what it built (the shell alone: PATH is bare)
+    while IFS= read -r line; do [ "$line" = "built $3" ] && exit 0; done < "{log}"
+    exit 1 ;;
+esac
+if [ "$1" = build ]; then
+  [ -n "$FAIL_BUILD" ] && {{ echo "Step 2/3 : RUN make: exit code 2" >&2; exit 1; }}
+  echo "built $3" >> "{log}"
+fi
+exit 0
+"""
+
+
+@pytest.mark.parametrize("runtime", ["podman", "docker"])
+def test_a_build_context_is_built_once_per_node_and_content_by_the_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime: str
+) -> None:
+    """A stand-in runtime records what it is asked: whether the node has the image the
+    context's digest names, then ``build --tag TAG --file CONTEXT/Dockerfile CONTEXT``
+    (podman's and docker's documented flags), once; a changed context is another image;
+    apptainer is never asked to build; a failed build is the placeholder with its
+    error."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    for name in (runtime, "apptainer"):
+        (bin_dir / name).write_text(FAKE_BUILDER.format(log=log))
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    context = tmp_path / "env"
+    context.mkdir()
+    (context / "Dockerfile").write_text("FROM ubuntu:24.04\nCOPY setup.sh /\n")
+    (context / "setup.sh").write_text("make\n")
+    spec = ImageEnvironment(build=context)  # auto: apptainer is on PATH too, and skipped
+    options = EnvironmentOptions(cache=tmp_path / "cache")
+    tag = f"qwengyre-env:{environments.context_digest(context)[:32]}"
+    prepared = [asyncio.run(prepare_environment(spec, options, tmp_path / "cache")) for _ in "ab"]
+    assert prepared == [Container(runtime, tag)] * 2  # type: ignore[arg-type]
+    exists = "image exists" if runtime == "podman" else "image inspect"
+    build = f"{runtime} build --tag {tag} --file {context}/Dockerfile {context}"
+    assert log.read_text().splitlines() == [f"{runtime} {exists} {tag}", build, f"built {tag}"]
+    # Another process on the node (a fresh cache) finds the image built.
+    again = asyncio.run(prepare_environment(spec, options, tmp_path / "cache-2"))
+    assert again == Container(runtime, tag)  # type: ignore[arg-type]
+    assert log.read_text().splitlines()[3:] == [f"{runtime} {exists} {tag}"]
+    (context / "setup.sh").chmod(0o755)  # the executable bit is content too
+    changed = f"qwengyre-env:{environments.context_digest(context)[:32]}"
+    assert changed != tag
+    with pytest.raises(ValueError, match="apptainer builds no Dockerfile"):
+        ImageEnvironment(build=context, runtime="apptainer")
+    with pytest.raises(ValueError, match="exactly one of image"):
+        ImageEnvironment(image="python:3.11-slim", build=context)
+    monkeypatch.setenv("FAIL_BUILD", "1")
+    task = Task(id="t", instructions="x", evaluator=IN_ROOT, environment=spec)
+    result = execute(task, probe_spec(tmp_path / "f", options), tmp_path / "run")
+    assert (result.outcome, result.reward, result.harness) == (Outcome.FAILED, 0.0, None)
+    assert result.detail.startswith(f"environment image built from {context}: {runtime} build")
+    assert result.detail.endswith("failed with status 1: Step 2/3 : RUN make: exit code 2")
+    (context / "Dockerfile").unlink()
+    result = execute(task, probe_spec(tmp_path / "f", options), tmp_path / "run2")
+    assert (
+        result.detail
+        == f"environment image built from {context}: no Dockerfile in the build context"
+    )
+
+
 def test_environments_load_dump_and_name_the_bad_field(tmp_path: Path) -> None:
     base = {"id": "t", "instructions": "x", "evaluator": IN_ROOT.model_dump()}
     rootfs = {"type": "rootfs", "path": "envs/py.tgz", "share": ["/usr"]}
     image = {"type": "image", "image": "python:3.11-slim", "runtime": "docker"}
+    built = {"type": "image", "build": "envs/py", "runtime": "auto"}
     tasks = [
         parse_task_line(json.dumps({**base, "id": f"t{i}", "environment": env}), tmp_path / "a")
-        for i, env in enumerate((rootfs, image))
+        for i, env in enumerate((rootfs, image, built))
     ]
     assert tasks[0].environment == RootfsEnvironment(path=tmp_path / "envs/py.tgz", share=["/usr"])
+    assert tasks[2].environment == ImageEnvironment(build=tmp_path / "envs/py")
     dump_tasks(tmp_path / "tasks.jsonl", tasks)
     written = [json.loads(line) for line in (tmp_path / "tasks.jsonl").read_text().splitlines()]
-    assert [w["environment"] for w in written] == [rootfs, image]  # the path stays relative
+    assert [w["environment"] for w in written] == [rootfs, image, built]  # paths stay relative
     assert load_tasks(tmp_path / "tasks.jsonl") == tasks
     bad = {
         "vm": (
@@ -353,12 +422,14 @@ def test_environments_load_dump_and_name_the_bad_field(tmp_path: Path) -> None:
         "share": ("environment.share", "'usr' is not an absolute path"),
         "runtime": ("environment.runtime", "'podman', 'docker' or 'apptainer'"),
         "image": ("environment.image", "must be an image name"),
+        "neither": ("environment", "give exactly one of image (a name) and build"),
     }
     lines = {
         "vm": {"type": "vm"},
         "share": {"type": "rootfs", "path": "r", "share": ["usr"]},
         "runtime": {"type": "image", "image": "x", "runtime": "lxc"},
         "image": {"type": "image", "image": "two words"},
+        "neither": {"type": "image", "runtime": "docker"},
     }
     for name, environment in lines.items():
         field, message = bad[name]

@@ -12,7 +12,10 @@ tagged by ``type``:
 - ``{"type": "image", "image": "python:3.11-slim", "runtime": "auto"}``
   (:class:`ImageEnvironment`): a container image run by ``podman``, ``docker`` or
   ``apptainer`` (``auto``: the first of them on the node's PATH)
-  (:class:`~qwengyre.rollout.sandbox.Container`).
+  (:class:`~qwengyre.rollout.sandbox.Container`); or ``{"type": "image", "build":
+  "env"}``: the image its ``Dockerfile`` builds (``build`` the build context, a
+  directory holding it; a relative path resolves as ``rootfs``'s), by podman or docker
+  (apptainer builds no Dockerfile).
 
 What a root (or image) must hold: ``/bin/sh`` (checked when it is prepared), and what
 the harness's program needs; the Python qwengyre runs on is shown inside at its own
@@ -29,7 +32,9 @@ evaluator runs in it too, with the workspace as its working directory and no net
 ``harness.environment_timeout_s``, cached per node under ``harness.environment_cache``
 (:class:`EnvironmentOptions`): an archive is unpacked once per content digest (the
 digest taken once per process and file version), an image pulled once (the runtime's
-own ``image exists`` / ``image inspect`` first). A preparation that fails raises
+own ``image exists`` / ``image inspect`` first), a build context built once per node
+and content (the runtime's ``build``, its image tagged ``qwengyre-env:<digest>`` of the
+context's files). A preparation that fails raises
 :class:`EnvironmentUnavailable` naming the problem, which
 :func:`~qwengyre.rollout.execution.run_execution` turns into the zero-reward
 placeholder of a complete failure.
@@ -52,7 +57,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from qwengyre.config import HarnessConfig
 from qwengyre.rollout.sandbox import Container, ContainerRuntime, Rootfs, Sandbox
@@ -64,6 +77,7 @@ __all__ = [
     "EnvironmentUnavailable",
     "ImageEnvironment",
     "RootfsEnvironment",
+    "context_digest",
     "prepare_environment",
 ]
 
@@ -71,6 +85,10 @@ ENVIRONMENT_TYPES = ("rootfs", "image")
 CACHE_NAME = ".qwengyre-environments"
 """The default cache directory's name, beside the run directory."""
 RUNTIMES: tuple[ContainerRuntime, ...] = ("podman", "docker", "apptainer")
+BUILDERS: tuple[ContainerRuntime, ...] = ("podman", "docker")
+"""The runtimes that build a Dockerfile."""
+BUILT_IMAGE = "qwengyre-env"
+"""The repository a built image is tagged in, its tag the build context's digest."""
 
 
 class RootfsEnvironment(BaseModel):
@@ -123,27 +141,68 @@ class RootfsEnvironment(BaseModel):
 
 class ImageEnvironment(BaseModel):
     """A container image, run by ``runtime`` (``auto``: the first of podman, docker,
-    apptainer on the node's PATH). For apptainer an image without a scheme is a
-    ``docker://`` one."""
+    apptainer on the node's PATH): exactly one of ``image``, an image name (for
+    apptainer one without a scheme is a ``docker://`` one), and ``build``, a build
+    context directory holding a ``Dockerfile`` (resolved as
+    :class:`RootfsEnvironment`'s ``path``; checked when prepared), built by podman or
+    docker (``auto``: the first of them on PATH)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["image"] = "image"
-    image: StrictStr
+    image: StrictStr | None = None
+    build: Path | None = None
     runtime: Literal["auto", "podman", "docker", "apptainer"] = "auto"
 
     @field_validator("image")
     @classmethod
-    def _check_image(cls, value: str) -> str:
+    def _check_image(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         if not value.strip() or any(c.isspace() for c in value) or value.startswith("-"):
             raise ValueError(
                 f"image {value!r} must be an image name (no spaces, not starting with '-')"
             )
         return value
 
+    @field_validator("build", mode="before")
+    @classmethod
+    def _check_build_type(cls, value: Any) -> Any:
+        if value is None or isinstance(value, Path):
+            return value
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError("build must be a non-empty path (string) of a build context")
+        return value
+
+    @field_validator("build")
+    @classmethod
+    def _resolve_build(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is None:
+            return None
+        context = info.context if isinstance(info.context, dict) else {}
+        base = Path(context.get("base_dir") or Path.cwd())
+        return (base / value.expanduser()).resolve()
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ImageEnvironment:
+        if (self.image is None) == (self.build is None):
+            raise ValueError("give exactly one of image (a name) and build (a build context)")
+        if self.build is not None and self.runtime == "apptainer":
+            raise ValueError("apptainer builds no Dockerfile: give an image, or podman or docker")
+        return self
+
     def to_json_dict(self, base_dir: Path | None = None) -> dict[str, Any]:
-        """As JSON."""
-        return self.model_dump(mode="json")
+        """As JSON; ``build`` relative to ``base_dir`` when it lies inside it."""
+        data: dict[str, Any] = {"type": self.type}
+        if self.image is not None:
+            data["image"] = self.image
+        if self.build is not None:
+            build = self.build
+            if base_dir is not None and build.is_relative_to(base_dir.resolve()):
+                build = build.relative_to(base_dir.resolve())
+            data["build"] = build.as_posix()
+        data["runtime"] = self.runtime
+        return data
 
 
 EnvironmentSpec = Annotated[RootfsEnvironment | ImageEnvironment, Field(discriminator="type")]
@@ -211,6 +270,8 @@ async def prepare_environment(
 def _describe(spec: RootfsEnvironment | ImageEnvironment) -> str:
     if isinstance(spec, RootfsEnvironment):
         return f"environment rootfs {spec.path}"
+    if spec.build is not None:
+        return f"environment image built from {spec.build}"
     return f"environment image {spec.image}"
 
 
@@ -230,7 +291,11 @@ def _prepare(
             raise EnvironmentUnavailable(f"{what}: the root has no /bin/sh (nor has share)")
         return Rootfs(root, share)
     runtime = _runtime(spec, what)
-    image = _cache(cache_dir).image(runtime, spec.image, what, deadline)
+    if spec.build is not None:
+        image = _cache(cache_dir).built(runtime, spec.build, what, deadline)
+    else:
+        assert spec.image is not None
+        image = _cache(cache_dir).image(runtime, spec.image, what, deadline)
     return Container(
         runtime,
         image,
@@ -245,10 +310,11 @@ def _runtime(spec: ImageEnvironment, what: str) -> ContainerRuntime:
         if shutil.which(spec.runtime) is None:
             raise EnvironmentUnavailable(f"{what}: no {spec.runtime!r} on PATH")
         return spec.runtime
-    for runtime in RUNTIMES:
+    runtimes = BUILDERS if spec.build is not None else RUNTIMES
+    for runtime in runtimes:
         if shutil.which(runtime) is not None:
             return runtime
-    raise EnvironmentUnavailable(f"{what}: no container runtime ({', '.join(RUNTIMES)}) on PATH")
+    raise EnvironmentUnavailable(f"{what}: no container runtime ({', '.join(runtimes)}) on PATH")
 
 
 def _resolves(root: Path, share: Sequence[Path], path: str) -> bool:
@@ -278,7 +344,8 @@ def _resolves(root: Path, share: Sequence[Path], path: str) -> bool:
 
 class _Cache:
     """One node's prepared environments under one directory: unpacked roots keyed by
-    their archive's digest, pulled images; each prepared once at a time."""
+    their archive's digest, pulled images, images built from a context; each prepared
+    once at a time."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -368,6 +435,49 @@ class _Cache:
                 ready = image
             self._pulled[key] = ready
             return ready
+
+    def built(self, runtime: ContainerRuntime, context: Path, what: str, deadline: float) -> str:
+        """The image ``context``'s Dockerfile builds, built on this node by ``runtime``
+        unless it has it: ``qwengyre-env:<digest of the context's files>``."""
+        dockerfile = context / "Dockerfile"
+        if not dockerfile.is_file():
+            raise EnvironmentUnavailable(f"{what}: no Dockerfile in the build context")
+        tag = f"{BUILT_IMAGE}:{context_digest(context, what)[:32]}"
+        key = (runtime, tag)
+        with self._key_lock(f"{runtime}:{tag}"):
+            if key in self._pulled:
+                return self._pulled[key]
+            exists = [runtime, "image", "exists" if runtime == "podman" else "inspect", tag]
+            if _run(exists, what, deadline, check=False) != 0:
+                build = [runtime, "build", "--tag", tag, "--file", str(dockerfile), str(context)]
+                _run(build, what, deadline)
+            self._pulled[key] = tag
+            return tag
+
+
+def context_digest(context: Path, what: str = "build context") -> str:
+    """The SHA-256 of a build context: every entry's path relative to it, kind,
+    executable bit, and contents (a symbolic link's target), in sorted order; raises
+    :class:`EnvironmentUnavailable` when it cannot be read."""
+    sha = hashlib.sha256()
+    try:
+        entries = sorted(context.rglob("*"))
+        for entry in entries:
+            name = entry.relative_to(context).as_posix().encode()
+            if entry.is_symlink():
+                sha.update(b"L\0" + name + b"\0" + os.readlink(entry).encode() + b"\0")
+            elif entry.is_dir():
+                sha.update(b"D\0" + name + b"\0")
+            else:
+                executable = b"x" if entry.stat().st_mode & 0o111 else b"-"
+                sha.update(b"F\0" + name + b"\0" + executable)
+                with entry.open("rb") as stream:
+                    while chunk := stream.read(1 << 20):
+                        sha.update(chunk)
+                sha.update(b"\0")
+    except OSError as error:
+        raise EnvironmentUnavailable(f"{what}: cannot be read: {error}") from None
+    return sha.hexdigest()
 
 
 def _run(argv: list[str], what: str, deadline: float, *, check: bool = True) -> int:

@@ -40,7 +40,8 @@ A line::
     system, a directory or a tar archive (a relative path resolves against the JSONL
     file's directory; it is checked when prepared, on the node that runs the task);
   - ``{"type": "image", "image": "python:3.11-slim", "runtime": "auto"}``: a container
-    image (podman, docker or apptainer).
+    image (podman, docker or apptainer); ``{"type": "image", "build": "envs/py"}``: the
+    image a build context's ``Dockerfile`` builds (podman or docker).
 
   Without one the harness runs under ``harness.sandbox`` and the evaluator on the
   machine.
