@@ -1,7 +1,10 @@
 """The workload formats (swe, terminal, spec): their bundled examples load, their
 workspaces come up as the format says, and their graders grade for real -- an untouched
 workspace scores 0 with the failing test named in the log, the fixed one 1 -- through
-the command evaluator a run uses, without changing the workspace they grade."""
+the command evaluator a run uses, without changing the workspace they grade. A dataset's
+``environment`` is the task's own: its harness and its grader's tests run in the root it
+names (they see a file only that root has), and a broken one is the placeholder naming
+it."""
 
 from __future__ import annotations
 
@@ -9,13 +12,23 @@ import asyncio
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from tests.test_rollout_environments import SHARE, execute, make_root
 
 from qwengyre.records.assessments import Assessment
+from qwengyre.rollout.environments import (
+    EnvironmentOptions,
+    ImageEnvironment,
+    RootfsEnvironment,
+)
 from qwengyre.rollout.evaluation import artifact_digest, evaluate_once
+from qwengyre.rollout.harness import HarnessSpec
+from qwengyre.rollout.sandbox import SandboxUnavailable, sandbox
 from qwengyre.rollout.tasks import CommandEvaluator, ExactMatchEvaluator, Task, TaskFileError
 from qwengyre.rollout.workloads import (
     example_path,
@@ -25,6 +38,7 @@ from qwengyre.rollout.workloads import (
 )
 from qwengyre.rollout.workloads.common import CRITIQUE_CHARS, TestReport
 from qwengyre.rollout.workloads.grade import main as grade_main
+from qwengyre.types import Outcome
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -94,17 +108,17 @@ def test_each_bundled_example_loads_as_its_format_says():
     assert set(terminal) == {"count-lines", "hello-file"}
     assert terminal["hello-file"].instructions.startswith("Create a file named hello.txt")
     assert terminal["hello-file"].workspace_template is None
-    assert str(terminal["hello-file"].metadata["environment"]).endswith("hello-file/environment")
+    assert "environment" not in terminal["hello-file"].metadata
     count = terminal["count-lines"]
     assert count.workspace_template == example_path("terminal") / "count-lines" / "workspace"
-    assert count.metadata["environment"] == {"image": "python:3.11-slim"}
+    assert all(task.environment is None for task in terminal.values())  # run on the host
     assert count.metadata["terminal"]["difficulty"] == "easy"
     assert isinstance(count.evaluator, CommandEvaluator) and count.evaluator.timeout_s > 60
 
     spec = by_id(load_task_source(resolve_example("spec:example")))
     assert set(spec) == {"textstats", "roman"}
     assert spec["textstats"].instructions.startswith("# textstats")
-    assert spec["roman"].metadata["environment"] == {"image": "python:3.11-slim"}
+    assert all(task.environment is None for task in [*spec.values(), *swe.values()])
 
 
 # --------------------------------------------------------------------------- swe
@@ -366,3 +380,167 @@ def test_the_test_report_reads_pytest_s_summary():
         "t.py::z",
     ]
     assert report.passed("t.py::e[x - y]")
+
+
+# --------------------------------------------------------------------------- environments
+
+#: The harness: copies what only the task's root holds into the workspace.
+SEES_THE_ROOT = "import shutil; shutil.copy('/marker', 'seen.txt')"
+
+#: Hidden tests that pass only inside the task's root, after the harness saw it there.
+ROOT_TESTS = """def test_in_the_root():
+    assert open("/marker").read() == "only-in-the-root\\n"
+
+
+def test_the_harness_saw_it():
+    assert open("seen.txt").read() == "only-in-the-root\\n"
+"""
+ROOT_TEST_IDS = [
+    "tests/test_root.py::test_in_the_root",
+    "tests/test_root.py::test_the_harness_saw_it",
+]
+
+
+def _root_patch() -> str:
+    lines = ROOT_TESTS.splitlines()
+    body = "".join(f"+{line}\n" for line in lines)
+    return (
+        "diff --git a/tests/test_root.py b/tests/test_root.py\nnew file mode 100644\n"
+        f"--- /dev/null\n+++ b/tests/test_root.py\n@@ -0,0 +1,{len(lines)} @@\n{body}"
+    )
+
+
+def environment_dataset(kind: str, data: Path, root: str) -> str:
+    """A one-task dataset of format ``kind`` under ``data`` whose environment is the
+    rootfs ``root`` (relative: to the dataset file, or the task directory), sharing the
+    machine's toolchain and ``data`` (the grader reads its task back from there); the
+    ``FORMAT:PATH`` naming it."""
+    share = [*SHARE, str(data)]
+    environment = {"type": "rootfs", "path": root, "share": share}
+    if kind == "swe":
+        line = swe_lines()["calc-median"]
+        line.update(
+            repository=str(example_path("swe").parent / "calc.bundle"),
+            FAIL_TO_PASS=ROOT_TEST_IDS,
+            PASS_TO_PASS=["tests/test_stats.py::test_mean"],
+            test_patch=_root_patch(),
+            environment=environment,
+        )
+        (data / "swe.jsonl").write_text(json.dumps(line) + "\n")
+        return f"swe:{data / 'swe.jsonl'}"
+    if kind == "spec":
+        (data / "hidden").mkdir(exist_ok=True)
+        (data / "hidden" / "test_root.py").write_text(ROOT_TESTS)
+        line = {
+            "id": "in-root",
+            "specification": "Copy /marker into seen.txt.",
+            "hidden_tests": "hidden",
+            "tests": ROOT_TEST_IDS,
+            "score": "all",
+            "environment": environment,
+        }
+        (data / "spec.jsonl").write_text(json.dumps(line) + "\n")
+        return f"spec:{data / 'spec.jsonl'}"
+    assert kind == "terminal"
+    task = data / "tasks" / "in-root"
+    (task / "tests").mkdir(parents=True, exist_ok=True)
+    (task / "instruction.md").write_text("Copy /marker into seen.txt.\n")
+    (task / "tests" / "test.sh").write_text(
+        'test "$(cat /marker)" = only-in-the-root || { echo "no marker"; exit 1; }\n'
+        'test "$(cat seen.txt)" = only-in-the-root || { echo "not seen"; exit 1; }\n'
+        "echo 'PASS: in the root'\n"
+    )
+    (task / "task.yaml").write_text(yaml.safe_dump({"environment": environment}))
+    return f"terminal:{data / 'tasks'}"
+
+
+def root_harness(tmp_path: Path) -> HarnessSpec:
+    return HarnessSpec(
+        command=(sys.executable, "-c", SEES_THE_ROOT),
+        deadline_s=60,
+        environment=EnvironmentOptions(cache=tmp_path / "cache"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "root"), [("swe", "root"), ("spec", "root"), ("terminal", "../../root")]
+)
+def test_each_format_runs_its_harness_and_its_tests_in_the_tasks_root(
+    tmp_path: Path, kind: str, root: str
+):
+    try:
+        sandbox("bwrap").check()
+    except SandboxUnavailable as error:
+        pytest.skip(str(error))
+    data = tmp_path / "data"
+    data.mkdir()
+    make_root(data / "root")
+    (task,) = load_task_source(environment_dataset(kind, data, root))
+    assert task.environment == RootfsEnvironment(
+        path=data / "root", share=(*SHARE, str(data))
+    )  # the relative path resolved against the dataset file (the task directory)
+    assert "environment" not in task.metadata
+    result = execute(task, root_harness(tmp_path), tmp_path / "run")
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result
+    workspace = tmp_path / "run" / "workspaces" / "ex_1"
+    assert (workspace / "seen.txt").read_text() == "only-in-the-root\n"  # the harness saw it
+    # The same grader on the machine, where there is no /marker: its tests fail.
+    outside = graded(task, workspace)
+    assert outside.score == 0.0
+    logged = "no marker" if kind == "terminal" else "not passing: " + ROOT_TEST_IDS[0]
+    assert logged in outside.critique
+
+
+@pytest.mark.parametrize("kind", ["swe", "spec", "terminal"])
+def test_a_broken_environment_of_each_format_is_a_placeholder_naming_it(tmp_path: Path, kind: str):
+    data = tmp_path / "data"
+    data.mkdir()
+    (task,) = load_task_source(environment_dataset(kind, data, str(data / "gone")))
+    result = execute(task, root_harness(tmp_path), tmp_path / "run")
+    assert (result.outcome, result.reward, result.harness) == (Outcome.FAILED, 0.0, None)
+    (placeholder,) = result.assessments
+    assert placeholder.placeholder and placeholder.score == 0.0
+    assert result.detail.startswith(f"environment rootfs {data / 'gone'}: ")
+    assert "No such file or directory" in result.detail
+    assert not (tmp_path / "run" / "workspaces").exists()  # nothing ran on the machine
+
+
+def test_a_dataset_s_environment_is_validated_as_a_task_s(tmp_path: Path):
+    line = swe_lines()["calc-median"]
+    line["repository"] = str(example_path("swe").parent / "calc.bundle")
+    path = tmp_path / "swe.jsonl"
+    path.write_text(json.dumps(dict(line, environment={"image": "python:3.11-slim"})) + "\n")
+    with pytest.raises(TaskFileError) as error:
+        load_task_source(f"swe:{path}")
+    assert str(error.value) == (
+        f"{path}:1: field 'environment.type': missing (required; one of 'rootfs', 'image')"
+    )
+    spec = tmp_path / "spec.jsonl"
+    spec.write_text(json.dumps({"id": "s", "specification": "x", "environment": "py"}) + "\n")
+    with pytest.raises(
+        TaskFileError, match=r"spec\.jsonl:1: field 'environment': should be a JSON"
+    ):
+        load_task_source(f"spec:{spec}")
+    task = tmp_path / "tasks" / "t"
+    (task / "tests").mkdir(parents=True)
+    (task / "tests" / "test.sh").write_text("exit 0\n")
+    (task / "task.yaml").write_text(
+        "instruction: do it\nenvironment:\n  type: rootfs\n  path: root\n  share: [usr]\n"
+    )
+    with pytest.raises(TaskFileError) as error:
+        load_task_source(f"terminal:{tmp_path / 'tasks'}")
+    assert str(error.value) == (
+        f"{task / 'task.yaml'}:2: field 'environment.share': 'usr' is not an absolute path"
+    )
+    # Terminal-Bench's own layouts: the image their Dockerfile builds.
+    (task / "task.yaml").write_text("instruction: do it\n")
+    (task / "Dockerfile").write_text("FROM ubuntu:24.04\n")  # Terminal-Bench 1
+    (loaded,) = load_task_source(f"terminal:{tmp_path / 'tasks'}")
+    assert loaded.environment == ImageEnvironment(build=task)
+    (task / "environment").mkdir()  # Terminal-Bench 2: environment/Dockerfile
+    with pytest.raises(TaskFileError, match=r"environment: no Dockerfile: give one, or task"):
+        load_task_source(f"terminal:{tmp_path / 'tasks'}")
+    (task / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\n")
+    (loaded,) = load_task_source(f"terminal:{tmp_path / 'tasks'}")
+    assert loaded.environment == ImageEnvironment(build=task / "environment")
+    assert "environment" not in loaded.metadata

@@ -20,7 +20,13 @@ Which one a dataset is, the value naming it says (``harness.tasks``, ``--tasks``
 Every format's tasks score with a command evaluator running
 :mod:`qwengyre.rollout.workloads.grade` on a copy of the workspace (the workspace
 itself is never changed by grading), and keep the test log as the assessment's
-critique. A dataset's ``environment`` entry is carried in ``metadata["environment"]``.
+critique. A dataset's ``environment`` entry is the task's own environment
+(:attr:`~qwengyre.rollout.tasks.Task.environment`, :mod:`qwengyre.rollout.environments`):
+the harness and the grader run in it, and one that cannot be prepared is the execution's
+zero-reward placeholder naming why. The grader there reads its task back from the
+dataset (the file, the hidden tests, the task directory) and runs on the Python qwengyre
+runs on: the environment must show those paths (a rootfs's ``share``,
+``harness.sandbox_expose``), and hold what the tests need (``git`` for ``swe``).
 """
 
 from __future__ import annotations

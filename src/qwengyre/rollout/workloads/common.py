@@ -34,6 +34,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
 from qwengyre.jsonl import parse_line
+from qwengyre.rollout.environments import EnvironmentSpec
 from qwengyre.rollout.tasks import TASK_ID_PATTERN, TaskFileError, _rewrite
 
 __all__ = [
@@ -68,8 +69,9 @@ class DatasetLine(BaseModel):
     """The fields every JSONL workload line shares (``swe``, ``spec``).
 
     - ``id``: as a task's id (:data:`~qwengyre.rollout.tasks.TASK_ID_PATTERN`);
-    - ``environment``: where the task runs (an image, a root file system); carried into
-      the task's ``metadata["environment"]`` unchanged, any JSON value;
+    - ``environment``: where the task's harness and grader run, the task's own
+      :data:`~qwengyre.rollout.environments.EnvironmentSpec` (validated as a task's, a
+      relative path resolving against the dataset file's directory);
     - ``metadata``: a free-form JSON object merged into the task's metadata;
     - ``test_command``: the argv that runs the hidden tests in the graded copy (default:
       :func:`pytest_command`); its output must carry pytest's ``-rA`` summary;
@@ -79,7 +81,7 @@ class DatasetLine(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: Annotated[StrictStr, Field(pattern=TASK_ID_PATTERN)]
-    environment: Any = None
+    environment: EnvironmentSpec | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     test_command: list[StrictStr] | None = None
     timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1800.0

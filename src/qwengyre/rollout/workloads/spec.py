@@ -5,7 +5,8 @@ A dataset is a JSONL file, one task a line::
 
     {"id": "textstats", "specification_file": "specs/textstats.md",
      "workspace_template": "scaffolds/textstats", "hidden_tests": "hidden/textstats",
-     "score": "fraction", "environment": "python:3.11", "metadata": {"lang": "python"}}
+     "score": "fraction", "environment": {"type": "image", "image": "python:3.11"},
+     "metadata": {"lang": "python"}}
 
 - ``id``: the task's id;
 - ``specification`` (the text) or ``specification_file`` (a file holding it), exactly
@@ -138,8 +139,6 @@ def _task(spec: SpecTask, path: Path, line: int) -> Task:
     metadata: dict[str, Any] = {"format": "spec"}
     if spec.hidden_tests is not None:
         metadata["hidden_tests"] = str(spec.hidden_tests)
-    if spec.environment is not None:
-        metadata["environment"] = spec.environment
     metadata.update(spec.metadata)
     try:
         text = spec.text()
@@ -158,6 +157,7 @@ def _task(spec: SpecTask, path: Path, line: int) -> Task:
         instructions=text,
         workspace_template=spec.workspace_template,
         evaluator=evaluator,
+        environment=spec.environment,
         metadata=metadata,
     )
 

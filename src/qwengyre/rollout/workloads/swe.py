@@ -7,7 +7,7 @@ A dataset is a JSONL file, one instance a line, in SWE-bench's field names::
      "FAIL_TO_PASS": ["tests/test_stats.py::test_median_even"],
      "PASS_TO_PASS": ["tests/test_stats.py::test_mean"],
      "test_patch": "diff --git a/tests/test_stats.py ...",
-     "environment": {"image": "..."}, "metadata": {"difficulty": "easy"}}
+     "environment": {"type": "image", "image": "..."}, "metadata": {"difficulty": "easy"}}
 
 - ``instance_id`` (or ``id``): the task's id;
 - ``repository``: the repository, on this machine (no network at run time): a git
@@ -170,8 +170,6 @@ def _task(instance: SweInstance, path: Path, line: int) -> Task:
     metadata.update(
         {key: getattr(instance, key) for key in _CARRIED if getattr(instance, key) is not None}
     )
-    if instance.environment is not None:
-        metadata["environment"] = instance.environment
     metadata.update(instance.metadata)
     return Task(
         id=instance.id,
@@ -181,6 +179,7 @@ def _task(instance: SweInstance, path: Path, line: int) -> Task:
             command=grader_command("swe", path.resolve(), line, instance.id),
             timeout_s=instance.timeout_s + GRADE_MARGIN_S,
         ),
+        environment=instance.environment,
         metadata=metadata,
     )
 

@@ -6,15 +6,23 @@ each task directory, its name the task's id, holds:
 - its instructions: ``instruction.md`` (Terminal-Bench 2 / Harbor), else the
   ``instruction`` key of ``task.yaml`` (Terminal-Bench 1);
 - optional settings: ``task.yaml``'s ``max_test_timeout_sec`` or ``task.toml``'s
-  ``[verifier] timeout_sec`` (the verifier's timeout; default 600 s), and an
-  ``environment`` key in ``task.yaml`` (any value); the other keys of ``task.yaml`` are
-  carried in the task's ``metadata["terminal"]``;
+  ``[verifier] timeout_sec`` (the verifier's timeout; default 600 s); the other keys of
+  ``task.yaml`` but ``instruction`` and ``environment`` are carried in the task's
+  ``metadata["terminal"]``;
 - its verifier: ``tests/test.sh``, else ``run-tests.sh`` next to ``tests/`` (run with
   ``bash``, after the harness ended);
 - optionally ``workspace/``: the files the harness starts with (copied into each fresh
   workspace; default an empty workspace);
-- optionally its environment: the ``environment`` key, else an ``environment/``
-  directory, else a ``Dockerfile`` -- carried, not built, in ``metadata["environment"]``.
+- optionally its environment (:attr:`Task.environment`, where the harness and the
+  verifier run): ``task.yaml``'s ``environment`` key, validated as a task's
+  (:data:`~qwengyre.rollout.environments.EnvironmentSpec`; a relative ``path`` or
+  ``build`` resolves against the task directory); else an ``environment/`` directory
+  holding a ``Dockerfile`` (Terminal-Bench 2), else a ``Dockerfile`` beside the task's
+  files (Terminal-Bench 1): the image that Dockerfile builds, its directory the build
+  context (``{"type": "image", "build": ...}``, built once per node and content by
+  podman or docker; a build that fails is the task's zero-reward placeholder). A
+  ``docker-compose.yaml`` is not read: its services, volumes and networks are not
+  reproduced.
 
 Dot-directories are skipped; any other directory without instructions or verifier is
 refused, naming it (and for a bad ``task.yaml``, its line and field).
@@ -37,8 +45,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from qwengyre.rollout.tasks import CommandEvaluator, Task, TaskFileError
+from qwengyre.jsonl import describe
+from qwengyre.rollout.environments import EnvironmentSpec, ImageEnvironment, RootfsEnvironment
+from qwengyre.rollout.tasks import CommandEvaluator, Task, TaskFileError, _rewrite
 from qwengyre.rollout.workloads.common import (
     GRADE_MARGIN_S,
     critique,
@@ -62,7 +73,7 @@ class TerminalTask:
     verifier: Path
     timeout_s: float = DEFAULT_TIMEOUT_S
     settings: dict[str, Any] = field(default_factory=dict)
-    environment: Any = None
+    environment: RootfsEnvironment | ImageEnvironment | None = None
 
     @property
     def id(self) -> str:
@@ -101,6 +112,39 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], str]:
     if not isinstance(data, dict):
         raise TaskFileError(path, f"expected a mapping, got {type(data).__name__}")
     return data, text
+
+
+class _Environment(BaseModel):
+    """``task.yaml``'s ``environment`` key, validated as a task's."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    environment: EnvironmentSpec
+
+
+def _environment(
+    directory: Path, settings: dict[str, Any], task_yaml: Path, text: str
+) -> RootfsEnvironment | ImageEnvironment | None:
+    """The task's environment: ``task.yaml``'s ``environment`` (errors naming its line
+    and field), else the image ``environment/Dockerfile`` or ``Dockerfile`` builds."""
+    if settings.get("environment") is not None:
+        try:
+            return _Environment.model_validate(
+                {"environment": settings["environment"]}, context={"base_dir": directory}
+            ).environment
+        except ValidationError as error:
+            line = _key_line(text, "environment")
+            raise TaskFileError(task_yaml, describe(error, _rewrite), line) from None
+    if (directory / "environment").is_dir():
+        if not (directory / "environment" / "Dockerfile").is_file():
+            raise TaskFileError(
+                directory / "environment",
+                "no Dockerfile: give one, or task.yaml's environment (an image or a rootfs)",
+            )
+        return ImageEnvironment(build=directory / "environment")
+    if (directory / "Dockerfile").is_file():
+        return ImageEnvironment(build=directory)
+    return None
 
 
 def read_task_dir(directory: Path) -> TerminalTask:
@@ -146,12 +190,7 @@ def read_task_dir(directory: Path) -> TerminalTask:
         verifier_path = directory / "run-tests.sh"
     if not verifier_path.is_file():
         raise TaskFileError(directory, "no verifier: expected tests/test.sh or run-tests.sh")
-    environment = settings.get("environment")
-    if environment is None:
-        for candidate in (directory / "environment", directory / "Dockerfile"):
-            if candidate.exists():
-                environment = str(candidate)
-                break
+    environment = _environment(directory, settings, task_yaml, text)
     carried = {k: v for k, v in settings.items() if k not in ("instruction", "environment")}
     return TerminalTask(
         directory=directory,
@@ -167,8 +206,6 @@ def _task(terminal: TerminalTask) -> Task:
     metadata: dict[str, Any] = {"format": "terminal", "task_dir": str(terminal.directory)}
     if terminal.settings:
         metadata["terminal"] = terminal.settings
-    if terminal.environment is not None:
-        metadata["environment"] = terminal.environment
     workspace = terminal.directory / "workspace"
     try:
         return Task(
@@ -179,6 +216,7 @@ def _task(terminal: TerminalTask) -> Task:
                 command=grader_command("terminal", terminal.directory),
                 timeout_s=terminal.timeout_s + GRADE_MARGIN_S,
             ),
+            environment=terminal.environment,
             metadata=metadata,
         )
     except ValueError as error:  # the id: the directory's name
