@@ -296,28 +296,6 @@ def test_engine_serve_refuses_a_missing_model_dir(tmp_path: Path):
     assert out.returncode != 0 and "not a HuggingFace model directory" in out.stderr
 
 
-def test_rollout_cli_on_the_bundled_example(tmp_path: Path, tiny_model_dir: Path):
-    out = run(
-        "rollout",
-        "--model",
-        str(tiny_model_dir),
-        "--tasks",
-        "example",
-        "--harness",
-        "toy",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "groups.size=1",
-        "groups.min_valid=null",
-        "cells.capacity=4",
-        "harness.deadline_s=60",
-        "harness.budget_s=90",
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "8 executions" in out.stdout
-    assert len((tmp_path / "run" / "traces.jsonl").read_text().splitlines()) == 8
-
-
 @pytest.mark.parametrize(
     ("tasks", "logged"),
     [
