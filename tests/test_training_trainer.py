@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import get_args
 
+import pytest
 import torch
 from tests.training_data import groups
 from transformers import AutoModelForCausalLM
@@ -34,9 +35,14 @@ def single(model_dir: Path, config: TrainerConfig) -> Trainer:
     return Trainer(model, config, CellComm(0, 1, ""))
 
 
-def test_packed_rows_reproduce_the_engines_behaviour_logprobs(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_moe_model_dir"], ids=["dense", "moe"])
+def test_packed_rows_reproduce_the_engines_behaviour_logprobs(
+    model: str, request: pytest.FixtureRequest
+) -> None:
     # Several sampled replies packed into one row: position_ids must keep each
-    # trajectory attending to itself only, or l_t != b_t.
+    # trajectory attending to itself only, or l_t != b_t. (The MoE routes each token
+    # alone: the padding the packed forward adds changes no real token's experts.)
+    tiny_model_dir: Path = request.getfixturevalue(model)
     temperature = 0.7
     engine = EmbeddedEngine(tiny_model_dir, capacity=4, max_context=256)
     prompts = [tuple(range(20 + i, 40 + 7 * i)) for i in range(4)]
