@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from tests.training_data import groups
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM
 
 from qwengyre.config import TrainerConfig
@@ -24,7 +28,7 @@ from qwengyre.training.buffers import (
 )
 from qwengyre.training.distributed import CellComm, buckets
 from qwengyre.training.offload import Offloaded
-from qwengyre.training.sharding import shard_rows
+from qwengyre.training.sharding import shard_policy, shard_rows
 from qwengyre.training.trainer import Trainer
 
 CONFIG = TrainerConfig(lr=1e-3, micro_step_tokens=2048, grad_clip=1e9)
@@ -77,6 +81,35 @@ def test_shard_rows_cut_like_torch_chunk_with_empty_shards() -> None:
             cut = [shard_rows(rows, shards, s) for s in range(shards)]
             assert [n for _, n in cut] == chunks
             assert [start for start, _ in cut] == [sum(chunks[:s]) for s in range(shards)]
+
+
+@pytest.mark.parametrize(("shards", "rank"), [(2, 0), (2, 1), (3, 1), (3, 2)])
+def test_each_rank_holds_whole_experts_of_every_moe_layer(
+    tiny_moe_model_dir: Path, shards: int, rank: int
+) -> None:
+    """Rank ``rank`` of a cell of ``shards`` (a fake process group: no peers, only the
+    layout) keeps experts ``shard_rows(E, G, rank)`` of every fused expert tensor and the
+    router's rows for them, whole; 4 experts on 3 ranks cut 2, 2, 0."""
+    dist.init_process_group("fake", rank=rank, world_size=shards, store=FakeStore())
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir, dtype=torch.float32)
+        full = {k: v.detach().clone() for k, v in model.named_parameters()}
+        shard_policy(model, init_device_mesh("cpu", (shards,)))
+        sharded = dict(model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+    experts = model.config.num_experts
+    first, count = shard_rows(experts, shards, rank)
+    assert count == (0 if (shards, rank) == (3, 2) else 2)
+    moe = [k for k in full if ".mlp." in k]
+    assert len(moe) == 3 * model.config.num_hidden_layers  # gate_up_proj, down_proj, gate
+    for name in moe:
+        param = sharded[name]
+        assert isinstance(param, DTensor) and param.placements == (Shard(0),), name
+        assert full[name].shape[0] == experts
+        torch.testing.assert_close(
+            param.to_local(), full[name][first : first + count], rtol=0, atol=0
+        )
 
 
 def test_collective_buckets_stay_within_their_bound() -> None:

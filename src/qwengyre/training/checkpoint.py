@@ -18,6 +18,13 @@ ranks per cell resumes with any other ``G`` (:func:`load_sharded`). :func:`expor
 turns a checkpoint into a plain HuggingFace directory (``from_pretrained`` loads it; an
 inference engine can start from it), one tensor at a time (``qwengyre model export``).
 
+``weights/`` holds the parameters under their in-memory names; where transformers keeps
+a parameter otherwise than its checkpoints store it (an MoE's experts: one fused
+``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` in memory,
+``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj.weight`` on disk), the export
+writes what ``save_pretrained`` would (transformers' own reversal of its load-time
+conversion), the layout vLLM and SGLang load.
+
 Crash safety. :func:`save_checkpoint` has everything written into a temporary sibling
 directory, fsyncs every file, renames the directory into place with ``os.replace``, then
 replaces ``latest`` (written to a temporary file, fsynced, renamed), and only then prunes
@@ -53,7 +60,8 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.core_model_loading import revert_weight_conversion
 
 from qwengyre import __version__
 from qwengyre.durable import disk_full, fsync_dir, guard_disk, is_disk_full
@@ -565,6 +573,8 @@ def export_model(
         config.save_pretrained(out)
         AutoTokenizer.from_pretrained(path / MODEL_DIR).save_pretrained(out)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    with torch.device("meta"):  # the architecture only: its checkpoint key conversions
+        skeleton = AutoModelForCausalLM.from_config(config)
     files: list[list[str]] = [[]]
     size = 0
     for name in names:
@@ -577,6 +587,7 @@ def export_model(
         files[-1].append(name)
         size += nbytes
     weight_map: dict[str, str] = {}
+    total = 0
     for i, group in enumerate(files):
         file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
         tensors = {name: torch.empty(sizes[name], dtype=torch.float32) for name in group}
@@ -585,13 +596,16 @@ def export_model(
             dcp.load(
                 {f"{prefix}{n}": t for n, t in tensors.items()}, storage_reader=reader, no_dist=True
             )
+        # One file's tensors hold every source of their conversions (an expert tensor
+        # splits into its experts' weights; nothing is merged on the way to disk).
+        saved = revert_weight_conversion(skeleton, tensors)
         safetensors.torch.save_file(
-            {n: t.to(target).contiguous() for n, t in tensors.items()},
+            {n: t.to(target).contiguous() for n, t in saved.items()},
             str(out / file),
             metadata={"format": "pt"},
         )
-        weight_map.update(dict.fromkeys(group, file))
-    total = sum(math.prod(sizes[n]) * target.itemsize for n in weight_map)
+        weight_map.update(dict.fromkeys(saved, file))
+        total += sum(t.numel() for t in saved.values()) * target.itemsize
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
