@@ -120,7 +120,12 @@ def test_collective_buckets_stay_within_their_bound() -> None:
         assert len(run) == 1 or sum(t.numel() for t in run) * 4 <= 4 * 64
 
 
-def test_an_engine_loads_weights_one_shard_at_a_time(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_moe_model_dir"], ids=["dense", "moe"])
+def test_an_engine_loads_weights_one_shard_at_a_time(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    # The MoE's shards are whole experts of each fused expert tensor (dim-0 chunks).
+    tiny_model_dir: Path = request.getfixturevalue(model)
     engine = EmbeddedEngine(tiny_model_dir, capacity=2, max_context=128)
     try:
         named = dict(engine.model.named_parameters())
