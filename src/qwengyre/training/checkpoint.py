@@ -22,8 +22,8 @@ inference engine can start from it), one tensor at a time (``qwengyre model expo
 a parameter otherwise than its checkpoints store it (an MoE's experts: one fused
 ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` in memory,
 ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj.weight`` on disk), the export
-writes what ``save_pretrained`` would (transformers' own reversal of its load-time
-conversion), the layout vLLM and SGLang load.
+writes what ``save_pretrained`` would (:func:`qwengyre.models.saved_form.saved_form`),
+the layout vLLM and SGLang load.
 
 Crash safety. :func:`save_checkpoint` has everything written into a temporary sibling
 directory, fsyncs every file, renames the directory into place with ``os.replace``, then
@@ -60,11 +60,11 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.core_model_loading import revert_weight_conversion
+from transformers import AutoConfig, AutoTokenizer
 
 from qwengyre import __version__
 from qwengyre.durable import disk_full, fsync_dir, guard_disk, is_disk_full
+from qwengyre.models.saved_form import saved_form
 from qwengyre.models.tiny import quiet_progress_bars
 
 if TYPE_CHECKING:
@@ -573,8 +573,7 @@ def export_model(
         config.save_pretrained(out)
         AutoTokenizer.from_pretrained(path / MODEL_DIR).save_pretrained(out)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    with torch.device("meta"):  # the architecture only: its checkpoint key conversions
-        skeleton = AutoModelForCausalLM.from_config(config)
+    to_saved = saved_form(config)
     files: list[list[str]] = [[]]
     size = 0
     for name in names:
@@ -596,9 +595,7 @@ def export_model(
             dcp.load(
                 {f"{prefix}{n}": t for n, t in tensors.items()}, storage_reader=reader, no_dist=True
             )
-        # One file's tensors hold every source of their conversions (an expert tensor
-        # splits into its experts' weights; nothing is merged on the way to disk).
-        saved = revert_weight_conversion(skeleton, tensors)
+        saved = tensors if to_saved is None else to_saved(tensors)  # converts tensor by tensor
         safetensors.torch.save_file(
             {n: t.to(target).contiguous() for n, t in saved.items()},
             str(out / file),
