@@ -6,6 +6,7 @@ re-entering (device) memory without changing the next update."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -83,33 +84,48 @@ def test_shard_rows_cut_like_torch_chunk_with_empty_shards() -> None:
             assert [start for start, _ in cut] == [sum(chunks[:s]) for s in range(shards)]
 
 
-@pytest.mark.parametrize(("shards", "rank"), [(2, 0), (2, 1), (3, 1), (3, 2)])
-def test_each_rank_holds_whole_experts_of_every_moe_layer(
-    tiny_moe_model_dir: Path, shards: int, rank: int
-) -> None:
-    """Rank ``rank`` of a cell of ``shards`` (a fake process group: no peers, only the
-    layout) keeps experts ``shard_rows(E, G, rank)`` of every fused expert tensor and the
-    router's rows for them, whole; 4 experts on 3 ranks cut 2, 2, 0."""
-    dist.init_process_group("fake", rank=rank, world_size=shards, store=FakeStore())
-    try:
-        model = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir, dtype=torch.float32)
-        full = {k: v.detach().clone() for k, v in model.named_parameters()}
-        shard_policy(model, init_device_mesh("cpu", (shards,)))
-        sharded = dict(model.named_parameters())
-    finally:
-        dist.destroy_process_group()
-    experts = model.config.num_experts
-    first, count = shard_rows(experts, shards, rank)
-    assert count == (0 if (shards, rank) == (3, 2) else 2)
-    moe = [k for k in full if ".mlp." in k]
-    assert len(moe) == 3 * model.config.num_hidden_layers  # gate_up_proj, down_proj, gate
-    for name in moe:
-        param = sharded[name]
-        assert isinstance(param, DTensor) and param.placements == (Shard(0),), name
-        assert full[name].shape[0] == experts
-        torch.testing.assert_close(
-            param.to_local(), full[name][first : first + count], rtol=0, atol=0
-        )
+LAYOUTS = ((2, 0), (2, 1), (3, 1), (3, 2))
+"""(G, rank) pairs whose MoE shards :func:`_moe_layouts` takes: 4 experts on 3 ranks
+cut 2, 2, 0."""
+
+
+def _moe_layouts(model_dir: str) -> list[tuple[dict, dict]]:
+    """For each of :data:`LAYOUTS`, this rank's ``{name: (placements, local shard)}`` of
+    the MoE parameters and their whole values, from a fake process group (no peers,
+    only the layout). Runs in a process of its own: the default group is per process."""
+    out = []
+    for shards, rank in LAYOUTS:
+        dist.init_process_group("fake", rank=rank, world_size=shards, store=FakeStore())
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            full = {k: v.detach().clone() for k, v in model.named_parameters() if ".mlp." in k}
+            shard_policy(model, init_device_mesh("cpu", (shards,)))
+            local = {
+                k: (str(v.placements), v.to_local().detach().clone())
+                for k, v in model.named_parameters()
+                if k in full and isinstance(v, DTensor)
+            }
+        finally:
+            dist.destroy_process_group()
+        out.append((local, full))
+    return out
+
+
+def test_each_rank_holds_whole_experts_of_every_moe_layer(tiny_moe_model_dir: Path) -> None:
+    """Rank ``r`` of a cell of ``G`` keeps experts ``shard_rows(E, G, r)`` of every fused
+    expert tensor and the router's rows for them, whole."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        layouts = pool.apply(_moe_layouts, (str(tiny_moe_model_dir),))
+    experts = 4
+    for (shards, rank), (local, full) in zip(LAYOUTS, layouts, strict=True):
+        first, count = shard_rows(experts, shards, rank)
+        assert count == (0 if (shards, rank) == (3, 2) else 2)
+        assert len(full) == 3 * 2  # gate_up_proj, down_proj, gate; two layers
+        assert local.keys() == full.keys()
+        for name, (placements, shard) in local.items():
+            assert placements == str((Shard(0),)), name
+            assert full[name].shape[0] == experts
+            torch.testing.assert_close(shard, full[name][first : first + count], rtol=0, atol=0)
 
 
 def test_collective_buckets_stay_within_their_bound() -> None:
