@@ -212,11 +212,20 @@ def test_dropped_state_is_reallocated_but_not_kept() -> None:
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{"activation_checkpointing": True}, {"cpu_offload": True}, {"dtype": "bfloat16"}],
-    ids=["activation-checkpointing", "cpu-offload", "bf16-compute"],
+    ("model", "options"),
+    [
+        ("tiny_model_dir", {"activation_checkpointing": True}),
+        ("tiny_model_dir", {"cpu_offload": True}),
+        ("tiny_model_dir", {"dtype": "bfloat16"}),
+        # The recompute routes every token to the experts the forward chose.
+        ("tiny_moe_model_dir", {"activation_checkpointing": True}),
+    ],
+    ids=["activation-checkpointing", "cpu-offload", "bf16-compute", "moe-activation-checkpointing"],
 )
-def test_trainer_options_make_the_same_update(tiny_model_dir: Path, options: dict) -> None:
+def test_trainer_options_make_the_same_update(
+    model: str, options: dict, request: pytest.FixtureRequest
+) -> None:
+    tiny_model_dir: Path = request.getfixturevalue(model)
     data, packing = micro_steps(tiny_model_dir)
     updated = []
     for config in (CONFIG, CONFIG.model_copy(update=options)):
