@@ -43,6 +43,13 @@ def thinking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "test"-size tiny Qwen3-MoE (4 experts a layer, 2 per token; the dense model's
+    tokenizer and template), cached as :func:`tiny_model_dir`."""
+    return cached_tiny_model("test", cache_dir=_model_cache(tmp_path_factory), moe=True)
+
+
 def _model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("QWENGYRE_CACHE")
     return Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"

@@ -101,6 +101,16 @@ def test_model_init_tiny_template_builds_the_qwen3_coder_one(
     assert bad.returncode != 0 and "qwen3-coder" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_model_init_tiny_moe_builds_a_qwen3_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from qwengyre.cli import main
+
+    target = tmp_path / "m"
+    assert main(["model", "init-tiny", str(target), "--size", "test", "--moe"]) == 0
+    assert "tiny Qwen3-MoE model" in capsys.readouterr().out
+    config = json.loads((target / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_local_experts"] == 4
+
+
 def test_model_export_writes_the_latest_checkpoint_of_a_run_as_an_hf_model(
     tmp_path: Path, tiny_model_dir: Path
 ):

@@ -28,6 +28,7 @@ from qwengyre.cluster.weights import (
 from qwengyre.engines.base import GenerateRequest, StaleWeights
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
 from qwengyre.models import cached_tiny_model
+from qwengyre.models.saved_form import saved_form
 from qwengyre.training.sharding import shard_rows
 from qwengyre.types import SamplingParams
 
@@ -237,3 +238,36 @@ def test_an_untied_lm_head_goes_through_the_boards_to_the_engine_and_to_disk(
         assert (served - old).abs().max() > 0.1  # the new head is what changed them
     finally:
         engine.close()
+
+
+def test_an_moe_goes_to_disk_from_the_boards_with_its_experts_one_by_one(
+    tmp_path: Path, tiny_moe_model_dir: Path
+) -> None:
+    """A server engine's weights file of an MoE holds each expert apart under the names
+    Qwen's checkpoints use (what vLLM and SGLang load), with the boards' weights; a dense
+    model needs no conversion."""
+    assert saved_form(cached_tiny_model("test", cache_dir=tiny_moe_model_dir.parent)) is None
+    to_saved = saved_form(tiny_moe_model_dir)
+    assert to_saved is not None
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir)
+    g = torch.Generator().manual_seed(2)
+    new = {
+        n: p.detach() + 0.01 * torch.randn(p.shape, generator=g)
+        for n, p in model.named_parameters()
+    }
+    layout = {n: t.shape for n, t in model_parameters(tiny_moe_model_dir)}  # what a cell publishes
+    assert layout == {n: t.shape for n, t in new.items()}
+    on_disk = tmp_path / "v1"
+    shutil.copytree(tiny_moe_model_dir, on_disk, ignore=shutil.ignore_patterns("*.safetensors"))
+    with published(list(new.items()), version=1) as boards:
+        boards.write_safetensors(1, on_disk / "model.safetensors", torch.float32, to_saved)
+        with pytest.raises(StaleWeights, match="not 2"):
+            boards.write_safetensors(2, tmp_path / "stale.safetensors", torch.float32, to_saved)
+    written = safetensors.torch.load_file(str(on_disk / "model.safetensors"))
+    built = safetensors.torch.load_file(str(tiny_moe_model_dir / "model.safetensors"))
+    assert written.keys() == built.keys()  # per expert, as save_pretrained wrote them
+    fused = new["model.layers.1.mlp.experts.down_proj"]
+    assert torch.equal(written["model.layers.1.mlp.experts.2.down_proj.weight"], fused[2])
+    reloaded = AutoModelForCausalLM.from_pretrained(on_disk)
+    for name, tensor in reloaded.named_parameters():
+        assert torch.equal(tensor, new[name]), name

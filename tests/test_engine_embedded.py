@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
 
 from qwengyre.apps.serve import model_engine
 from qwengyre.config import EngineConfig
@@ -197,6 +198,35 @@ def test_a_sliding_window_model_keeps_exact_logprobs(tiny_model_dir: Path, tmp_p
             assert torch.allclose(torch.tensor(result.logprobs), ref, atol=1e-4)
     finally:
         engine.close()
+
+
+def test_a_moe_model_is_served_with_the_logprobs_of_a_plain_hf_forward(tiny_moe_model_dir: Path):
+    # Decode steps bucketed as for CUDA graphs, each checked free of host syncs: the
+    # routed experts (grouped matmuls) never read back which experts a token chose.
+    engine = EmbeddedEngine(tiny_moe_model_dir, capacity=4, max_context=256)
+    checked = CheckedSteps(engine._decode_forward)
+    engine._graphs = checked  # type: ignore[assignment]
+    reqs = [request(i, 3 + 11 * i, 6 + 5 * i, 0.7, ignore_eos=True) for i in range(6)]
+
+    async def run():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        engine.close()
+    assert checked.buckets  # the decode steps ran through the checked path
+    plain = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir, dtype=torch.float32).eval()
+    assert type(plain).__name__ == "Qwen3MoeForCausalLM"
+    for req, result in zip(reqs, results, strict=True):
+        assert len(result.output_ids) == req.sampling.max_tokens
+        ids = torch.tensor([list(req.input_ids) + list(result.output_ids)])
+        with torch.no_grad():
+            logits = plain(input_ids=ids).logits[0]
+        n = len(req.input_ids)
+        ref = torch.log_softmax(logits[n - 1 : -1].double() / 0.7, dim=-1)
+        ref = ref.gather(-1, ids[0, n:, None]).squeeze(-1).float()
+        torch.testing.assert_close(torch.tensor(result.logprobs), ref, rtol=0, atol=1e-4)
 
 
 def test_prompts_are_prefilled_apart_when_their_padded_mask_would_be_large(

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from qwengyre.apps.train import TrainOptions, train
 from qwengyre.cli import main
@@ -477,6 +478,51 @@ def test_cells_of_two_ranks_train_live(tiny_model_dir: Path, tmp_path: Path) -> 
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     assert checkpoint is not None and read_checkpoint(checkpoint).state["version"] == 3
     assert len(list((checkpoint / "weights").glob("*.distcp"))) == 2
+
+
+def test_a_moe_policy_trains_live_in_cells_of_two_ranks_and_its_checkpoint_exports(
+    tiny_moe_model_dir: Path, tmp_path: Path
+) -> None:
+    # The tiny Qwen3-MoE in two cells of two FSDP2 ranks (each rank half the experts):
+    # both steps train, and the checkpoint the core's two ranks wrote exports through
+    # the CLI into a directory transformers loads with the checkpoint's own weights.
+    from transformers import AutoModelForCausalLM
+
+    from qwengyre.config import TrainerConfig
+    from qwengyre.training.checkpoint import load_sharded
+    from qwengyre.training.distributed import CellComm
+    from qwengyre.training.trainer import Trainer
+
+    run_dir = run(
+        tmp_path, tiny_moe_model_dir, "run.steps=2", "cells.count=2", "cells.devices_per_cell=2"
+    )
+    metrics = read_metrics(run_dir)
+    assert [s.version for s in metrics.steps] == [1, 2]
+    assert sum(s.micro_steps for s in metrics.steps) > 0
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    assert checkpoint is not None and read_checkpoint(checkpoint).state["version"] == 2
+    assert len(list((checkpoint / "weights").glob("*.distcp"))) == 2
+
+    out = tmp_path / "exported"
+    assert main(["model", "export", str(run_dir), str(out)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
+    # The same checkpoint resumed by one rank holds exactly the exported weights.
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir)
+    resumed = Trainer(model, TrainerConfig(), CellComm(0, 1, ""))
+    load_sharded(checkpoint, resumed)
+    saved = resumed.parameters()
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir).named_parameters())
+    for name, tensor in exported.named_parameters():
+        assert torch.equal(tensor, saved[name]), name
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(saved[experts], initial[experts])  # the experts were trained
+    reference = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir).eval()
+    loaded = reference.load_state_dict(saved, strict=False)
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}  # tied
+    ids = torch.tensor([[5, 17, 300, 42, 9, 800, 3, 77]])
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
 def test_vllm_cells_serve_rollout_and_take_every_publication(

@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from qwengyre.models import (
     SPECIAL_TOKENS,
@@ -428,6 +428,67 @@ def test_untied_model_is_cached_apart_from_the_tied_one(tmp_path: Path) -> None:
     direct = build_tiny_model(tmp_path / "direct", "test", tie_embeddings=False)
     assert _file_bytes(untied) == _file_bytes(direct)
     assert json.loads((untied / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_moe_model_is_a_seeded_qwen3_moe_that_transformers_loads(tmp_path: Path) -> None:
+    spec = TINY_SIZES["test"]
+    a = build_tiny_model(tmp_path / "a", "test", seed=0, moe=True)
+    b = build_tiny_model(tmp_path / "b", "test", seed=0, moe=True)
+    c = build_tiny_model(tmp_path / "c", "test", seed=1, moe=True)
+    assert _file_bytes(a) == _file_bytes(b)
+    assert _file_bytes(c)["model.safetensors"] != _file_bytes(a)["model.safetensors"]
+    dense = build_tiny_model(tmp_path / "dense", "test", seed=0)
+    assert _file_bytes(a)["tokenizer.json"] == _file_bytes(dense)["tokenizer.json"]
+    template = "chat_template.jinja"
+    assert (a / template).read_bytes() == (dense / template).read_bytes()
+
+    config = AutoConfig.from_pretrained(a)
+    assert config.architectures == ["Qwen3MoeForCausalLM"]
+    assert config.num_experts == spec.num_experts == 4  # "num_local_experts" in the file
+    assert config.num_experts_per_tok == spec.num_experts_per_tok == 2
+    assert config.moe_intermediate_size == spec.moe_intermediate_size
+    assert config.decoder_sparse_step == 1 and config.mlp_only_layers == []
+    assert config.norm_topk_prob is True
+    # The checkpoint keeps Qwen's layout: each expert's projections apart, no shared expert.
+    saved = safetensors.torch.load_file(str(a / "model.safetensors"))
+    layer = "model.layers.1.mlp"
+    assert saved[f"{layer}.experts.3.gate_proj.weight"].shape == (
+        spec.moe_intermediate_size,
+        spec.hidden_size,
+    )
+    assert saved[f"{layer}.experts.3.down_proj.weight"].shape == (
+        spec.hidden_size,
+        spec.moe_intermediate_size,
+    )
+    assert saved[f"{layer}.gate.weight"].shape == (spec.num_experts, spec.hidden_size)
+    assert not [k for k in saved if "shared_expert" in k]
+    experts = {k for k in saved if ".experts." in k}
+    assert len(experts) == spec.num_hidden_layers * spec.num_experts * 3
+
+    model = AutoModelForCausalLM.from_pretrained(a).eval()
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert all(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in model.model.layers)
+    fused = model.model.layers[1].mlp.experts  # transformers fuses the experts on load
+    gate, up = (
+        saved[f"{layer}.experts.3.gate_proj.weight"],
+        saved[f"{layer}.experts.3.up_proj.weight"],
+    )
+    assert torch.equal(fused.gate_up_proj[3], torch.cat([gate, up]))
+    tokenizer = AutoTokenizer.from_pretrained(a)
+    ids = tokenizer("def f(x):\n    return x", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_router_logits=True)
+    assert out.logits.shape == (1, ids.shape[1], spec.vocab_size)
+    assert torch.isfinite(out.logits).all()
+    assert [r.shape for r in out.router_logits] == [(ids.shape[1], spec.num_experts)] * 2
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, ids.shape[1] + 5)
+
+    cached = cached_tiny_model("test", 0, tmp_path / "cache", moe=True)
+    assert "-moe-" in cached.name and _file_bytes(cached) == _file_bytes(a)
+    assert cached_tiny_model("test", 0, tmp_path / "cache") != cached
+    with pytest.raises(TypeError, match="moe must be a bool"):
+        build_tiny_model(tmp_path / "bad", "test", moe=cast(Any, 1))
 
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -213,11 +213,20 @@ async def resumed_step(
         stop_cells([cell])
 
 
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_moe_model_dir"], ids=["dense", "moe"])
 def test_two_sharded_cells_match_one_cell_hold_half_each_and_resume_with_any_g(
-    tiny_model_dir: Path, tmp_path: Path
+    model: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    # The MoE's fused expert tensors are cut on their experts dim like any other
+    # parameter: half the experts (and of their gradients and moments) per rank.
+    tiny_model_dir: Path = request.getfixturevalue(model)
     data = batches(tiny_model_dir)
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     alone = train_alone(tiny_model_dir, data)
+    for name, expected in alone.items():  # every parameter was trained, every expert too
+        moved = (expected - initial[name].detach()).abs()
+        per_expert = moved.flatten(1).amax(1) if ".experts." in name else moved.amax()
+        assert bool((per_expert > 1e-4).all()), name
     sharded, sizes, path = asyncio.run(two_steps(tiny_model_dir, tmp_path / "g2", data, 2))
     for name, expected in alone.items():
         torch.testing.assert_close(sharded[name], expected, rtol=0, atol=1e-5)

@@ -424,3 +424,43 @@ def test_bfloat16_export_in_several_files_with_a_correct_index(
     assert exported.lm_head.weight is exported.model.embed_tokens.weight
     with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
         export_model(trained.path, tmp_path / "other", dtype="int8")
+
+
+def test_a_moe_export_stores_each_expert_as_qwen_does_and_gives_the_trained_logits(
+    tmp_path: Path, tiny_moe_model_dir: Path
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir, dtype=torch.float32)
+    trajectories = TrajectoryBuffer()
+    for group in groups(model, count=2, size=2, seed=3):
+        trajectories.add(group)
+    packing = PackingBuffer(trajectories, _CONFIG.micro_step_tokens)
+    trainer = _trainer(tiny_moe_model_dir)
+    _step(trainer, packing.assign(0, [0, 1], closes_batch=True), packing.summary(0))
+    trained = _params(trainer)
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    assert trained[fused].dim() == 3  # in memory (and in weights/): one tensor per layer
+    root = tmp_path / "ckpt"
+    state = {"version": 1}
+    path = save_sharded_checkpoint(
+        root, step=1, trainer=trainer, state=state, keep=1, model_dir=tiny_moe_model_dir
+    )
+
+    # Several files, so an expert tensor's file holds all it splits into.
+    out = export_model(path, tmp_path / "hf", shard_bytes=200_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    with safetensors.safe_open(tiny_moe_model_dir / "model.safetensors", framework="pt") as f:
+        built = set(f.keys())
+    assert set(index["weight_map"]) == built  # the keys save_pretrained wrote: per expert
+    up = "model.layers.0.mlp.experts.3.up_proj.weight"  # the second half of [gate; up]
+    with safetensors.safe_open(out / index["weight_map"][up], framework="pt") as f:
+        half = trained[fused].shape[1] // 2
+        assert torch.equal(f.get_tensor(up), trained[fused][3, half:])
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
+    _assert_same({k: v.detach() for k, v in exported.state_dict().items()}, trained)
+    torch.testing.assert_close(
+        _logits(exported), _logits(_hf_model(tiny_moe_model_dir, trained)), rtol=0, atol=0
+    )
+    untrained = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir).eval()
+    assert not torch.equal(_logits(exported), _logits(untrained))

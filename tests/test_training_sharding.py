@@ -6,11 +6,16 @@ re-entering (device) memory without changing the next update."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from tests.training_data import groups
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM
 
 from qwengyre.config import TrainerConfig
@@ -24,7 +29,7 @@ from qwengyre.training.buffers import (
 )
 from qwengyre.training.distributed import CellComm, buckets
 from qwengyre.training.offload import Offloaded
-from qwengyre.training.sharding import shard_rows
+from qwengyre.training.sharding import shard_policy, shard_rows
 from qwengyre.training.trainer import Trainer
 
 CONFIG = TrainerConfig(lr=1e-3, micro_step_tokens=2048, grad_clip=1e9)
@@ -79,6 +84,50 @@ def test_shard_rows_cut_like_torch_chunk_with_empty_shards() -> None:
             assert [start for start, _ in cut] == [sum(chunks[:s]) for s in range(shards)]
 
 
+LAYOUTS = ((2, 0), (2, 1), (3, 1), (3, 2))
+"""(G, rank) pairs whose MoE shards :func:`_moe_layouts` takes: 4 experts on 3 ranks
+cut 2, 2, 0."""
+
+
+def _moe_layouts(model_dir: str) -> list[tuple[dict, dict]]:
+    """For each of :data:`LAYOUTS`, this rank's ``{name: (placements, local shard)}`` of
+    the MoE parameters and their whole values, from a fake process group (no peers,
+    only the layout). Runs in a process of its own: the default group is per process."""
+    out = []
+    for shards, rank in LAYOUTS:
+        dist.init_process_group("fake", rank=rank, world_size=shards, store=FakeStore())
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            full = {k: v.detach().clone() for k, v in model.named_parameters() if ".mlp." in k}
+            shard_policy(model, init_device_mesh("cpu", (shards,)))
+            local = {
+                k: (str(v.placements), v.to_local().detach().clone())
+                for k, v in model.named_parameters()
+                if k in full and isinstance(v, DTensor)
+            }
+        finally:
+            dist.destroy_process_group()
+        out.append((local, full))
+    return out
+
+
+def test_each_rank_holds_whole_experts_of_every_moe_layer(tiny_moe_model_dir: Path) -> None:
+    """Rank ``r`` of a cell of ``G`` keeps experts ``shard_rows(E, G, r)`` of every fused
+    expert tensor and the router's rows for them, whole."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        layouts = pool.apply(_moe_layouts, (str(tiny_moe_model_dir),))
+    experts = 4
+    for (shards, rank), (local, full) in zip(LAYOUTS, layouts, strict=True):
+        first, count = shard_rows(experts, shards, rank)
+        assert count == (0 if (shards, rank) == (3, 2) else 2)
+        assert len(full) == 3 * 2  # gate_up_proj, down_proj, gate; two layers
+        assert local.keys() == full.keys()
+        for name, (placements, shard) in local.items():
+            assert placements == str((Shard(0),)), name
+            assert full[name].shape[0] == experts
+            torch.testing.assert_close(shard, full[name][first : first + count], rtol=0, atol=0)
+
+
 def test_collective_buckets_stay_within_their_bound() -> None:
     tensors = [torch.zeros(n) for n in (10, 200, 30, 30, 5, 1000, 1, 1)]
     runs = list(buckets(tensors, max_bytes=4 * 64))
@@ -87,7 +136,12 @@ def test_collective_buckets_stay_within_their_bound() -> None:
         assert len(run) == 1 or sum(t.numel() for t in run) * 4 <= 4 * 64
 
 
-def test_an_engine_loads_weights_one_shard_at_a_time(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_moe_model_dir"], ids=["dense", "moe"])
+def test_an_engine_loads_weights_one_shard_at_a_time(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    # The MoE's shards are whole experts of each fused expert tensor (dim-0 chunks).
+    tiny_model_dir: Path = request.getfixturevalue(model)
     engine = EmbeddedEngine(tiny_model_dir, capacity=2, max_context=128)
     try:
         named = dict(engine.model.named_parameters())
@@ -158,11 +212,20 @@ def test_dropped_state_is_reallocated_but_not_kept() -> None:
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{"activation_checkpointing": True}, {"cpu_offload": True}, {"dtype": "bfloat16"}],
-    ids=["activation-checkpointing", "cpu-offload", "bf16-compute"],
+    ("model", "options"),
+    [
+        ("tiny_model_dir", {"activation_checkpointing": True}),
+        ("tiny_model_dir", {"cpu_offload": True}),
+        ("tiny_model_dir", {"dtype": "bfloat16"}),
+        # The recompute routes every token to the experts the forward chose.
+        ("tiny_moe_model_dir", {"activation_checkpointing": True}),
+    ],
+    ids=["activation-checkpointing", "cpu-offload", "bf16-compute", "moe-activation-checkpointing"],
 )
-def test_trainer_options_make_the_same_update(tiny_model_dir: Path, options: dict) -> None:
+def test_trainer_options_make_the_same_update(
+    model: str, options: dict, request: pytest.FixtureRequest
+) -> None:
+    tiny_model_dir: Path = request.getfixturevalue(model)
     data, packing = micro_steps(tiny_model_dir)
     updated = []
     for config in (CONFIG, CONFIG.model_copy(update=options)):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import get_args
 
+import pytest
 import torch
 from tests.training_data import groups
 from transformers import AutoModelForCausalLM
@@ -34,9 +35,14 @@ def single(model_dir: Path, config: TrainerConfig) -> Trainer:
     return Trainer(model, config, CellComm(0, 1, ""))
 
 
-def test_packed_rows_reproduce_the_engines_behaviour_logprobs(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_moe_model_dir"], ids=["dense", "moe"])
+def test_packed_rows_reproduce_the_engines_behaviour_logprobs(
+    model: str, request: pytest.FixtureRequest
+) -> None:
     # Several sampled replies packed into one row: position_ids must keep each
-    # trajectory attending to itself only, or l_t != b_t.
+    # trajectory attending to itself only, or l_t != b_t. (The MoE routes each token
+    # alone: the padding the packed forward adds changes no real token's experts.)
+    tiny_model_dir: Path = request.getfixturevalue(model)
     temperature = 0.7
     engine = EmbeddedEngine(tiny_model_dir, capacity=4, max_context=256)
     prompts = [tuple(range(20 + i, 40 + 7 * i)) for i in range(4)]
@@ -216,3 +222,33 @@ def test_every_trainer_backend_the_config_allows_is_registered_and_fsdp2_is_the_
     assert set(TRAINER_BACKENDS) == set(get_args(TrainerBackendName))
     assert TrainerConfig().backend == "fsdp2"
     assert trainer_backend("fsdp2") is Trainer
+
+
+def test_the_moe_routers_auxiliary_loss_is_not_part_of_the_objective(
+    tiny_moe_model_dir: Path,
+) -> None:
+    # The trainer scores with the base model, never the causal LM's loss: a policy asking
+    # for its load-balancing loss (output_router_logits, a large coefficient) makes
+    # exactly the update of one that does not (docs/design.md §3, MoE).
+    config = TrainerConfig(lr=1e-3, micro_step_tokens=512)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir, dtype=torch.float32)
+    buffer = TrajectoryBuffer()
+    for group in groups(model, count=1, size=4, seed=11):
+        buffer.add(group)
+    packing = PackingBuffer(buffer, config.micro_step_tokens)
+    micro = packing.assign(0, [0], closes_batch=True)
+    updated = []
+    for aux in ({}, {"output_router_logits": True, "router_aux_loss_coef": 10.0}):
+        policy = AutoModelForCausalLM.from_pretrained(
+            tiny_moe_model_dir, dtype=torch.float32, **aux
+        )
+        assert policy.config.output_router_logits is bool(aux)
+        trainer = Trainer(policy, config, CellComm(0, 1, ""))
+        for ms in micro:
+            trainer.train_micro_step(ms)
+        trainer.finish_batch(packing.summary(0), 1)
+        updated.append(trainer.parameters())
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.equal(updated[0][router], model.state_dict()[router])  # trained
+    for name, value in updated[0].items():
+        torch.testing.assert_close(updated[1][name], value, rtol=0, atol=0)

@@ -404,6 +404,7 @@ def cmd_model_init_tiny(args: argparse.Namespace) -> int:
             tie_embeddings=not args.untied,
             overwrite=args.force,
             template=args.template,
+            moe=args.moe,
         )
     except FileExistsError:  # the library's advice names its argument, not the flag
         raise ValueError(
@@ -411,7 +412,8 @@ def cmd_model_init_tiny(args: argparse.Namespace) -> int:
         ) from None
     kind = "untied" if args.untied else "tied"
     what = f"{kind} embeddings, {args.template} template"
-    print(f"built the {args.size} tiny model ({what}) in {out}")
+    arch = "Qwen3-MoE " if args.moe else ""
+    print(f"built the {args.size} tiny {arch}model ({what}) in {out}")
     return 0
 
 
@@ -692,6 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat template: qwen3 (hermes <tool_call>{json} calls), qwen3-coder (XML"
         " <function=...> calls, <think> reasoning) or qwen3-thinking (hermes calls, the"
         " generation prompt opens <think>)",
+    )
+    tiny.add_argument(
+        "--moe",
+        action="store_true",
+        help="a Qwen3-MoE (every layer's MLP 4 experts, 2 per token, no shared expert)"
+        " instead of a dense Qwen3",
     )
     tiny.set_defaults(func=cmd_model_init_tiny)
     export = model_sub.add_parser(

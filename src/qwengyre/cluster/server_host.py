@@ -18,7 +18,7 @@ start. A backend that takes weights from memory gets them so
 (:meth:`~qwengyre.engines.launch.ServerBackend.load_from_memory`); otherwise
 :meth:`~ServerHost.load_newest` writes the boards' newest weights into a fresh model
 directory (the base model's config and tokenizer files, and one ``model.safetensors``
-written shard by shard,
+written shard by shard, under the checkpoint's names,
 :meth:`~qwengyre.cluster.weights.BoardShards.write_safetensors`), which the server
 loads in place; only the newest directory is kept, and a server restarted later
 starts from it.
@@ -62,6 +62,7 @@ from qwengyre.engines.launch import (
     stop_server,
     wait_until_healthy,
 )
+from qwengyre.models.saved_form import saved_form
 
 __all__ = ["START_TIMEOUT_S", "ServerHost"]
 
@@ -201,7 +202,8 @@ class ServerHost(Generic[C]):
         target = self._work / f"v{version}"
         shutil.copytree(self.model_dir, target, ignore=_only(_MODEL_FILES))
         try:
-            boards.write_safetensors(version, target / "model.safetensors", torch.float32)
+            to_saved = saved_form(self.model_dir)  # an MoE's experts: one by one, as Qwen's
+            boards.write_safetensors(version, target / "model.safetensors", torch.float32, to_saved)
             self._on_loop(client.update_weights(WeightsOnDisk(str(target)), version))
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from qwengyre.engines.base import StaleWeights, WeightsByName, WeightsInShards
+from qwengyre.models.saved_form import ToSaved
 from qwengyre.training.backend import WeightsBoard
 from qwengyre.training.sharding import shard_rows
 
@@ -329,15 +330,23 @@ class BoardShards:
                     raise
         return loaded
 
-    def write_safetensors(self, version: int, path: Path, dtype: torch.dtype) -> None:
+    def write_safetensors(
+        self, version: int, path: Path, dtype: torch.dtype, to_saved: ToSaved | None = None
+    ) -> None:
         """Write the weights of ``version`` as one safetensors file at ``path`` in
         ``dtype``, for a server engine to load from disk. Each shard's rows go straight
-        to their place in the file, one shard at a time: no whole-model buffer.
-        Raises :class:`~qwengyre.engines.base.StaleWeights` if a shard moved on."""
+        to their place in the file, one shard at a time: no whole-model buffer. With
+        ``to_saved`` (:func:`~qwengyre.models.saved_form.saved_form`: an MoE's fused
+        experts) the file holds the checkpoint's names instead, written one whole
+        in-memory tensor at a time. Raises :class:`~qwengyre.engines.base.StaleWeights`
+        if a shard moved on."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        shapes = self.shapes
+        if to_saved is not None:
+            shapes = {name: tuple(t.shape) for name, t in to_saved(self.meta).items()}
         offset = 0
-        for name, shape in self.shapes.items():
+        for name, shape in shapes.items():
             nbytes = math.prod(shape) * itemsize
             header[name] = {
                 "dtype": _SAFETENSORS_DTYPES[dtype],
@@ -351,6 +360,13 @@ class BoardShards:
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)) + encoded)
             f.truncate(start + offset)
+            if to_saved is not None:
+                whole = self.by_name(version)
+                for source_name in self.shapes:
+                    for name, tensor in to_saved(whole.read([source_name])).items():
+                        f.seek(start + header[name]["data_offsets"][0])  # type: ignore[index]
+                        f.write(tensor.to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
+                return
             source = self.source(version)
             for r in range(source.count):
                 for name, rows in source.read(r).items():

@@ -6,6 +6,15 @@ one of :data:`TEMPLATES` (also shipped: Qwen3's hermes tool calls, or Qwen3-Code
 tool calls with ``<think>`` reasoning), and the weights are a seeded random init of a Qwen3
 (or, on older transformers, Qwen2) architecture, with the output layer tied to the input
 embedding (as Qwen3-0.6B) or, on request, a separate one (as Qwen3-8B and larger).
+
+``moe=True`` builds a Qwen3-MoE (``Qwen3MoeForCausalLM``, as Qwen3-30B-A3B) instead: every
+decoder layer's MLP is a sparse block of :attr:`TinyModelSpec.num_experts` experts, each
+token routed to :attr:`TinyModelSpec.num_experts_per_tok` of them (softmax, top-k, the
+chosen weights renormalised: ``norm_topk_prob``). Qwen3-MoE has no shared expert (Qwen2-MoE
+had one; Qwen3 dropped it), so neither has the tiny one. The router's auxiliary
+load-balancing loss keeps the model's defaults (``output_router_logits=False``,
+``router_aux_loss_coef=0.001``); the trainer does not add it (docs/design.md §3, MoE).
+Attention, tokenizer and templates are the dense model's.
 """
 
 from __future__ import annotations
@@ -65,6 +74,10 @@ class TinyModelSpec:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
+    # The MoE variant (``moe=True``): experts per layer, experts per token, expert width.
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
 
     @property
     def head_dim(self) -> int:
@@ -82,6 +95,9 @@ TINY_SIZES: Final[MappingProxyType[str, TinyModelSpec]] = MappingProxyType(
             intermediate_size=128,
             vocab_size=1024,
             max_position_embeddings=4096,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
         ),
         # The "mini" model of docs/design.md section 6 (~0.9M parameters).
         "demo": TinyModelSpec(
@@ -92,6 +108,9 @@ TINY_SIZES: Final[MappingProxyType[str, TinyModelSpec]] = MappingProxyType(
             intermediate_size=384,
             vocab_size=4096,
             max_position_embeddings=8192,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=96,
         ),
     }
 )
@@ -213,8 +232,13 @@ def _make_tokenizer(spec: TinyModelSpec, template: str) -> PreTrainedTokenizerFa
     )
 
 
-def _arch() -> tuple[type[Any], type[Any]]:
-    """(config class, model class): Qwen3 when this transformers has it, else Qwen2."""
+def _arch(moe: bool) -> tuple[type[Any], type[Any]]:
+    """(config class, model class): Qwen3-MoE for ``moe``; else Qwen3 when this
+    transformers has it, else Qwen2."""
+    if moe:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeConfig, Qwen3MoeForCausalLM
     try:
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -250,6 +274,7 @@ def build_tiny_model(
     tie_embeddings: bool = True,
     overwrite: bool = False,
     template: TinyTemplate = "qwen3",
+    moe: bool = False,
 ) -> Path:
     """Build a tiny random causal LM (weights, tokenizer, chat template) into ``out_dir``.
 
@@ -267,6 +292,9 @@ def build_tiny_model(
             initialised weight, saved as ``lm_head.weight``.
         overwrite: allow building into a non-empty directory.
         template: a key of :data:`TEMPLATES`, the tokenizer's chat template.
+        moe: build a Qwen3-MoE (module docstring) of the same size instead of a dense
+            Qwen3; its checkpoint stores each expert's ``gate_proj`` / ``up_proj`` /
+            ``down_proj`` apart, as Qwen's (transformers fuses them on load).
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`, loadable with ``from_pretrained``.
@@ -277,6 +305,8 @@ def build_tiny_model(
         raise TypeError(f"seed must be an int, got {seed!r}")
     if not isinstance(tie_embeddings, bool):
         raise TypeError(f"tie_embeddings must be a bool, got {tie_embeddings!r}")
+    if not isinstance(moe, bool):
+        raise TypeError(f"moe must be a bool, got {moe!r}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out} exists and is not a directory")
@@ -292,7 +322,19 @@ def build_tiny_model(
     eos_id, pad_id = vocab[IM_END], vocab[ENDOFTEXT]
     assert len(tokenizer) == spec.vocab_size
 
-    config_cls, model_cls = _arch()
+    config_cls, model_cls = _arch(moe)
+    experts = (
+        {
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "decoder_sparse_step": 1,  # every layer sparse, as Qwen3-30B-A3B
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,  # as Qwen3-30B-A3B (the config class defaults to False)
+        }
+        if moe
+        else {}
+    )
     config = config_cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -308,6 +350,7 @@ def build_tiny_model(
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         dtype="float32",
+        **experts,
     )
     with _SEEDED_INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -330,13 +373,14 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "qwengyre" / "models"
 
 
-def _cache_key(size: str, seed: int, tie_embeddings: bool, template: str) -> str:
+def _cache_key(size: str, seed: int, tie_embeddings: bool, template: str, moe: bool) -> str:
     h = hashlib.sha256()
     parts: list[bytes] = [
         str(_BUILDER_VERSION).encode(),
         json.dumps(dataclasses.asdict(_spec(size)), sort_keys=True).encode(),
         str(seed).encode(),
         str(tie_embeddings).encode(),
+        str(moe).encode(),
         _resource_bytes(_CORPUS_FILE),
         template.encode(),
         _template(template),
@@ -358,36 +402,46 @@ def cached_tiny_model(
     *,
     tie_embeddings: bool = True,
     template: TinyTemplate = "qwen3",
+    moe: bool = False,
 ) -> Path:
     """Return the directory of a tiny model, building it into a cache on first use.
 
-    The cache entry is keyed by size, seed, ``tie_embeddings`` and ``template`` (see
-    :func:`build_tiny_model`; an untied entry's name says ``untied``, one with another
-    template than ``qwen3`` names it) and a hash of everything the build depends on
-    (sizes table, corpus, template, builder source, library versions). It is built in a
-    temporary directory and renamed into place, so concurrent callers (pytest-xdist
-    workers) never see a half-written model; a loser of the race discards its copy.
+    The cache entry is keyed by size, seed, ``tie_embeddings``, ``template`` and ``moe``
+    (see :func:`build_tiny_model`; an untied entry's name says ``untied``, one with another
+    template than ``qwen3`` names it, an MoE one says ``moe``) and a hash of everything
+    the build depends on (sizes table, corpus, template, builder source, library
+    versions). It is built in a temporary directory and renamed into place, so
+    concurrent callers (pytest-xdist workers) never see a half-written model; a loser of
+    the race discards its copy.
     """
     _spec(size)
     _template(template)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     untied = "" if tie_embeddings else "-untied"
     named = "" if template == "qwen3" else f"-{template}"
-    key = _cache_key(size, seed, tie_embeddings, template)
-    final = root / f"{size}-seed{seed}{untied}{named}-{key}"
+    sparse = "-moe" if moe else ""
+    key = _cache_key(size, seed, tie_embeddings, template, moe)
+    final = root / f"{size}{sparse}-seed{seed}{untied}{named}-{key}"
     if (final / _DONE_MARKER).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
         build_tiny_model(
-            tmp, size, seed, tie_embeddings=tie_embeddings, overwrite=True, template=template
+            tmp,
+            size,
+            seed,
+            tie_embeddings=tie_embeddings,
+            overwrite=True,
+            template=template,
+            moe=moe,
         )
         marker = {
             "template": template,
             "size": size,
             "seed": seed,
             "tie_embeddings": tie_embeddings,
+            "moe": moe,
             "key": final.name.rsplit("-", 1)[-1],
         }
         (tmp / _DONE_MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n")

@@ -18,6 +18,13 @@ ranks per cell resumes with any other ``G`` (:func:`load_sharded`). :func:`expor
 turns a checkpoint into a plain HuggingFace directory (``from_pretrained`` loads it; an
 inference engine can start from it), one tensor at a time (``qwengyre model export``).
 
+``weights/`` holds the parameters under their in-memory names; where transformers keeps
+a parameter otherwise than its checkpoints store it (an MoE's experts: one fused
+``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` in memory,
+``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj.weight`` on disk), the export
+writes what ``save_pretrained`` would (:func:`qwengyre.models.saved_form.saved_form`),
+the layout vLLM and SGLang load.
+
 Crash safety. :func:`save_checkpoint` has everything written into a temporary sibling
 directory, fsyncs every file, renames the directory into place with ``os.replace``, then
 replaces ``latest`` (written to a temporary file, fsynced, renamed), and only then prunes
@@ -57,6 +64,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from qwengyre import __version__
 from qwengyre.durable import disk_full, fsync_dir, guard_disk, is_disk_full
+from qwengyre.models.saved_form import saved_form
 from qwengyre.models.tiny import quiet_progress_bars
 
 if TYPE_CHECKING:
@@ -565,6 +573,7 @@ def export_model(
         config.save_pretrained(out)
         AutoTokenizer.from_pretrained(path / MODEL_DIR).save_pretrained(out)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    to_saved = saved_form(config)
     files: list[list[str]] = [[]]
     size = 0
     for name in names:
@@ -577,6 +586,7 @@ def export_model(
         files[-1].append(name)
         size += nbytes
     weight_map: dict[str, str] = {}
+    total = 0
     for i, group in enumerate(files):
         file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
         tensors = {name: torch.empty(sizes[name], dtype=torch.float32) for name in group}
@@ -585,13 +595,14 @@ def export_model(
             dcp.load(
                 {f"{prefix}{n}": t for n, t in tensors.items()}, storage_reader=reader, no_dist=True
             )
+        saved = tensors if to_saved is None else to_saved(tensors)  # converts tensor by tensor
         safetensors.torch.save_file(
-            {n: t.to(target).contiguous() for n, t in tensors.items()},
+            {n: t.to(target).contiguous() for n, t in saved.items()},
             str(out / file),
             metadata={"format": "pt"},
         )
-        weight_map.update(dict.fromkeys(group, file))
-    total = sum(math.prod(sizes[n]) * target.itemsize for n in weight_map)
+        weight_map.update(dict.fromkeys(saved, file))
+        total += sum(t.numel() for t in saved.values()) * target.itemsize
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out

@@ -7,6 +7,20 @@ current log-probs ``l_t`` of a packed row. Each rank then keeps ~1/G of every
 parameter (dim-0 chunks, ``torch.chunk`` order), its gradient and, on the core, its
 optimizer state; a layer's full parameters exist only while it runs.
 
+Mixture-of-experts layers need nothing of their own. transformers (5.x) keeps a
+Qwen3-MoE layer's experts as two fused 3-D parameters, ``mlp.experts.gate_up_proj``
+``[E, 2I, H]`` (each expert's gate rows, then its up rows) and ``mlp.experts.down_proj``
+``[E, H, I]``, next to the router ``mlp.gate.weight`` ``[E, H]``; their dim 0 is the
+expert, so the dim-0 cut gives rank ``r`` experts ``shard_rows(E, G, r)`` whole (with
+their router rows, gradients and moments). Where ``G`` does not divide ``E`` the cut is
+uneven (4 experts on 3 ranks: 2, 2, 0): correct, only less balanced. A dim-1 cut would
+balance it but is not made: dim 0 is the one layout the weights boards, the engines'
+shard readers and the checkpoint export read for every parameter. Every rank computes
+every expert its tokens chose, after the layer's all-gather (no expert parallelism;
+docs/design.md §3, MoE). The fused tensors also mean every expert tensor gets a gradient
+whenever the layer runs (zero rows for experts nobody chose), so the ranks' reductions
+always match, whichever experts each rank's part reached.
+
 Precision (``trainer.dtype``): parameters, gradients and optimizer state stay fp32
 (master weights); ``bfloat16`` computes forward and backward in bf16 and reduces
 gradients in fp32. Gradients are *summed* over the cell's ranks (each rank trains a
