@@ -58,10 +58,10 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -90,9 +90,12 @@ __all__ = [
     "example_tasks_path",
     "load_tasks",
     "parse_task_line",
+    "read_record",
+    "read_records",
 ]
 
 TASK_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+M = TypeVar("M", bound=BaseModel)
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 _CALLABLE_RE = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
 _EVALUATOR_TYPES = ("command", "python", "exact_match", "model")
@@ -465,24 +468,34 @@ def parse_task_line(
     A relative ``workspace_template`` resolves against ``base_dir`` (default: the
     directory of ``path``).
     """
-    path = Path(path)
-    base = Path(base_dir) if base_dir is not None else path.parent
+    return read_record(Task, text, Path(path), line, base_dir=base_dir)
 
-    def validate(data: dict[str, Any]) -> Task:
-        return Task.model_validate(data, context={"base_dir": base})
+
+def read_record(
+    model: type[M],
+    text: str,
+    path: Path,
+    line: int | None = None,
+    *,
+    base_dir: Path | str | None = None,
+) -> M:
+    """One JSON line of ``path`` validated as ``model`` (a task, or a workload format's
+    dataset line); errors are :class:`TaskFileError` naming ``path:line`` and the field
+    (an ``evaluator`` or ``environment`` field as a task's). Relative paths in it resolve
+    against ``base_dir`` (default: ``path``'s directory)."""
+    base = Path(base_dir) if base_dir is not None else path.parent.resolve()
+
+    def validate(data: dict[str, Any]) -> M:
+        return model.model_validate(data, context={"base_dir": base})
 
     return parse_line(text, path, line, validate, TaskFileError, _rewrite)
 
 
-def load_tasks(path: Path | str) -> list[Task]:
-    """Read every task of a JSONL task file.
-
-    Blank lines and ``#`` comment lines are skipped.  Raises :class:`TaskFileError` for
-    the first bad line, a duplicate id (naming both lines), or a file without tasks.
-    """
-    path = Path(path)
-    base_dir = path.parent.resolve()
-    tasks: list[Task] = []
+def read_records(model: type[M], path: Path) -> Iterator[tuple[int, M]]:
+    """Every ``(line number, record)`` of a JSONL file of ``model`` records (each with
+    an ``id``), blank and ``#`` lines skipped. Raises :class:`TaskFileError` for an
+    unreadable file, the first bad line, or a duplicate id (naming both lines); an empty
+    file is refused by the caller."""
     seen: dict[str, int] = {}
     try:
         stream = path.open(encoding="utf-8")
@@ -493,15 +506,26 @@ def load_tasks(path: Path | str) -> list[Task]:
             stripped = text.strip()
             if not stripped or stripped.startswith("#"):
                 continue
-            task = parse_task_line(text, path, number, base_dir=base_dir)
-            if task.id in seen:
+            record = read_record(model, text, path, number)
+            record_id = str(getattr(record, "id", ""))
+            if record_id in seen:
                 raise TaskFileError(
                     path,
-                    f"field 'id': duplicate id {task.id!r} (first on line {seen[task.id]})",
+                    f"field 'id': duplicate id {record_id!r} (first on line {seen[record_id]})",
                     number,
                 )
-            seen[task.id] = number
-            tasks.append(task)
+            seen[record_id] = number
+            yield number, record
+
+
+def load_tasks(path: Path | str) -> list[Task]:
+    """Read every task of a JSONL task file.
+
+    Blank lines and ``#`` comment lines are skipped.  Raises :class:`TaskFileError` for
+    the first bad line, a duplicate id (naming both lines), or a file without tasks.
+    """
+    path = Path(path)
+    tasks = [task for _, task in read_records(Task, path)]
     if not tasks:
         raise TaskFileError(path, "empty task file: no tasks")
     return tasks

@@ -33,9 +33,8 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
-from qwengyre.jsonl import parse_line
 from qwengyre.rollout.environments import EnvironmentSpec
-from qwengyre.rollout.tasks import TASK_ID_PATTERN, TaskFileError, _rewrite
+from qwengyre.rollout.tasks import TASK_ID_PATTERN, TaskFileError, read_record
 
 __all__ = [
     "CRITIQUE_CHARS",
@@ -46,8 +45,6 @@ __all__ = [
     "graded_copy",
     "grader_command",
     "pytest_command",
-    "read_dataset",
-    "read_line",
     "read_numbered_line",
     "result_line",
     "run_logged",
@@ -94,46 +91,6 @@ class DatasetLine(BaseModel):
         return value
 
 
-def read_line(model: type[M], text: str, path: Path, line: int) -> M:
-    """One line of ``path`` validated as ``model``; errors are :class:`TaskFileError`
-    naming ``path:line`` and the field (an ``evaluator`` field as a task's).
-
-    Relative paths in the line resolve against ``path``'s directory (the validation
-    context's ``base_dir``)."""
-
-    def validate(data: dict[str, Any]) -> M:
-        return model.model_validate(data, context={"base_dir": path.parent.resolve()})
-
-    return parse_line(text, path, line, validate, TaskFileError, _rewrite)
-
-
-def read_dataset(model: type[M], path: Path) -> Iterator[tuple[int, M]]:
-    """Every ``(line number, record)`` of a JSONL dataset, blank and ``#`` lines skipped.
-
-    Raises :class:`TaskFileError` for an unreadable file, the first bad line, or a
-    duplicate id (naming both lines); an empty file is refused by the caller."""
-    seen: dict[str, int] = {}
-    try:
-        stream = path.open(encoding="utf-8")
-    except OSError as error:
-        raise TaskFileError(path, f"cannot open: {error.strerror or error}") from None
-    with stream:
-        for number, text in enumerate(stream, start=1):
-            stripped = text.strip()
-            if not stripped or stripped.startswith("#"):
-                continue
-            record = read_line(model, text, path, number)
-            record_id = str(getattr(record, "id", ""))
-            if record_id in seen:
-                raise TaskFileError(
-                    path,
-                    f"field 'id': duplicate id {record_id!r} (first on line {seen[record_id]})",
-                    number,
-                )
-            seen[record_id] = number
-            yield number, record
-
-
 def read_numbered_line(model: type[M], path: Path, line: int, task_id: str) -> M:
     """Line ``line`` of ``path`` as ``model`` -- what a grader reads back of the line its
     task was loaded from. Raises :class:`TaskFileError` if that line is gone, invalid,
@@ -145,7 +102,7 @@ def read_numbered_line(model: type[M], path: Path, line: int, task_id: str) -> M
         raise TaskFileError(path, f"cannot open: {error.strerror or error}") from None
     if text is None:
         raise TaskFileError(path, "the line is gone: the dataset changed", line)
-    record = read_line(model, text, path, line)
+    record = read_record(model, text, path, line)
     if getattr(record, "id", None) != task_id:
         raise TaskFileError(path, f"no longer holds task {task_id!r}: the dataset changed", line)
     return record

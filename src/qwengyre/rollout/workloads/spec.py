@@ -48,7 +48,13 @@ from typing import Any, Literal
 
 from pydantic import StrictStr, ValidationInfo, field_validator, model_validator
 
-from qwengyre.rollout.tasks import CommandEvaluator, EvaluatorSpec, Task, TaskFileError
+from qwengyre.rollout.tasks import (
+    CommandEvaluator,
+    EvaluatorSpec,
+    Task,
+    TaskFileError,
+    read_records,
+)
 from qwengyre.rollout.workloads.common import (
     GRADE_MARGIN_S,
     DatasetLine,
@@ -57,7 +63,6 @@ from qwengyre.rollout.workloads.common import (
     graded_copy,
     grader_command,
     pytest_command,
-    read_dataset,
     run_logged,
 )
 
@@ -168,7 +173,7 @@ def load_spec(path: Path | str) -> list[Task]:
     Raises :class:`TaskFileError` naming the file, line and field of the first bad line,
     a duplicate id, or a file without tasks."""
     path = Path(path)
-    tasks = [_task(spec, path, line) for line, spec in read_dataset(SpecTask, path)]
+    tasks = [_task(spec, path, line) for line, spec in read_records(SpecTask, path)]
     if not tasks:
         raise TaskFileError(path, "empty dataset: no tasks")
     return tasks

@@ -50,7 +50,13 @@ from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field, StrictStr, ValidationInfo, field_validator
 
-from qwengyre.rollout.tasks import TASK_ID_PATTERN, CommandEvaluator, Task, TaskFileError
+from qwengyre.rollout.tasks import (
+    TASK_ID_PATTERN,
+    CommandEvaluator,
+    Task,
+    TaskFileError,
+    read_records,
+)
 from qwengyre.rollout.workloads.common import (
     GRADE_MARGIN_S,
     DatasetLine,
@@ -59,7 +65,6 @@ from qwengyre.rollout.workloads.common import (
     graded_copy,
     grader_command,
     pytest_command,
-    read_dataset,
     run_logged,
 )
 
@@ -190,7 +195,7 @@ def load_swe(path: Path | str) -> list[Task]:
     Raises :class:`TaskFileError` naming the file, line and field of the first bad line,
     a duplicate id, or a file without instances."""
     path = Path(path)
-    tasks = [_task(instance, path, line) for line, instance in read_dataset(SweInstance, path)]
+    tasks = [_task(instance, path, line) for line, instance in read_records(SweInstance, path)]
     if not tasks:
         raise TaskFileError(path, "empty dataset: no instances")
     return tasks
