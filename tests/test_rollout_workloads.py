@@ -191,10 +191,13 @@ def test_swe_grading_needs_the_old_tests_to_keep_passing_and_its_own_hidden_test
 ):
     task = by_id(load_task_source(resolve_example("swe:example")))["calc-median"]
     workspace = workspace_of(task, tmp_path)
-    git_apply(workspace, swe_lines()["calc-median"]["patch"])
-    # A "fix" that rewrites the hidden test to pass: the test patch's files are reset.
+    # A "fix" that rewrites the hidden test to pass: the test patch's files are reset,
+    # so the real hidden test runs and still fails.
     tests = workspace / "tests" / "test_stats.py"
-    tests.write_text(tests.read_text() + "\n\ndef test_median_even():\n    assert True\n")
+    tests.write_text(tests.read_text() + "\n\ndef test_median_even():\n    pass\n")
+    cheat = graded(task, workspace)
+    assert cheat.score == 0.0 and "test_median_even" in cheat.critique
+    git_apply(workspace, swe_lines()["calc-median"]["patch"])
     assert graded(task, workspace).score == 1.0  # the real hidden test ran, and passes
     # Breaking mean() breaks a PASS_TO_PASS test: 0, and the log says which.
     stats = workspace / "calc" / "stats.py"
@@ -371,7 +374,7 @@ def test_tests_that_cannot_start_give_no_assessment_not_a_zero(
 
 def test_the_test_report_reads_pytest_s_summary():
     report = TestReport.parse(
-        "PASSED t.py::a\nFAILED t.py::b - assert 1 == 2\nERROR t.py::c - boom\n"
+        "PASSED t.py::a\nFAILED t.py::b - AssertionError: 3 != 2\nERROR t.py::c - boom\n"
         "XFAIL t.py::d - reason\nPASSED t.py::e[x - y]\n"
     )
     assert report.failing(["t.py::a", "t.py::b", "t.py::c", "t.py::d", "t.py::z"]) == [
