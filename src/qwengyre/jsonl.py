@@ -11,13 +11,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import ValidationError, ValidationInfo
 from pydantic_core import ErrorDetails
 
 T = TypeVar("T")
 
 Rewrite = Callable[[tuple[int | str, ...], ErrorDetails, str], tuple[tuple[int | str, ...], str]]
 """A format's own wording: (location, pydantic error, message) -> (location, message)."""
+
+
+def resolved(path: Path, info: ValidationInfo) -> Path:
+    """``path`` from a line, made absolute against the directory of the file it came
+    from (the validation context's ``base_dir``; the current directory without one)."""
+    context = info.context if isinstance(info.context, dict) else {}
+    return (Path(context.get("base_dir") or Path.cwd()) / path.expanduser()).resolve()
 
 
 class JsonlError(ValueError):

@@ -68,6 +68,7 @@ from pydantic import (
 )
 
 from qwengyre.config import HarnessConfig
+from qwengyre.jsonl import resolved
 from qwengyre.rollout.sandbox import Container, ContainerRuntime, Rootfs, Sandbox
 
 __all__ = [
@@ -114,9 +115,7 @@ class RootfsEnvironment(BaseModel):
     @field_validator("path")
     @classmethod
     def _resolve_path(cls, value: Path, info: ValidationInfo) -> Path:
-        context = info.context if isinstance(info.context, dict) else {}
-        base = Path(context.get("base_dir") or Path.cwd())
-        return (base / value.expanduser()).resolve()
+        return resolved(value, info)
 
     @field_validator("share", mode="before")
     @classmethod
@@ -177,11 +176,7 @@ class ImageEnvironment(BaseModel):
     @field_validator("build")
     @classmethod
     def _resolve_build(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        if value is None:
-            return None
-        context = info.context if isinstance(info.context, dict) else {}
-        base = Path(context.get("base_dir") or Path.cwd())
-        return (base / value.expanduser()).resolve()
+        return None if value is None else resolved(value, info)
 
     @model_validator(mode="after")
     def _one_source(self) -> ImageEnvironment:

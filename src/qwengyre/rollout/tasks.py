@@ -74,7 +74,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from qwengyre.jsonl import JsonlError, parse_line
+from qwengyre.jsonl import JsonlError, parse_line, resolved
 from qwengyre.rollout.environments import ENVIRONMENT_TYPES, EnvironmentSpec
 
 __all__ = [
@@ -387,9 +387,7 @@ class Task(BaseModel):
     def _resolve_template(cls, value: Path | None, info: ValidationInfo) -> Path | None:
         if value is None:
             return None
-        context = info.context if isinstance(info.context, dict) else {}
-        base = Path(context.get("base_dir") or Path.cwd())
-        path = (base / value.expanduser()).resolve()
+        path = resolved(value, info)
         if not path.is_dir():
             kind = "not a directory" if path.exists() else "directory not found"
             raise ValueError(f"{kind}: {path}")

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -34,7 +34,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
 from qwengyre.rollout.environments import EnvironmentSpec
-from qwengyre.rollout.tasks import TASK_ID_PATTERN, TaskFileError, read_record
+from qwengyre.rollout.tasks import TASK_ID_PATTERN, Task, TaskFileError, read_record, read_records
 
 __all__ = [
     "CRITIQUE_CHARS",
@@ -44,6 +44,7 @@ __all__ = [
     "critique",
     "graded_copy",
     "grader_command",
+    "load_dataset",
     "pytest_command",
     "read_numbered_line",
     "result_line",
@@ -89,6 +90,20 @@ class DatasetLine(BaseModel):
         if value is not None and (not value or not value[0].strip()):
             raise ValueError("test_command must be a non-empty argv list")
         return value
+
+
+def load_dataset(
+    model: type[M], path: Path | str, to_task: Callable[[M, Path, int], Task], what: str
+) -> list[Task]:
+    """Every record of the JSONL dataset ``path`` (validated as ``model``) as a
+    :class:`Task`, by ``to_task(record, path, line)``. Raises :class:`TaskFileError`
+    naming the file, line and field of the first bad line, a duplicate id, or a file
+    without ``what`` (e.g. "instances")."""
+    path = Path(path)
+    tasks = [to_task(record, path, line) for line, record in read_records(model, path)]
+    if not tasks:
+        raise TaskFileError(path, f"empty dataset: no {what}")
+    return tasks
 
 
 def read_numbered_line(model: type[M], path: Path, line: int, task_id: str) -> M:

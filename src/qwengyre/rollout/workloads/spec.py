@@ -48,12 +48,12 @@ from typing import Any, Literal
 
 from pydantic import StrictStr, ValidationInfo, field_validator, model_validator
 
+from qwengyre.jsonl import resolved
 from qwengyre.rollout.tasks import (
     CommandEvaluator,
     EvaluatorSpec,
     Task,
     TaskFileError,
-    read_records,
 )
 from qwengyre.rollout.workloads.common import (
     GRADE_MARGIN_S,
@@ -62,6 +62,7 @@ from qwengyre.rollout.workloads.common import (
     critique,
     graded_copy,
     grader_command,
+    load_dataset,
     pytest_command,
     run_logged,
 )
@@ -70,8 +71,7 @@ __all__ = ["SpecTask", "grade", "load_spec"]
 
 
 def _resolve(value: Path, info: ValidationInfo, kind: Literal["file", "dir"]) -> Path:
-    context = info.context if isinstance(info.context, dict) else {}
-    path = (Path(context.get("base_dir") or Path.cwd()) / value.expanduser()).resolve()
+    path = resolved(value, info)
     if not (path.is_file() if kind == "file" else path.is_dir()):
         what = "a file" if kind == "file" else "a directory"
         raise ValueError(f"not {what}: {path}" if path.exists() else f"not found: {path}")
@@ -172,11 +172,7 @@ def load_spec(path: Path | str) -> list[Task]:
 
     Raises :class:`TaskFileError` naming the file, line and field of the first bad line,
     a duplicate id, or a file without tasks."""
-    path = Path(path)
-    tasks = [_task(spec, path, line) for line, spec in read_records(SpecTask, path)]
-    if not tasks:
-        raise TaskFileError(path, "empty dataset: no tasks")
-    return tasks
+    return load_dataset(SpecTask, path, _task, "tasks")
 
 
 def grade(spec: SpecTask, workspace: Path) -> tuple[float, str]:

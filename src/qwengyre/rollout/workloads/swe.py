@@ -50,12 +50,11 @@ from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field, StrictStr, ValidationInfo, field_validator
 
+from qwengyre.jsonl import resolved
 from qwengyre.rollout.tasks import (
     TASK_ID_PATTERN,
     CommandEvaluator,
     Task,
-    TaskFileError,
-    read_records,
 )
 from qwengyre.rollout.workloads.common import (
     GRADE_MARGIN_S,
@@ -64,6 +63,7 @@ from qwengyre.rollout.workloads.common import (
     critique,
     graded_copy,
     grader_command,
+    load_dataset,
     pytest_command,
     run_logged,
 )
@@ -108,8 +108,7 @@ class SweInstance(DatasetLine):
     @field_validator("repository")
     @classmethod
     def _resolve_repository(cls, value: Path, info: ValidationInfo) -> Path:
-        context = info.context if isinstance(info.context, dict) else {}
-        path = (Path(context.get("base_dir") or Path.cwd()) / value.expanduser()).resolve()
+        path = resolved(value, info)
         if not path.exists():
             raise ValueError(f"not found: {path}")
         if path.is_dir():
@@ -194,11 +193,7 @@ def load_swe(path: Path | str) -> list[Task]:
 
     Raises :class:`TaskFileError` naming the file, line and field of the first bad line,
     a duplicate id, or a file without instances."""
-    path = Path(path)
-    tasks = [_task(instance, path, line) for line, instance in read_records(SweInstance, path)]
-    if not tasks:
-        raise TaskFileError(path, "empty dataset: no instances")
-    return tasks
+    return load_dataset(SweInstance, path, _task, "instances")
 
 
 def _git(copy: Path, *args: str, stdin: str | None = None) -> tuple[int | None, str]:
