@@ -12,6 +12,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
+
+from qwengyre.trajectories import routed_experts
 from qwengyre.types import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -34,12 +37,18 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class GenerateResult:
     """Sampled ids, their behaviour log-probs, and the policy version of the weights that
-    produced each one (a weight update mid-request changes it for the later tokens)."""
+    produced each one (a weight update mid-request changes it for the later tokens).
+
+    ``routing``: for a mixture-of-experts model served by an engine that reports it, the
+    experts each position of the request was routed to
+    (:mod:`qwengyre.trajectories.routed_experts`, by position: ``len(input_ids) +
+    len(output_ids) - 1`` rows, none without output); None otherwise."""
 
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]
     finish_reason: FinishReason
+    routing: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not len(self.output_ids) == len(self.logprobs) == len(self.versions):
@@ -55,12 +64,18 @@ class GenerateResult:
 class TokenDelta:
     """Tokens an engine sampled since its previous delta of the same request (one or
     more), with their behaviour log-probs and policy versions; ``finish_reason`` is set
-    on the last delta of a request only, which may carry no tokens."""
+    on the last delta of a request only, which may carry no tokens.
+
+    ``routing`` (an MoE, where the engine reports it): the routed experts of the
+    positions that predicted these tokens, by position, continuing the previous
+    delta's: the delta with a request's first token carries its prompt's positions too.
+    None where not reported."""
 
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]
     finish_reason: FinishReason | None = None
+    routing: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not len(self.output_ids) == len(self.logprobs) == len(self.versions):
@@ -73,18 +88,46 @@ async def collect(deltas: AsyncIterator[TokenDelta]) -> GenerateResult:
     Raises what the stream raises (e.g. :class:`EngineAborted`), and RuntimeError if it
     ends without a delta that has a finish reason.
     """
-    ids: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
-    finish: FinishReason | None = None
+    joined = Joined()
     async for delta in deltas:
-        ids.extend(delta.output_ids)
-        logprobs.extend(delta.logprobs)
-        versions.extend(delta.versions)
-        finish = delta.finish_reason
-    if finish is None:
-        raise RuntimeError("the engine's stream ended without a finish reason")
-    return GenerateResult(tuple(ids), tuple(logprobs), tuple(versions), finish)
+        joined.add(delta)
+    return joined.result()
+
+
+class Joined:
+    """A request's deltas joined, as they come, into its result so far."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish: FinishReason | None = None
+        self._routing: list[np.ndarray] = []
+        self._unrouted = False  # a delta with tokens came without routing
+
+    def add(self, delta: TokenDelta) -> None:
+        self.ids.extend(delta.output_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.versions.extend(delta.versions)
+        if delta.finish_reason is not None:
+            self.finish = delta.finish_reason
+        if delta.routing is not None:
+            self._routing.append(delta.routing)
+        elif delta.output_ids:
+            self._unrouted = True
+
+    def result(self, otherwise: FinishReason | None = None) -> GenerateResult:
+        """The result, finishing with ``otherwise`` if the stream gave no finish reason
+        (RuntimeError if neither did). Routing is kept only if every token came with it."""
+        finish = self.finish or otherwise
+        if finish is None:
+            raise RuntimeError("the engine's stream ended without a finish reason")
+        routing = None
+        if self._routing and not self._unrouted:
+            routing = routed_experts.compact(np.concatenate(self._routing))
+        return GenerateResult(
+            tuple(self.ids), tuple(self.logprobs), tuple(self.versions), finish, routing
+        )
 
 
 @dataclass(frozen=True)

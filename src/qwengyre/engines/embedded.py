@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,7 +67,9 @@ from qwengyre.engines.kv_slots import (
     sliding,
 )
 from qwengyre.engines.stops import StopStrings
+from qwengyre.models.experts import RoutingRecorder, routers
 from qwengyre.models.tiny import quiet_progress_bars
+from qwengyre.trajectories import routed_experts
 from qwengyre.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -83,8 +86,10 @@ def behaviour_logprobs(
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-_Token = tuple[int, float, int, FinishReason | None]
-"""A sampled token as the worker hands it over: id, log-prob, version, finish reason."""
+_Token = tuple[int, float, int, FinishReason | None, np.ndarray | None]
+"""A sampled token as the worker hands it over: id, log-prob, version, finish reason,
+and (an MoE's) the routed experts of the positions that predicted it (by position: the
+whole prompt for the first token, then one)."""
 
 
 @dataclass(kw_only=True)
@@ -159,6 +164,12 @@ class EmbeddedEngine:
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs = DecodeGraphs(self._decode_forward) if use_graphs else None
         self._update: _WeightUpdate | None = None
+        # An MoE's routers record the experts of every position (into a fixed tensor
+        # in a decode step, which a captured graph writes too).
+        self._recorder = RoutingRecorder(self.model) if routers(self.model) else None
+        if self._recorder is not None:
+            shape = (capacity, self._recorder.layers, self._recorder.k)
+            self._decode_routing = torch.zeros(shape, dtype=torch.int16, device=self.device)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._released = False
@@ -211,11 +222,13 @@ class EmbeddedEngine:
                     tokens.append(item)
                 finish = tokens[-1][3]
                 finished = finish is not None
+                rows = [t[4] for t in tokens if t[4] is not None]
                 yield TokenDelta(
                     tuple(t[0] for t in tokens),
                     tuple(t[1] for t in tokens),
                     tuple(t[2] for t in tokens),
                     finish,
+                    routed_experts.compact(np.concatenate(rows)) if rows else None,
                 )
         finally:
             if not finished:  # aborted, failed, or the consumer left: free the row
@@ -360,18 +373,21 @@ class EmbeddedEngine:
         with self._lock:  # from here a failure fails them with the batch
             del self._pending[: len(joining)]
             self._active.extend(joining)
-        logits = torch.cat(
-            [
-                self._prefill([s.request.input_ids for s in joining[batch]], first + batch.start)
-                for batch in prefill_batches(lengths)
-            ]
-        )
-        self._hand_over(first, joining, logits)
+        prefilled = [
+            self._prefill([s.request.input_ids for s in joining[batch]], first + batch.start)
+            for batch in prefill_batches(lengths)
+        ]
+        logits = torch.cat([batch_logits for batch_logits, _ in prefilled])
+        routing = [rows for _, batch_routing in prefilled for rows in batch_routing]
+        self._hand_over(first, joining, logits, routing)
 
-    def _prefill(self, prompts: list[Sequence[int]], first_row: int) -> torch.Tensor:
+    def _prefill(
+        self, prompts: list[Sequence[int]], first_row: int
+    ) -> tuple[torch.Tensor, list[np.ndarray | None]]:
         """Prefill ``prompts``, left-padded, into rows from ``first_row``, ending at the
-        write column; their last logits. Prompts of one length need no mask: HF then
-        lets SDPA's causal kernel run without a ``prompt x prompt`` mask."""
+        write column; their last logits and (an MoE's) each prompt's routed experts.
+        Prompts of one length need no mask: HF then lets SDPA's causal kernel run
+        without a ``prompt x prompt`` mask."""
         width = max(len(prompt) for prompt in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
@@ -381,9 +397,27 @@ class EmbeddedEngine:
         positions = (columns.T - (width - lengths).unsqueeze(1)).clamp(min=0)
         rows = slice(first_row, first_row + len(prompts))
         cache = SlotCache.prefill(self._slots(), self._layers, rows, width)
+        routing = self._record(len(prompts) * width)
         if all(len(prompt) == width for prompt in prompts):
-            return self._forward(ids, positions, None, cache)
-        return self._forward(ids, positions, prefill_mask(lengths, width), cache, columns)
+            logits = self._forward(ids, positions, None, cache)
+        else:
+            logits = self._forward(ids, positions, prefill_mask(lengths, width), cache, columns)
+        if routing is None:
+            return logits, [None] * len(prompts)
+        routed = routing.view(len(prompts), width, *routing.shape[1:]).cpu().numpy()
+        return logits, [routed[row, width - len(p) :] for row, p in enumerate(prompts)]
+
+    def _record(self, tokens: int | None) -> torch.Tensor | None:
+        """Where an MoE's routers record the next forward's ``tokens`` (None: a decode
+        step's, into the fixed tensor its graphs write); None for a dense model."""
+        if self._recorder is None:
+            return None
+        if tokens is None:
+            self._recorder.out = self._decode_routing
+        else:
+            shape = (tokens, self._recorder.layers, self._recorder.k)
+            self._recorder.out = torch.zeros(shape, dtype=torch.int16, device=self.device)
+        return self._recorder.out
 
     def _decode_step(self) -> None:
         aborted = [i for i, s in enumerate(self._active) if s.aborted]
@@ -407,11 +441,14 @@ class EmbeddedEngine:
                 + [kv.width]
             )
         )
+        routing = self._record(None)
         logits = self._decode(n)
         kv.width += 1
         for sequence in self._active:
             sequence.length += 1
-        self._hand_over(0, list(self._active), logits)
+        # A copy: the next step writes the same tensor (and on the CPU .numpy() shares it).
+        routed = None if routing is None else list(routing[:n, None].cpu().numpy().copy())
+        self._hand_over(0, list(self._active), logits, routed)
 
     def _decode(self, n: int) -> torch.Tensor:
         """The logits of a decode step of the first ``n`` rows, through a CUDA graph of
@@ -480,13 +517,23 @@ class EmbeddedEngine:
         if moved and self._graphs is not None:
             self._graphs.clear()
 
-    def _hand_over(self, first: int, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+    def _hand_over(
+        self,
+        first: int,
+        sequences: list[_Sequence],
+        logits: torch.Tensor,
+        routing: Sequence[np.ndarray | None] | None,
+    ) -> None:
         """Sample the next token of ``sequences`` (rows from ``first``) and hand each to
-        its consumer; finished rows are freed before their consumers hear of it."""
+        its consumer with the routing of the positions that predicted it; finished rows
+        are freed before their consumers hear of it."""
         tokens, logprobs = self._sample(logits, [s.request.sampling for s in sequences])
+        routing = routing or [None] * len(sequences)
         items = [
-            (sequence, (token, logprob, self.version, self._advance(sequence, token)))
-            for sequence, token, logprob in zip(sequences, tokens, logprobs, strict=True)
+            (sequence, (token, logprob, self.version, self._advance(sequence, token), rows))
+            for sequence, token, logprob, rows in zip(
+                sequences, tokens, logprobs, routing, strict=True
+            )
         ]
         finished = [first + row for row, (_, item) in enumerate(items) if item[3] is not None]
         if finished:

@@ -199,12 +199,15 @@ class Router:
         have been produced the retry continues them (:attr:`handoff`; by default its
         input is the prompt plus those tokens) and its ``max_tokens`` is what is left of
         the budget (none left: a last empty delta finishing with ``"length"``). Raises
-        :class:`NoEngineAvailable` when no engine accepts or the attempts run out.
+        :class:`NoEngineAvailable` when no engine accepts or the attempts run out. The
+        deltas' routed experts (an MoE's) continue by position too: of the positions a
+        continuation computes again, the earlier attempt's routing is kept.
 
         Closing the stream early (``aclose()``, or cancelling the consuming task) closes
         the engine's stream, which aborts the request there.
         """
         produced: list[int] = []
+        routed = 0  # positions whose routed experts were yielded (an MoE's, if reported)
         engine = ""
         moved: tuple[InferenceEngine, str] | None = None  # the last attempt, once it failed
         last: Exception | None = None
@@ -230,9 +233,17 @@ class Router:
             slot = self._slots[engine]
             slot.inflight[request_id] = execution_id
             deltas = slot.engine.stream(attempt)
+            seen = 0  # positions this attempt reported
             try:
                 async for delta in deltas:
                     produced.extend(delta.output_ids)
+                    if delta.routing is not None:
+                        # A continuation recomputes the positions an earlier attempt
+                        # routed; the tokens were sampled under the earlier routing.
+                        rows = delta.routing[max(routed - seen, 0) :]
+                        seen += len(delta.routing)
+                        routed += len(rows)
+                        delta = dataclasses.replace(delta, routing=rows)
                     yield engine, delta
                 return
             except EngineAborted as exc:

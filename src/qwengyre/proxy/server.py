@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from qwengyre.durable import DiskFullError
-from qwengyre.engines.base import FinishReason, GenerateRequest, GenerateResult, TokenDelta
+from qwengyre.engines.base import GenerateRequest, GenerateResult, Joined, TokenDelta
 from qwengyre.hangups import HangUps
 from qwengyre.proxy.admin import AdminApi
 from qwengyre.proxy.anthropic_api import AnthropicMessages
@@ -310,22 +310,15 @@ class ProxyServer:
         failed write to it) aborts the engine request at once; the result then holds
         what was generated so far, with finish reason ``abort``."""
         engine = ""
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        finish: FinishReason = "abort"
+        joined = Joined()
 
         async def consume() -> None:
-            nonlocal engine, finish
+            nonlocal engine
             deltas = self.router.stream(call.state.id, self._request(call))
             try:
                 async for name, delta in deltas:
                     engine = name
-                    ids.extend(delta.output_ids)
-                    logprobs.extend(delta.logprobs)
-                    versions.extend(delta.versions)
-                    if delta.finish_reason is not None:
-                        finish = delta.finish_reason
+                    joined.add(delta)
                     if on_delta is not None:
                         await on_delta(delta)
             finally:
@@ -347,8 +340,7 @@ class ProxyServer:
             raise ApiError("overloaded_error", str(error), retry_after_s=1.0) from None
         elif error is not None:
             raise error
-        result = GenerateResult(tuple(ids), tuple(logprobs), tuple(versions), finish)
-        return engine, result, client_gone
+        return engine, joined.result(otherwise="abort"), client_gone
 
     async def _commit(
         self,
