@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 
 from qwengyre.engines.base import (
@@ -23,7 +24,7 @@ from qwengyre.types import SamplingParams
 PROMPT = (11, 12, 13)
 WAIT = "wait"  # a plan step: block until the request is aborted, then raise EngineAborted
 
-Step = tuple[tuple[int, ...], FinishReason | None] | BaseException | str
+Step = tuple[tuple[int, ...], FinishReason | None] | TokenDelta | BaseException | str
 
 
 def delta(ids: tuple[int, ...], finish: FinishReason | None = None) -> TokenDelta:
@@ -62,8 +63,7 @@ class FakeEngine:
                     raise EngineAborted(rid)
                 if isinstance(step, BaseException):
                     raise step
-                assert isinstance(step, tuple)
-                yield delta(*step)
+                yield step if isinstance(step, TokenDelta) else delta(*step)
         except GeneratorExit:
             self.closed.append(rid)
             raise
@@ -328,6 +328,25 @@ def test_generate_collects_the_stream_and_names_the_finishing_engine() -> None:
 
     assert engine == "b"
     assert result == GenerateResult((1, 2, 3), (-0.5,) * 3, (7,) * 3, "stop")
+
+
+def test_a_continuation_keeps_the_routing_the_tokens_were_sampled_with() -> None:
+    # An MoE's routing by position: engine a routes the prompt and samples two tokens,
+    # then fails; b recomputes the prompt and both tokens, and samples two more. The
+    # result keeps a's rows for the positions a computed (they gave its tokens'
+    # log-probs) and b's for the rest: one row per position, none twice.
+    def routed(ids: tuple[int, ...], rows: int, expert: int, finish: Any = None) -> TokenDelta:
+        routing = np.full((rows, 1, 2), expert, dtype=np.int8)
+        return TokenDelta(ids, (-0.5,) * len(ids), (7,) * len(ids), finish, routing)
+
+    prompt = len(PROMPT)
+    a = FakeEngine("a", [[routed((1,), prompt, 3), routed((2,), 1, 3), ConnectionError("x")]])
+    b = FakeEngine("b", [[routed((3,), prompt + 2, 5), routed((4,), 1, 5, "stop")]])
+    engine, result = asyncio.run(router_with(a, b).generate("ex", request()))
+    assert engine == "b" and b.requests[0].input_ids == (*PROMPT, 1, 2)
+    assert result.output_ids == (1, 2, 3, 4)
+    assert result.routing is not None
+    assert result.routing[:, 0, 0].tolist() == [3] * (prompt + 1) + [5] * 2
 
 
 @dataclass

@@ -217,6 +217,12 @@ class TrainerConfig(_Section):
         description="keep parameter shards, gradients and optimizer state in host memory "
         "(FSDP2 CPU offload; the optimizer steps on the CPU)",
     )
+    routing_replay: bool = Field(
+        True,
+        description="an MoE policy's forward routes each recorded position to the experts "
+        "the engine routed it to (rollout routing replay), its router weighting them; "
+        "a dense policy ignores it",
+    )
 
     def lr_at(self, update: int) -> float:
         """The learning rate of optimizer update ``update`` (0 for the first).

@@ -7,7 +7,9 @@ restarted proxy loads an execution's tree and tool-call cache from here when the
 execution is next used. A call stores its increment only: its new input ids, its
 output ids, log-probs and versions (int32 / float32 / int32 arrays: engines and the
 trainer compute log-probs in fp32, so nothing is lost; ~12 bytes a sampled token, 4 an
-injected one, before SQLite's pages) and the messages it added;
+injected one, before SQLite's pages), an MoE's routed experts where the engine reported
+them (``layers x k`` bytes a token, :mod:`qwengyre.trajectories.routed_experts`) and the
+messages it added;
 tool definitions are stored once per distinct set (Claude Code sends ~64 KB of them
 with every call). Text is stored as JSON with ASCII escapes, so any string a client or
 the model produces (lone surrogates included) round-trips exactly.
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 from qwengyre.durable import disk_full, is_disk_full
 from qwengyre.proxy.tito import Turn, toolset_json
 from qwengyre.proxy.types import Message, ToolCall, ToolSpec
+from qwengyre.trajectories import routed_experts
 from qwengyre.trajectories.tree import Node, NodeMeta
 
 _SCHEMA = """
@@ -110,6 +113,9 @@ class Store:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(nodes)")}
         if "delivered" not in columns:  # a store written before delivery was recorded
             self._db.execute("ALTER TABLE nodes ADD COLUMN delivered INTEGER NOT NULL DEFAULT 1")
+        if "routing" not in columns:  # ... or before routed experts were
+            self._db.execute("ALTER TABLE nodes ADD COLUMN routing BLOB")
+            self._db.execute("ALTER TABLE nodes ADD COLUMN routing_form TEXT")
         self._lock = threading.Lock()
         self._toolsets: set[str] = set()  # written already
 
@@ -147,6 +153,9 @@ class Store:
         messages = json.dumps([asdict(m) for m in turn.new_messages])
         meta = asdict(node.meta)
         delivered = meta.pop("delivered")
+        routing, form = (
+            (None, None) if node.routing is None else routed_experts.encode(node.routing)
+        )
         row = (
             execution_id,
             node.id,
@@ -159,6 +168,8 @@ class Store:
             messages,
             toolset,
             int(delivered),
+            routing,
+            form,
         )
         with self._writing(f"call {node.id} of execution {execution_id}"):
             self._db.execute("BEGIN")
@@ -170,8 +181,8 @@ class Store:
                     )
                 self._db.execute(
                     "INSERT INTO nodes (execution, node, parent, input_ids, output_ids,"
-                    " logprobs, versions, meta, new_messages, toolset, delivered)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " logprobs, versions, meta, new_messages, toolset, delivered, routing,"
+                    " routing_form) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     row,
                 )
                 self._db.execute("COMMIT")
@@ -202,7 +213,8 @@ class Store:
         with self._lock:
             rows = self._db.execute(
                 "SELECT node, parent, input_ids, output_ids, logprobs, versions, meta,"
-                " new_messages, toolset, delivered FROM nodes WHERE execution = ?"
+                " new_messages, toolset, delivered, routing, routing_form FROM nodes"
+                " WHERE execution = ?"
                 " ORDER BY node",
                 (execution_id,),
             ).fetchall()
@@ -234,7 +246,7 @@ def _decode(
     toolsets: dict[str, str],
     tools_by_hash: dict[str, tuple[ToolSpec, ...]],
 ) -> tuple[Node, Turn]:
-    node_id, parent, inp, out, lps, vers, meta, new, toolset, delivered = row
+    node_id, parent, inp, out, lps, vers, meta, new, toolset, delivered, routing, form = row
     if parent is not None and not 0 <= parent < len(lengths):
         raise ValueError(f"parent {parent} is not an earlier call")
     node = Node(
@@ -245,6 +257,7 @@ def _decode(
         logprobs=array("f", lps),
         versions=array("i", vers),
         meta=NodeMeta(**json.loads(meta), delivered=bool(delivered)),
+        routing=None if routing is None else routed_experts.decode(routing, form),
     )
     tools = tools_by_hash.get(toolset)
     if tools is None:

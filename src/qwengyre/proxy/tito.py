@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import string
 from array import array
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from qwengyre.engines.base import GenerateResult
 from qwengyre.proxy.classes import default_rule_set
@@ -49,7 +52,10 @@ from qwengyre.trajectories.classes import (
     identity_key,
     message_key,
 )
+from qwengyre.trajectories.routed_experts import before_each_token
 from qwengyre.trajectories.tree import Node, NodeMeta, TrajectoryTree
+
+log = logging.getLogger(__name__)
 
 _ALPHABET = string.ascii_letters + string.digits
 
@@ -333,6 +339,7 @@ class ExecutionRecorder:
             logprobs=result.logprobs,
             versions=result.versions,
             meta=meta,
+            routing=_node_routing(call, result),
         )
         reply = Message("assistant", text, calls, reasoning=parsed.reasoning)
         before = 0 if call.parent is None else self.turns[call.parent].length
@@ -369,7 +376,13 @@ class ExecutionRecorder:
         if node.id != len(self.tree.nodes) or turn.node_id != node.id:
             raise ValueError(f"node {node.id} out of order (expected {len(self.tree.nodes)})")
         self.tree.add(
-            node.parent, node.input_ids, node.output_ids, node.logprobs, node.versions, node.meta
+            node.parent,
+            node.input_ids,
+            node.output_ids,
+            node.logprobs,
+            node.versions,
+            node.meta,
+            node.routing,
         )
         self.turns.append(turn)
         if turn.parent is None:  # a conversation of its own: it may name an agent
@@ -420,6 +433,24 @@ class ExecutionRecorder:
         """Prompt length for a request, as the next call would build it (nothing recorded)."""
         messages = tuple(self._normalise(m) for m in request.messages)
         return len(self._match(messages, self.intern_tools(request.tools)[1])[2])
+
+
+def _node_routing(call: PreparedCall, result: GenerateResult) -> np.ndarray | None:
+    """The routed experts before each of the node's tokens, from the call's (by position);
+    None if the engine reported none, or not for every position (a hang-up's partial)."""
+    if result.routing is None or not result.output_ids:
+        return None
+    start = len(call.prompt_ids) - len(call.input_ids)
+    count = len(call.input_ids) + len(result.output_ids)
+    if len(result.routing) != start + count - 1:  # an engine's bug: keep the call
+        log.warning(
+            "%s reported routed experts for %d positions of a %d-token call; not recorded",
+            call.request_class.name,
+            len(result.routing),
+            start + count - 1,
+        )
+        return None
+    return before_each_token(result.routing, start, count)
 
 
 def _system_and_opening(messages: tuple[Message, ...]) -> tuple[str, str]:

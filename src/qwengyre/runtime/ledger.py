@@ -21,7 +21,9 @@ leaves the whole group or none of it, never a file that later reads fail on. A f
 - the trajectories' tokens, concatenated in that order: ``input_ids`` (int32),
   ``behaviour_logprobs`` (float32: the trainer computes in fp32, so it trains on the same
   numbers), ``target_mask`` (bits, :func:`numpy.packbits`), ``versions`` (run-length:
-  ``version_values`` and ``version_runs``).
+  ``version_values`` and ``version_runs``) and, where any trajectory has an MoE's routed
+  experts, ``routing`` (:mod:`qwengyre.trajectories.routed_experts`: ``[tokens, layers,
+  k]``, -1 rows for a trajectory without).
 
 About 8 bytes a token. :meth:`Ledger.groups` lists the groups from their ``group`` arrays
 only; a group's tokens are read when it is taken for training (``StoredGroup.load``), so a
@@ -43,6 +45,7 @@ import numpy as np
 from qwengyre.durable import write_atomic
 from qwengyre.scheduler.core import ReadyGroup
 from qwengyre.training.buffers import ExecutionSample, GroupSample, StoredGroup
+from qwengyre.trajectories import routed_experts
 from qwengyre.trajectories.selection import AdmittedTrajectory
 
 __all__ = ["LEDGER_DIR", "Ledger", "LedgerError"]
@@ -60,6 +63,7 @@ _ARRAYS = (
     "version_values",
     "version_runs",
 )
+_OPTIONAL = ("routing",)
 
 
 class LedgerError(ValueError):
@@ -147,7 +151,7 @@ class Ledger:
     def load(self, group_id: int) -> GroupSample:
         """Group ``group_id`` with its tokens (a damaged file: :class:`LedgerError`)."""
         path = self.path(group_id)
-        arrays = _read(path, _ARRAYS)
+        arrays = _read(path, _ARRAYS, optional=_OPTIONAL)
         try:
             return _decode(arrays)
         except (ValueError, KeyError, TypeError) as exc:
@@ -161,11 +165,13 @@ class _Header(NamedTuple):
     valid: dict[int, float]
 
 
-def _read(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
-    """The arrays ``names`` of a group file (each checked against the zip's CRC-32)."""
+def _read(path: Path, names: Sequence[str], optional: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    """The arrays ``names`` of a group file, and those of ``optional`` it has (each
+    checked against the zip's CRC-32)."""
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in names}
+            present = [name for name in optional if name in data.files]
+            return {name: data[name] for name in [*names, *present]}
     except (ValueError, KeyError, EOFError, OSError, zipfile.BadZipFile) as exc:
         raise LedgerError(path, f"{type(exc).__name__}: {exc}") from None
 
@@ -197,7 +203,11 @@ def _encode(group: GroupSample, ready: int, valid: Mapping[int, float]) -> dict[
     values, runs = _run_lengths(
         np.array([v for t in trajectories for v in t.versions], dtype=np.int32)
     )
+    routing = routed_experts.join(
+        [t.routing for t in trajectories], [len(t.input_ids) for t in trajectories]
+    )
     return {
+        **({} if routing is None else {"routing": routing}),
         "group": np.array([group.group_id, group.version, ready], dtype=np.int64),
         "valid_ids": np.array(list(valid), dtype=np.int64),
         "valid_rewards": np.array(list(valid.values()), dtype=np.float64),
@@ -229,9 +239,11 @@ def _decode(arrays: dict[str, np.ndarray]) -> GroupSample:
     logprobs = arrays["behaviour_logprobs"].tolist()
     mask = np.unpackbits(arrays["target_mask"], count=len(ids)).astype(bool).tolist()
     versions = np.repeat(arrays["version_values"], arrays["version_runs"]).tolist()
-    if not len(ids) == len(logprobs) == len(versions):
+    routing = arrays.get("routing")
+    if not len(ids) == len(logprobs) == len(versions) == len(ids if routing is None else routing):
         raise ValueError(
             f"{len(ids)} token ids, {len(logprobs)} log-probs, {len(versions)} versions"
+            + ("" if routing is None else f", {len(routing)} routed positions")
         )
     executions, at = [], 0
     for e in meta:
@@ -249,6 +261,7 @@ def _decode(arrays: dict[str, np.ndarray]) -> GroupSample:
                     versions=tuple(versions[at:end]),
                     execution_id=str(t["execution_id"]),
                     advantage=float(t["advantage"]),
+                    routing=None if routing is None else routing[at:end],
                 )
             )
             at = end

@@ -55,13 +55,16 @@ docs/design.md §3 (training) and the paper "streaming training". Three pieces, 
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
+from qwengyre.trajectories import routed_experts
 from qwengyre.trajectories.selection import AdmittedTrajectory
 
 __all__ = [
@@ -81,6 +84,10 @@ LEFTOVER_FILL = 0.75
 
 
 def _trajectory_to_json(t: AdmittedTrajectory) -> dict[str, Any]:
+    routing = None
+    if t.routing is not None:
+        data, form = routed_experts.encode(t.routing)
+        routing = {"form": form, "base64": base64.b64encode(data).decode()}
     return {
         "leaf": t.leaf,
         "request_class": t.request_class,
@@ -91,10 +98,12 @@ def _trajectory_to_json(t: AdmittedTrajectory) -> dict[str, Any]:
         "versions": list(t.versions),
         "execution_id": t.execution_id,
         "advantage": t.advantage,
+        "routing": routing,
     }
 
 
 def _trajectory_from_json(d: dict[str, Any]) -> AdmittedTrajectory:
+    routing = d.get("routing")  # absent: written before routed experts were kept
     return AdmittedTrajectory(
         leaf=int(d["leaf"]),
         request_class=str(d["request_class"]),
@@ -105,6 +114,9 @@ def _trajectory_from_json(d: dict[str, Any]) -> AdmittedTrajectory:
         versions=tuple(int(x) for x in d["versions"]),
         execution_id=str(d["execution_id"]),
         advantage=float(d["advantage"]),
+        routing=None
+        if routing is None
+        else routed_experts.decode(base64.b64decode(routing["base64"]), routing["form"]),
     )
 
 
@@ -265,6 +277,9 @@ class MicroStep:
     the previous position); ``behaviour_logprobs`` is 0 where a token was not
     sampled; ``execution_index`` indexes ``advantages`` / ``execution_ids`` for every
     token of a trajectory; ``trajectory_index`` is a running id within the row.
+    ``routing`` (an MoE's recorded routing, where any trajectory has it): ``[1, L,
+    layers, k]`` int16, the experts each *position* was routed to when it was sampled
+    (-1: not recorded), for :class:`~qwengyre.models.experts.RoutingReplay`.
     """
 
     step: int
@@ -278,6 +293,7 @@ class MicroStep:
     advantages: torch.Tensor
     execution_ids: tuple[str, ...]
     group_ids: tuple[int, ...]
+    routing: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -329,6 +345,7 @@ def split_micro_step(ms: MicroStep, parts: int) -> list[MicroStep | None]:
                 trajectory_index=ms.trajectory_index[:, cols],
                 advantages=ms.advantages[executions],
                 execution_ids=tuple(ms.execution_ids[e] for e in executions),
+                routing=None if ms.routing is None else ms.routing[:, cols],
             )
         )
     return out
@@ -397,10 +414,14 @@ def _pack(step: int, index: int, units: Sequence[_Unit]) -> MicroStep:
     logprobs: list[float] = []
     exec_index: list[int] = []
     traj_index: list[int] = []
+    routing: list[np.ndarray | None] = []
+    lengths: list[int] = []
     traj = 0
     for e, unit in enumerate(units):
         for t in unit.execution.trajectories:
             n = len(t.input_ids)
+            routing.append(t.routing)
+            lengths.append(n)
             ids += t.input_ids
             positions += range(n)
             mask += _targets(t)
@@ -411,6 +432,10 @@ def _pack(step: int, index: int, units: Sequence[_Unit]) -> MicroStep:
 
     def row(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).reshape(1, -1)
+
+    before = routed_experts.join(routing, lengths)
+    if before is not None:
+        routed = torch.from_numpy(routed_experts.by_position(before).astype(np.int16))
 
     return MicroStep(
         step=step,
@@ -424,6 +449,7 @@ def _pack(step: int, index: int, units: Sequence[_Unit]) -> MicroStep:
         advantages=torch.tensor([u.execution.advantage for u in units], dtype=torch.float32),
         execution_ids=tuple(u.execution.execution_id for u in units),
         group_ids=tuple(dict.fromkeys(u.group_id for u in units)),
+        routing=None if before is None else routed.unsqueeze(0),
     )
 
 

@@ -16,6 +16,9 @@ whatever its number of documents. A model loaded with flash-attention
 turns restarting ``position_ids`` into varlen sequence boundaries there, which is
 linear already and has no padding. The result is the same either way: attention never
 crosses a document.
+
+An MoE's recorded routing (``routing``, by position) is laid out as the tokens are, for
+the model's :class:`~qwengyre.models.experts.RoutingReplay`; the padding keeps its own.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from qwengyre.models.experts import RoutingReplay
 
 __all__ = ["document_spans", "packed_hidden_states"]
 
@@ -43,20 +48,34 @@ def document_spans(position_ids: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], length], strict=True))
 
 
-def packed_hidden_states(model: Any, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+def packed_hidden_states(
+    model: Any,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    replay: RoutingReplay | None = None,
+    routing: Tensor | None = None,
+) -> Tensor:
     """The decoder's last hidden states ``[1, L, H]`` of a packed row, each document
     attending only to itself; ``model`` is the causal LM's base model (``model.model``
-    of an HF ``*ForCausalLM``). See the module docstring for the memory it takes."""
+    of an HF ``*ForCausalLM``). See the module docstring for the memory it takes.
+
+    ``replay``: the model's routing replay, given the row's recorded ``routing`` ``[1,
+    L, layers, k]`` (None: its routers choose) for this forward and any recompute of it
+    (activation checkpointing) until the next call."""
     if getattr(model.config, "_attn_implementation", None) in VARLEN_ATTENTION:
+        if replay is not None:
+            replay.routing = None if routing is None else routing[0].long().to(input_ids.device)
         out: Tensor = model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         return out
     spans = document_spans(position_ids)
-    longest = max(stop - start for start, stop in spans)
-    batch = input_ids.new_zeros(len(spans), longest)
-    for d, (start, stop) in enumerate(spans):
-        batch[d, : stop - start] = input_ids[0, start:stop]
+    batch = _documents(input_ids, spans, 0)
+    if replay is not None:
+        replay.routing = (
+            None if routing is None else _documents(routing, spans, -1).flatten(0, 1).long()
+        )
+    longest = batch.shape[1]
     positions = torch.arange(longest, device=input_ids.device).expand(len(spans), -1)
     hidden: Tensor = model(
         input_ids=batch, position_ids=positions, use_cache=False
@@ -64,3 +83,13 @@ def packed_hidden_states(model: Any, input_ids: Tensor, position_ids: Tensor) ->
     return torch.cat(
         [hidden[d, : stop - start] for d, (start, stop) in enumerate(spans)]
     ).unsqueeze(0)
+
+
+def _documents(row: Tensor, spans: list[tuple[int, int]], fill: int) -> Tensor:
+    """A packed row ``[1, L, ...]`` as its documents, right-padded with ``fill`` to the
+    longest: ``[D, longest, ...]``, on the device of ``row``."""
+    longest = max(stop - start for start, stop in spans)
+    batch = row.new_full((len(spans), longest, *row.shape[2:]), fill)
+    for d, (start, stop) in enumerate(spans):
+        batch[d, : stop - start] = row[0, start:stop]
+    return batch

@@ -44,6 +44,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from qwengyre.models.experts import RoutingReplay, routers
 from qwengyre.training.logprobs import token_logprobs
 from qwengyre.training.packed import packed_hidden_states
 
@@ -60,16 +61,36 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class PolicyScorer(nn.Module):
-    """The root FSDP unit: ``l_t`` of a packed row's target tokens (fp32, in row order)."""
+    """The root FSDP unit: ``l_t`` of a packed row's target tokens (fp32, in row order).
 
-    def __init__(self, policy: PreTrainedModel, *, temperature: float, chunk_tokens: int):
+    With ``routing_replay`` and an MoE policy, a row's recorded routing (``routing``,
+    by position; see :class:`~qwengyre.training.buffers.MicroStep`) fixes the experts of
+    every position it covers (:class:`~qwengyre.models.experts.RoutingReplay`)."""
+
+    def __init__(
+        self,
+        policy: PreTrainedModel,
+        *,
+        temperature: float,
+        chunk_tokens: int,
+        routing_replay: bool = False,
+    ):
         super().__init__()
         self.policy = policy
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
+        self.replay = RoutingReplay(policy) if routing_replay and routers(policy) else None
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, target_mask: Tensor) -> Tensor:
-        hidden = packed_hidden_states(self.policy.model, input_ids, position_ids)
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        target_mask: Tensor,
+        routing: Tensor | None = None,
+    ) -> Tensor:
+        hidden = packed_hidden_states(
+            self.policy.model, input_ids, position_ids, self.replay, routing
+        )
         # The token at position p is predicted from the hidden state at p - 1.
         mask = target_mask[:, 1:]
         head = self.policy.get_output_embeddings()
@@ -92,10 +113,12 @@ def shard_policy(
     chunk_tokens: int = 1024,
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    routing_replay: bool = False,
 ) -> PolicyScorer:
     """Shard ``policy`` (fp32, on this rank's device) over ``mesh`` in place; returns
     the root module to call. ``cpu_offload`` keeps the shards, their gradients and the
-    optimizer state in host memory (the optimizer then steps on the CPU)."""
+    optimizer state in host memory (the optimizer then steps on the CPU);
+    ``routing_replay`` replays an MoE's recorded routing (:class:`PolicyScorer`)."""
     if policy.get_output_embeddings() is None:
         raise ValueError("the model has no output embeddings (lm_head)")
     if dtype not in DTYPES:
@@ -109,7 +132,12 @@ def shard_policy(
     offload = CPUOffloadPolicy(pin_memory=pinned) if cpu_offload else OffloadPolicy()
     for layer in policy.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
-    scorer = PolicyScorer(policy, temperature=temperature, chunk_tokens=chunk_tokens)
+    scorer = PolicyScorer(
+        policy,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+        routing_replay=routing_replay,
+    )
     fully_shard(scorer, mesh=mesh, mp_policy=precision, offload_policy=offload)
     for module in scorer.modules():
         if isinstance(module, FSDPModule):  # sum, not average, over the cell's ranks

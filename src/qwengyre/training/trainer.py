@@ -83,6 +83,7 @@ class Trainer:
             chunk_tokens=config.logprob_chunk_tokens,
             activation_checkpointing=config.activation_checkpointing,
             cpu_offload=config.cpu_offload,
+            routing_replay=config.routing_replay,
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=config.lr) if self.is_core else None
@@ -129,7 +130,10 @@ class Trainer:
         Collective over the cell: its ranks call it together."""
         device = self.device
         return self.scorer(
-            ms.input_ids.to(device), ms.position_ids.to(device), ms.target_mask.to(device)
+            ms.input_ids.to(device),
+            ms.position_ids.to(device),
+            ms.target_mask.to(device),
+            None if ms.routing is None else ms.routing.to(device),
         )
 
     def train_micro_step(self, ms: MicroStep) -> MicroStepResult:

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from qwengyre.trajectories import routed_experts
 from qwengyre.trajectories.tree import TrajectoryTree
 
 DEFAULT_PRIORITY: tuple[str, ...] = ("main.task", "main.summary", "sub.task", "sub.summary")
@@ -55,6 +56,9 @@ class AdmittedTrajectory:
     on the path its ``input_ids`` then its ``output_ids``). ``target_mask`` is True only
     at the sampled tokens fixed as targets when this trajectory was admitted;
     ``behaviour_logprobs`` is 0.0 and ``versions`` is -1 where a token was not sampled.
+    ``routing`` (an MoE's): the routed experts before each token, its nodes' joined
+    (:mod:`qwengyre.trajectories.routed_experts`; -1 rows where a node has none); None
+    if no node has any. Not compared by ``==``: compare it with ``numpy``.
     """
 
     leaf: int
@@ -66,6 +70,7 @@ class AdmittedTrajectory:
     versions: tuple[int, ...]
     execution_id: str = ""
     advantage: float = 0.0
+    routing: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def num_targets(self) -> int:
@@ -108,6 +113,9 @@ def materialise(
         target_mask=tuple(mask),
         behaviour_logprobs=tuple(logprobs),
         versions=tuple(versions),
+        routing=routed_experts.join(
+            [n.routing for n in path], [len(n.input_ids) + len(n.output_ids) for n in path]
+        ),
     )
 
 

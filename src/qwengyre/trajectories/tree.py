@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(kw_only=True, frozen=True)
 class NodeMeta:
@@ -44,7 +46,11 @@ class Node:
     and versions, float32 log-probs: 4 bytes a token instead of ~36 as a tuple of ints),
     whatever sequence they are given as: an execution of a million tokens holds ~8 MB.
     Log-probs are float32 because engines compute them so and the trainer's objective
-    uses them so: a tree reloaded from the proxy's store equals the one recorded."""
+    uses them so: a tree reloaded from the proxy's store equals the one recorded.
+
+    ``routing`` (an MoE's, where the engine reported it): for each of its tokens, input
+    then output, the experts of the position before it
+    (:mod:`qwengyre.trajectories.routed_experts`); None where not reported."""
 
     id: int
     parent: int | None  # None: hangs from the root
@@ -53,6 +59,7 @@ class Node:
     logprobs: Sequence[float]  # behaviour log-prob of each output token
     versions: Sequence[int]  # policy version of the weights that produced each one
     meta: NodeMeta
+    routing: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, code in _TYPECODES.items():
@@ -64,12 +71,21 @@ class Node:
                 raise ValueError(
                     f"node {self.id}: {len(values)} {name} for {len(self.output_ids)} output tokens"
                 )
+        tokens = len(self.input_ids) + len(self.output_ids)
+        if self.routing is not None and (self.routing.ndim != 3 or len(self.routing) != tokens):
+            raise ValueError(
+                f"node {self.id}: routed experts of shape {self.routing.shape} for {tokens} tokens"
+            )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Node):
             return NotImplemented
-        return (self.id, self.parent, self.meta) == (other.id, other.parent, other.meta) and all(
-            getattr(self, name) == getattr(other, name) for name in _TYPECODES
+        mine, theirs = self.routing, other.routing
+        routed = mine is theirs or (
+            mine is not None and theirs is not None and np.array_equal(mine, theirs)
+        )
+        return (self.id, self.parent, self.meta) == (other.id, other.parent, other.meta) and (
+            routed and all(getattr(self, name) == getattr(other, name) for name in _TYPECODES)
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -108,6 +124,7 @@ class TrajectoryTree:
         logprobs: Sequence[float],
         versions: Sequence[int],
         meta: NodeMeta,
+        routing: np.ndarray | None = None,
     ) -> Node:
         if parent is not None and not 0 <= parent < len(self.nodes):
             raise ValueError(f"parent {parent} is not a node of this tree")
@@ -119,6 +136,7 @@ class TrajectoryTree:
             logprobs=logprobs,
             versions=versions,
             meta=meta,
+            routing=routing,
         )
         self.nodes.append(node)
         self._children.setdefault(parent, []).append(node.id)
