@@ -237,7 +237,10 @@ def test_replay_routes_every_recorded_position_as_the_engine_did_after_the_weigh
         num_micro_steps=1,
         num_tokens=micro.num_tokens,
     )
-    for _ in range(3):
+    first = trainer.train_micro_step(micro)
+    assert first.routed == known.sum() and first.drifted == 0  # replayed, the same choice
+    trainer.finish_batch(summary, 1)
+    for _ in range(2):
         trainer.train_micro_step(micro)
         trainer.finish_batch(summary, 1)
 
@@ -247,6 +250,14 @@ def test_replay_routes_every_recorded_position_as_the_engine_did_after_the_weigh
     assert same(used_replay).all()  # every recorded position: the engine's experts
     moved = 1 - same(used_free).mean()
     assert moved > 0.05, moved  # the current router chooses otherwise for some
+    assert trainer.scorer.replay is not None  # ... and the replay counts them
+    trainer.current_logprobs(micro)
+    routed_count, drifted = trainer.scorer.replay.counts()
+    # Layer 0 sees the same input either way: its drift is exactly the free forward's
+    # (a later layer's choice depends on the routing before it).
+    differs = (np.sort(used_free, -1) != np.sort(recorded, -1)).any(-1) & known
+    assert routed_count == known.sum() and differs[:, 0].sum() <= drifted <= routed_count
+    assert drifted - differs[:, 0].sum() > 0
     # Where routing differs, so do the log-probs: replay changed what the trainer scores.
     assert (replayed - free).abs().max() > 1e-3
     assert (replayed - behaviour).abs().max() > 0  # the weights did move

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -499,6 +500,12 @@ def test_a_moe_policy_trains_live_in_cells_of_two_ranks_and_its_checkpoint_expor
     metrics = read_metrics(run_dir)
     assert [s.version for s in metrics.steps] == [1, 2]
     assert sum(s.micro_steps for s in metrics.steps) > 0
+    # The engines' routing reached the ledger and was replayed in the cells' forwards.
+    ledger = sorted((run_dir / "ledger").glob("group-*.npz"))
+    with np.load(ledger[0]) as group:
+        assert group["routing"].shape[1:] == (2, 2) and (group["routing"] >= 0).any()
+    drift = [s.routing_drift for s in metrics.steps]
+    assert all(0 <= d <= 1 for d in drift), drift  # NaN if nothing was replayed
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     assert checkpoint is not None and read_checkpoint(checkpoint).state["version"] == 2
     assert len(list((checkpoint / "weights").glob("*.distcp"))) == 2

@@ -93,23 +93,48 @@ class RoutingReplay(_Hooked):
     indices as given, their weights ``softmax(logits)`` there, renormalised as the
     router would, so the router's weight still gets the gradient of the weights it
     gives. A token whose row at a layer holds a negative id keeps the router's own
-    choice there. None (the default): the routers choose as they do."""
+    choice there. None (the default): the routers choose as they do.
+
+    :meth:`counts` says, for the forward since :attr:`routing` was set, how many
+    (token, layer) choices were replayed and how many of them the router would have
+    made otherwise (its drift from the behaviour's routing); a recompute of the same
+    forward (activation checkpointing) does not count twice."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self.routing: Tensor | None = None
+        self._routing: Tensor | None = None
+        self._counts: dict[int, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def routing(self) -> Tensor | None:
+        return self._routing
+
+    @routing.setter
+    def routing(self, routing: Tensor | None) -> None:
+        self._routing = routing
+        self._counts = {}
+
+    def counts(self) -> tuple[int, int]:
+        """(choices replayed, those the router would have made otherwise)."""
+        if not self._counts:
+            return 0, 0
+        totals = torch.stack([torch.stack(c) for c in self._counts.values()]).sum(0)
+        return int(totals[0]), int(totals[1])
 
     def hook(self, router: nn.Module, layer: int, output: Any) -> Any:
-        if self.routing is None:
+        if self._routing is None:
             return None
         logits, scores, indices = output
-        recorded = self.routing[:, layer].to(indices.device)
+        recorded = self._routing[:, layer].to(indices.device)
         if recorded.shape != indices.shape:
             raise ValueError(
                 f"replayed routing of shape {tuple(recorded.shape)} for a router that chose"
                 f" {tuple(indices.shape)} experts"
             )
-        chosen = torch.where((recorded >= 0).all(-1, keepdim=True), recorded, indices)
+        known = (recorded >= 0).all(-1, keepdim=True)
+        other = (recorded.sort(-1).values != indices.sort(-1).values).any(-1, keepdim=True)
+        self._counts[layer] = (known.sum(), (known & other).sum())
+        chosen = torch.where(known, recorded, indices)
         weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
         if getattr(router, "norm_topk_prob", True):
             weights = weights / weights.sum(dim=-1, keepdim=True)

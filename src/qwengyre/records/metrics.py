@@ -175,6 +175,10 @@ class StepRecord(_Record):
     1 when the trained policy is the behaviour policy."""
     kl: float = math.nan
     """KL(behaviour || current) per target token, the k3 estimate (objective.py)."""
+    routing_drift: float = math.nan
+    """An MoE trained with routing replay: the share of the replayed (position, layer)
+    routings where the current router would have chosen other experts than the engine
+    did (the train-inference routing mismatch replay removes); NaN otherwise."""
     micro_step_s: float = math.nan
     """Seconds the cells spent in this step's micro-steps, summed over cells (what
     ``sim.train_tokens_per_cell_s`` models); NaN in logs written before it existed."""

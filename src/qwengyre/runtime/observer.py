@@ -126,6 +126,7 @@ class Observer:
         rewards = [r for g in summary.group_ids for r in groups[g].valid.values()]
         executions = sum(r.executions for r in micro_steps)
         targets = sum(r.targets for r in micro_steps)
+        routed = sum(r.routed for r in micro_steps)
         core = updates[0][0]
         record = StepRecord(
             time_s=self.now(),
@@ -147,6 +148,7 @@ class Observer:
             if executions
             else math.nan,
             kl=sum(r.kl_sum for r in micro_steps) / targets if targets else math.nan,
+            routing_drift=sum(r.drifted for r in micro_steps) / routed if routed else math.nan,
             micro_step_s=micro_step_s,
             update_s=max(seconds for _, seconds in updates),
         )

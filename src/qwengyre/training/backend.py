@@ -54,6 +54,8 @@ class MicroStepResult:
     seconds: float
     ratio_sum: float = 0.0  # sum over its executions of the execution ratio s_i
     kl_sum: float = 0.0  # sum over its target tokens of r - 1 - log r (objective.py)
+    routed: int = 0  # an MoE's (position, layer) routings replayed from the rollout
+    drifted: int = 0  # ... of which the current router would have chosen otherwise
 
 
 @dataclass(kw_only=True, frozen=True)

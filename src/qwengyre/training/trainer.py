@@ -148,6 +148,8 @@ class Trainer:
         # it runs the smallest part with its loss scaled to zero (an exactly zero gradient).
         mine = part or min((p for p in parts if p is not None), key=lambda p: p.num_tokens)
         logprobs = self.current_logprobs(mine)
+        replay = self.scorer.replay
+        routed, drifted = replay.counts() if replay is not None and part is not None else (0, 0)
         mask = mine.target_mask[:, 1:]
         out = execution_gspo_loss(
             logprobs,
@@ -171,10 +173,13 @@ class Trainer:
                 int(logprobs.numel()) if part is not None else 0,
                 float(out.mean_ratio) * units,
                 float(out.kl_sum) if part is not None else 0.0,
+                routed,
+                drifted,
             ],
             dtype=torch.float64,
         )
-        loss, clipped, executions, targets, ratios, kl = self.comm.cell_sum(stats).tolist()
+        summed = self.comm.cell_sum(stats).tolist()
+        loss, clipped, executions, targets, ratios, kl, routed, drifted = summed
         return MicroStepResult(
             step=ms.step,
             index=ms.index,
@@ -187,6 +192,8 @@ class Trainer:
             seconds=time.perf_counter() - start,
             ratio_sum=ratios,
             kl_sum=kl,
+            routed=int(routed),
+            drifted=int(drifted),
         )
 
     # ------------------------------------------------------------------ update
