@@ -258,6 +258,19 @@ def test_replay_routes_every_recorded_position_as_the_engine_did_after_the_weigh
     differs = (np.sort(used_free, -1) != np.sort(recorded, -1)).any(-1) & known
     assert routed_count == known.sum() and differs[:, 0].sum() <= drifted <= routed_count
     assert drifted - differs[:, 0].sum() > 0
+
+    # Replay off: the scorer has no replay, and a recorded micro-step scores as one
+    # without (everything as for a dense model).
+    off = Trainer(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        TrainerConfig(routing_replay=False),
+        CellComm(0, 1, ""),
+    )
+    assert off.scorer.replay is None
+    with torch.no_grad():
+        torch.testing.assert_close(
+            off.current_logprobs(micro), off.current_logprobs(unrecorded), rtol=0, atol=0
+        )
     # Where routing differs, so do the log-probs: replay changed what the trainer scores.
     assert (replayed - free).abs().max() > 1e-3
     assert (replayed - behaviour).abs().max() > 0  # the weights did move
