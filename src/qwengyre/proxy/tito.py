@@ -437,7 +437,7 @@ class ExecutionRecorder:
 
 def _node_routing(call: PreparedCall, result: GenerateResult) -> np.ndarray | None:
     """The routed experts before each of the node's tokens, from the call's (by position);
-    None if the engine reported none, or not for every position (a hang-up's partial)."""
+    None if the engine reported none, or rows that do not fit the call (logged)."""
     if result.routing is None or not result.output_ids:
         return None
     start = len(call.prompt_ids) - len(call.input_ids)

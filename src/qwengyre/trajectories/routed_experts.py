@@ -67,7 +67,8 @@ def unknown(rows: int, layers: int, k: int) -> np.ndarray:
 def before_each_token(positions: np.ndarray, start: int, count: int) -> np.ndarray:
     """The rows before each of the ``count`` tokens from position ``start`` of a
     request, from the routing it reported by position (the first row
-    :data:`UNKNOWN` when ``start`` is 0)."""
+    :data:`UNKNOWN` when ``start`` is 0); a copy, which keeps none of ``positions``
+    alive (a call's routing covers its whole context, a node keeps its own tokens')."""
     if start < 0 or start + count > len(positions) + 1:
         raise ValueError(
             f"tokens {start}..{start + count} need {start + count - 1} routed positions,"
@@ -75,8 +76,8 @@ def before_each_token(positions: np.ndarray, start: int, count: int) -> np.ndarr
         )
     rows = positions[max(start - 1, 0) : start + count - 1]
     if start == 0 and count:
-        rows = np.concatenate([unknown(1, *positions.shape[1:]).astype(positions.dtype), rows])
-    return rows
+        return np.concatenate([unknown(1, *positions.shape[1:]).astype(positions.dtype), rows])
+    return rows.copy()
 
 
 def join(parts: Sequence[np.ndarray | None], lengths: Sequence[int]) -> np.ndarray | None:
