@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import sqlite3
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
+from tests.test_durable import call
 
+from qwengyre.proxy.store import Store
+from qwengyre.proxy.tito import Turn
 from qwengyre.trajectories import routed_experts as rx
+from qwengyre.trajectories.tree import Node
 
 
 def test_ids_are_kept_in_the_smallest_signed_type_that_holds_them() -> None:
@@ -51,3 +59,39 @@ def test_bytes_round_trip_and_a_wrong_form_is_named() -> None:
         rx.decode(data[:-1], form)
     with pytest.raises(ValueError, match="allowed"):
         rx.decode(data, "float32:3:2")
+
+
+def test_the_store_keeps_a_node_s_routing_and_opens_a_store_written_before_it(
+    tmp_path: Path,
+) -> None:
+    rng = np.random.default_rng(1)
+
+    def routed(i: int) -> tuple[Node, Turn]:
+        node, turn = call(i)
+        rows = rx.compact(rng.integers(-1, 4, size=(500, 2, 2)))  # 400 + 100 tokens
+        return replace(node, routing=rows), turn
+
+    store = Store(tmp_path / "proxy.sqlite")
+    store.add_execution("ex", "hash", 0.0)
+    written = [routed(0), call(1)]  # a call served without routing keeps None
+    for node, turn in written:
+        store.add_call("ex", node, turn)
+    store.close()
+    loaded = [node for node, _ in Store(tmp_path / "proxy.sqlite").calls("ex")]
+    assert loaded == [node for node, _ in written]  # Node equality compares the routing
+    assert loaded[0].routing is not None and loaded[1].routing is None
+
+    old = tmp_path / "old.sqlite"  # a store written before routing was recorded
+    store = Store(old)
+    store.add_execution("ex", "hash", 0.0)
+    store.add_call("ex", *call(0))
+    store.close()
+    db = sqlite3.connect(old)
+    db.execute("ALTER TABLE nodes DROP COLUMN routing")
+    db.execute("ALTER TABLE nodes DROP COLUMN routing_form")
+    db.commit()
+    db.close()
+    store = Store(old)
+    later = routed(1)
+    store.add_call("ex", *later)
+    assert [node for node, _ in store.calls("ex")] == [call(0)[0], later[0]]
