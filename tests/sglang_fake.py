@@ -33,6 +33,14 @@ output so far), or hold only the new token with ``incremental_streaming_output``
 above arrive as 200 with a chunk ``{"error": {"message": ...}}`` and ``[DONE]``, as they
 are raised once the stream has begun. A client that hangs up cancels the request.
 
+With ``"return_routed_experts": true`` on a fake started with ``routed_experts=(layers,
+k)`` (``--enable-return-routed-experts`` for an MoE), the last answer or chunk only (the
+scheduler collects them when the request finishes; an abort has none) carries
+``meta_info.routed_experts``: the base64 of an ``int32`` array ``[seqlen - 1, layers,
+k]`` (detokenizer ``_extract_routed_experts``), ``seqlen`` = prompt + output (sglang
+``routed_experts_capturer.py``, ``get_routed_experts``); the fake's rows are
+:func:`routed`. Without the server flag or the request field: no key.
+
 ``POST /abort_request`` ``{"rid", "abort_all"}`` -> 200, empty body; running requests
 whose rid *starts with* ``rid`` finish with the abort reason above (as the scheduler's
 prefix match does). ``POST /update_weights_from_disk`` ``{"model_path", "load_format",
@@ -58,6 +66,7 @@ log-probs are a deterministic function of token, position and loads (see :func:`
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import random
@@ -67,6 +76,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 SAMPLING_KEYS = frozenset(
@@ -109,6 +119,7 @@ GENERATE_TYPES: dict[str, tuple[type, ...]] = {
     "return_text_in_logprobs": (bool,),
     "rid": (str, list),
     "stream": (bool,),
+    "return_routed_experts": (bool,),
 }
 
 
@@ -125,6 +136,16 @@ def reply(input_ids: list[int], loads: int = 0, eos_token_id: int = 2) -> list[i
 
 def logprob(token: int, position: int, loads: int = 0) -> float:
     return -0.01 - ((token * 31 + position * 7 + loads * 13) % 97) / 50.0
+
+
+def routed(ids: list[int], layers: int, k: int) -> np.ndarray:
+    """The fake MoE's routed experts of the positions of ``ids``: ``[len(ids), layers,
+    k]``, a deterministic function of each position's token and index."""
+    rows = [
+        [[(7 * t + 3 * p + layer + j) % 128 for j in range(k)] for layer in range(layers)]
+        for p, t in enumerate(ids)
+    ]
+    return np.array(rows, dtype=np.int32).reshape(len(ids), layers, k)
 
 
 def _validation_error(message: str) -> web.Response:
@@ -169,6 +190,7 @@ class FakeSGLang:
     released: bool = False
     loads: int = 0  # successful weight loads; changes the fake model's answers
     incremental_streaming_output: bool = False
+    routed_experts: tuple[int, int] | None = None  # (layers, k): --enable-return-routed-experts
     requests: list[tuple[str, str, Any]] = field(default_factory=list)  # (method, path, body)
 
     def __post_init__(self) -> None:
@@ -449,6 +471,12 @@ class FakeSGLang:
                 "e2e_latency": time.monotonic() - started,
             }
         )
+        aborted = finish is not None and finish["type"] == "abort"
+        wanted = body.get("return_routed_experts") and self.routed_experts is not None
+        if wanted and finish is not None and not aborted:
+            assert self.routed_experts is not None
+            rows = routed(ids + out, *self.routed_experts)[: len(ids) + len(out) - 1]
+            meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
         return {"text": text, "output_ids": out[since:], "meta_info": meta}
 
     # -- control endpoints -----------------------------------------------------------

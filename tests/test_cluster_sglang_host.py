@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 import yaml
 from tests.core_boards import core_boards, perturbed
@@ -281,3 +282,37 @@ def test_a_server_runs_tensor_parallel_over_the_cells_gpus(backend: str) -> None
     finally:
         for host in hosts:
             host.close()
+
+
+def test_an_moe_host_reports_routed_experts_to_the_proxys_client(
+    tiny_moe_model_dir: Path, fake_sglang: Path
+) -> None:
+    """engine.return_routed_experts: the server runs with SGLang's flag, the endpoint's
+    client asks, and the rows are the embedded engine's own, by position (off: no flag,
+    tests/test_engine_sglang.py; not asked: none, tests/test_engine_server.py)."""
+    reference = EmbeddedEngine(tiny_moe_model_dir, name="reference", capacity=1)
+    try:
+        expected = asyncio.run(reference.generate(GREEDY))
+    finally:
+        reference.close()
+    assert expected.routing is not None and expected.routing.shape == (4 + 6 - 1, 2, 2)
+    host = rollout_host(
+        "sglang",
+        str(tiny_moe_model_dir),
+        name="cell-moe",
+        capacity=1,
+        device="cpu",
+        max_context=256,
+        seed=0,
+        host="127.0.0.1",
+        routed_experts=True,
+    )
+    try:
+        endpoint = host.start()
+        argv = json.loads(fake_sglang.read_text())["argv"]
+        result = generate(endpoint)
+    finally:
+        host.close()
+    assert "--enable-return-routed-experts" in argv and endpoint.routed_experts == (2, 2)
+    assert result.output_ids == expected.output_ids
+    assert result.routing is not None and np.array_equal(result.routing, expected.routing)

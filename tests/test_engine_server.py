@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from aiohttp import web
 from tests.test_engine_embedded import idle, running, slow_and_counted
 
-from qwengyre.engines.base import GenerateRequest
+from qwengyre.engines.base import GenerateRequest, GenerateResult, TokenDelta
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
+from qwengyre.engines.launch import routed_experts_shape
 from qwengyre.engines.server import engine_app
 from qwengyre.engines.sglang import SGLangEngine
 from qwengyre.types import SamplingParams
@@ -23,7 +28,14 @@ KEY = "engine-key-0123456789"
 
 @pytest.fixture
 def served(tiny_model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
-    engine = EmbeddedEngine(tiny_model_dir, capacity=4, max_context=512)
+    with serving(tiny_model_dir) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path) -> Iterator[tuple[str, EmbeddedEngine]]:
+    """The embedded engine of ``model_dir`` behind the engine server, on a free port."""
+    engine = EmbeddedEngine(model_dir, capacity=4, max_context=512)
     loop = asyncio.new_event_loop()
     box: dict[str, object] = {}
     ready = threading.Event()
@@ -150,3 +162,92 @@ def test_a_client_hanging_up_aborts_the_engine_request(served, monkeypatch, stre
 
     asyncio.run(scenario())
     assert 0 < len(sampled) < 400
+
+
+# -- routed experts (an MoE's, SGLang's return_routed_experts) ------------------------------
+
+GREEDY_PROMPT = (30, 31, 32, 33, 34, 35, 36)
+
+
+def greedy(rid: str, n: int = 6) -> GenerateRequest:
+    return GenerateRequest(
+        rid, GREEDY_PROMPT, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    )
+
+
+def sglang_routed_experts(meta_info: dict[str, object], layers: int, k: int) -> np.ndarray:
+    """What SGLang's ``extract_routed_experts_from_meta_info`` decodes (int32), shaped."""
+    encoded = meta_info["routed_experts"]
+    assert isinstance(encoded, str)
+    return np.frombuffer(base64.b64decode(encoded), dtype=np.int32).reshape(-1, layers, k)
+
+
+def test_an_moes_routed_experts_through_the_server_are_the_engines_own(tiny_moe_model_dir):
+    """By position, streamed and not: what the engine reports in
+    process, the rows on the last delta (SGLang sends them with its last chunk)."""
+    shape = routed_experts_shape(tiny_moe_model_dir)
+    assert shape == (2, 2)
+    with serving(tiny_moe_model_dir) as (url, engine):
+
+        async def scenario() -> None:
+            own = await engine.generate(greedy("own"))
+            assert own.routing is not None and own.routing.shape == (7 + 6 - 1, 2, 2)
+            async with SGLangEngine(url, "cell-0", api_key=KEY, routed_experts=shape) as client:
+                deltas: list[TokenDelta] = [d async for d in client.stream(greedy("streamed"))]
+                again = await client.generate(greedy("again"))  # not streamed
+            assert [d.output_ids for d in deltas[:1]] and len(deltas) > 1
+            assert all(d.routing is not None and d.routing.shape == (0, 2, 2) for d in deltas[:-1])
+            last = deltas[-1].routing
+            assert last is not None and last.dtype == np.int8
+            assert np.array_equal(last, own.routing)
+            assert sum(len(d.output_ids) for d in deltas) == 6
+            assert again.output_ids == own.output_ids
+            assert again.routing is not None and np.array_equal(again.routing, own.routing)
+
+        asyncio.run(scenario())
+        expected = asyncio.run(engine.generate(greedy("ref"))).routing
+        assert expected is not None
+
+        import httpx2
+
+        body = SGLangEngine.request_body(greedy("wire"), routed_experts=True)
+        headers = {"authorization": f"Bearer {KEY}"}
+        with httpx2.stream("POST", url + "/generate", json=body, headers=headers) as answer:
+            chunks = [
+                json.loads(line[5:]) for line in answer.iter_lines() if line.startswith("data: {")
+            ]
+        assert len(chunks) > 1 and chunks[-1]["meta_info"]["finish_reason"] is not None
+        assert [("routed_experts" in c["meta_info"]) for c in chunks[-2:]] == [False, True]
+        assert not any("routed_experts" in c["meta_info"] for c in chunks[:-1])
+        assert np.array_equal(sglang_routed_experts(chunks[-1]["meta_info"], 2, 2), expected)
+        body.update(stream=False, rid="plain")
+        plain = httpx2.post(url + "/generate", json=body, headers=headers).json()
+        assert np.array_equal(sglang_routed_experts(plain["meta_info"], 2, 2), expected)
+        del body["return_routed_experts"]  # not asked: none, streaming or not
+        body["rid"] = "unasked"
+        unasked = httpx2.post(url + "/generate", json=body, headers=headers).json()
+        assert unasked["output_ids"] and "routed_experts" not in unasked["meta_info"]
+        body.update(stream=True, rid="unasked-streamed")
+        with httpx2.stream("POST", url + "/generate", json=body, headers=headers) as answer:
+            lines = [line for line in answer.iter_lines() if line.startswith("data: {")]
+        assert len(lines) > 1 and not any("routed_experts" in line for line in lines)
+
+
+def test_a_dense_model_and_an_unasking_client_get_no_routed_experts(served, tiny_moe_model_dir):
+    url, _ = served  # the dense tiny model
+
+    async def ask(url: str, shape: tuple[int, int] | None) -> list[TokenDelta]:
+        async with SGLangEngine(url, "cell-0", api_key=KEY, routed_experts=shape) as client:
+            return [d async for d in client.stream(greedy("r"))]
+
+    dense = asyncio.run(ask(url, (2, 2)))  # asked, but the engine reports none
+    assert dense[-1].routing is None and dense[-1].output_ids
+
+    async def generate(url: str) -> GenerateResult:
+        async with SGLangEngine(url, "cell-0", api_key=KEY, routed_experts=(2, 2)) as client:
+            return await client.generate(greedy("g"))
+
+    assert asyncio.run(generate(url)).routing is None
+    with serving(tiny_moe_model_dir) as (moe_url, _):
+        unasked = asyncio.run(ask(moe_url, None))
+    assert all(d.routing is None for d in unasked)

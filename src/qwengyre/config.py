@@ -569,6 +569,11 @@ class EngineConfig(_Section):
     max_context: int = Field(
         4096, ge=64, description="tokens per model call, prompt + reply (engine and proxy)"
     )
+    return_routed_experts: bool = Field(
+        True,
+        description="an MoE's engines report the experts of every position (what rollout"
+        " routing replay replays; vLLM on a GPU only); a dense model ignores it",
+    )
 
 
 class EvaluationConfig(_Section):

@@ -119,6 +119,7 @@ def model_engine(
         host="127.0.0.1",  # only this process's proxy talks to it
         gpus=visible_gpus(device),
         version=0,
+        routed_experts=settings.return_routed_experts,
     )
     try:
         yield host.start().client(settings.backend, capacity, version=0)

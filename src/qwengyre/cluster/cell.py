@@ -242,6 +242,7 @@ class Cell:
             max_context=config.engine.max_context,
             seed=config.seed + 1000 * self.rank,
             host=config.engine.host,
+            routed_experts=config.engine.return_routed_experts,
             gpus=self._gpus,
         )
         endpoint = self.engine.start()

@@ -29,6 +29,7 @@ from qwengyre.cluster.weights import BoardShards
 from qwengyre.config import EngineBackend
 from qwengyre.engines.base import InferenceEngine
 from qwengyre.engines.factory import embedded_engine, server_backend, server_engine
+from qwengyre.engines.launch import routed_experts_shape
 from qwengyre.engines.server import engine_app
 
 __all__ = ["Endpoint", "EngineHost", "RolloutHost", "rollout_host"]
@@ -38,16 +39,25 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where a rollout server listens, its key, and the HTTP API it speaks."""
+    """Where a rollout server listens, its key, and the HTTP API it speaks;
+    ``routed_experts``: ``(layers, k)`` of the MoE it serves when its clients ask for
+    the routed experts of every position (``engine.return_routed_experts``), else None."""
 
     url: str
     api_key: str
     api: str  # a server backend's name (engines.factory.SERVER_BACKENDS)
+    routed_experts: tuple[int, int] | None = None
 
     def client(self, name: str, capacity: int, version: int) -> InferenceEngine:
         """The proxy's engine for this server."""
         return server_engine(
-            self.api, self.url, name=name, capacity=capacity, api_key=self.api_key, version=version
+            self.api,
+            self.url,
+            name=name,
+            capacity=capacity,
+            api_key=self.api_key,
+            version=version,
+            routed_experts=self.routed_experts,
         )
 
 
@@ -97,6 +107,7 @@ def rollout_host(
     host: str,
     gpus: tuple[str, ...] = (),
     version: int = -1,
+    routed_experts: bool = False,
 ) -> RolloutHost:
     """The rollout server of ``backend`` (``engine.backend``) for one cell or pool: the
     embedded engine's host, or a server host of a registered server backend
@@ -107,7 +118,9 @@ def rollout_host(
     ``version``: the policy version of ``model_dir``'s weights; -1 serves nothing of
     the run's until :meth:`RolloutHost.load_newest` loaded the core's weights (a
     server still needs weights to start: it starts from ``model_dir``'s, labelled -1).
-    ``capacity`` and ``seed`` concern the embedded engine only.
+    ``capacity`` and ``seed`` concern the embedded engine only. ``routed_experts``
+    (``engine.return_routed_experts``): an MoE's server reports the experts of every
+    position and its endpoint's clients ask for them.
     """
     if backend == "embedded":
         return EngineHost(
@@ -119,6 +132,7 @@ def rollout_host(
             seed=seed,
             version=version,
             host=host,
+            routed_experts=routed_experts,
         )
     from qwengyre.cluster.server_host import ServerHost  # it imports this module
 
@@ -131,6 +145,7 @@ def rollout_host(
         max_context=max_context,
         host=host,
         version=version,
+        routed_experts=routed_experts,
     )
 
 
@@ -139,7 +154,8 @@ class EngineHost:
 
     ``start`` serves and returns its :class:`Endpoint`; ``release`` frees the
     engine's memory once the proxy drained it; ``resume`` serves again; ``load_newest``
-    loads the board's weights if they are newer than the engine's.
+    loads the board's weights if they are newer than the engine's. With
+    ``routed_experts``, an MoE's endpoint asks for the routed experts the engine records.
     """
 
     def __init__(
@@ -153,7 +169,9 @@ class EngineHost:
         seed: int,
         version: int,
         host: str = "127.0.0.1",
+        routed_experts: bool = False,
     ) -> None:
+        self.routed_experts = routed_experts_shape(model_dir) if routed_experts else None
         self.engine = embedded_engine(
             model_dir,
             name=name,
@@ -184,7 +202,8 @@ class EngineHost:
             return int(runner.addresses[0][1])
 
         port = self._on_loop(serve())
-        return Endpoint(f"http://{advertised(self.host)}:{port}", api_key, "sglang")
+        url = f"http://{advertised(self.host)}:{port}"
+        return Endpoint(url, api_key, "sglang", self.routed_experts)
 
     def release(self, timeout_s: float = 60.0) -> str:
         """Free the engine's memory once the requests the proxy aborted have left;

@@ -58,6 +58,7 @@ from qwengyre.engines.launch import (
     ServerBackend,
     ServerClient,
     ServerPlacement,
+    routed_experts_shape,
     start_server,
     stop_server,
     wait_until_healthy,
@@ -114,8 +115,10 @@ class ServerHost(Generic[C]):
         max_context: int | None,
         host: str,
         version: int,
+        routed_experts: bool = False,
     ) -> None:
         self.backend = backend
+        self.routed_experts = routed_experts
         self.model_dir = Path(model_dir)
         self.name = name
         self.device = device
@@ -155,6 +158,7 @@ class ServerHost(Generic[C]):
             max_context=self.max_context,
             version=self.version,
             work=self._work,
+            routed_experts=self.routed_experts,
         )
 
     def _on_loop(self, coro: Coroutine[Any, Any, T], timeout_s: float = 600.0) -> T:
@@ -215,7 +219,8 @@ class ServerHost(Generic[C]):
     def start(self) -> Endpoint:
         """Launch the server; where it serves, its key and API."""
         self._launch()
-        return Endpoint(self.url, self.api_key, self.backend.api)
+        shape = routed_experts_shape(self.model_dir) if self.routed_experts else None
+        return Endpoint(self.url, self.api_key, self.backend.api, shape)
 
     def load_newest(self, boards: BoardShards) -> int:
         """Load the boards' weights if newer; returns the version served. A server that

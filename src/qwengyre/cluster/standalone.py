@@ -69,6 +69,7 @@ class StandalonePool:
             max_context=config.engine.max_context,
             seed=config.seed + 999_983,  # sampling streams apart from every cell's
             host=config.engine.host,
+            routed_experts=config.engine.return_routed_experts,
             gpus=(gpu,) if gpu is not None else (),
         )
         self.board: BoardShards | None = None

@@ -69,7 +69,8 @@ class TokenDelta:
     ``routing`` (an MoE, where the engine reports it): the routed experts of the
     positions that predicted these tokens, by position, continuing the previous
     delta's: the delta with a request's first token carries its prompt's positions too.
-    None where not reported."""
+    An engine that learns them only at the end (SGLang) gives the earlier deltas zero
+    rows and the last all of them. None where not reported."""
 
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
@@ -125,6 +126,7 @@ class Joined:
         routing = None
         if self._routing and not self._unrouted:
             routing = routed_experts.compact(np.concatenate(self._routing))
+            routing = routing if len(routing) else None  # zero rows: none reported
         return GenerateResult(
             tuple(self.ids), tuple(self.logprobs), tuple(self.versions), finish, routing
         )

@@ -65,11 +65,25 @@ def embedded_engine(
 
 
 def server_engine(
-    api: str, url: str, *, name: str, capacity: int, api_key: str, version: int
+    api: str,
+    url: str,
+    *,
+    name: str,
+    capacity: int,
+    api_key: str,
+    version: int,
+    routed_experts: tuple[int, int] | None = None,
 ) -> InferenceEngine:
     """The client of the server at ``url`` speaking ``api`` (a server backend's name; the
     embedded engine's server speaks ``"sglang"``), ``capacity`` concurrent
-    requests, its tokens labelled ``version`` until the server says otherwise."""
+    requests, its tokens labelled ``version`` until the server says otherwise; asking
+    for the routed experts of an MoE of ``routed_experts`` = ``(layers, k)``
+    (:func:`~qwengyre.engines.launch.routed_experts_shape`; None: not asked)."""
     return server_backend(api).client(
-        url, name=name, capacity=capacity, api_key=api_key, version=version
+        url,
+        name=name,
+        capacity=capacity,
+        api_key=api_key,
+        version=version,
+        routed_experts=routed_experts,
     )

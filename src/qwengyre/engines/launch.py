@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -46,6 +47,7 @@ __all__ = [
     "ServerSpec",
     "importable",
     "launch",
+    "routed_experts_shape",
     "start_server",
     "stop_server",
     "wait_until_healthy",
@@ -227,6 +229,9 @@ class ServerPlacement:
     ``gpus`` (tensor parallel over all of them; none on the CPU), each call capped at
     ``max_context`` tokens, its weights labelled ``version`` (-1: none of the run's).
     ``work`` is the host's private directory (mode 0700), for files such as a key file.
+    ``routed_experts`` (``engine.return_routed_experts``): an MoE's server is started
+    so that it can report the experts of every position (its backend's flag; a dense
+    model's server is started as without it).
     """
 
     model: str
@@ -238,6 +243,7 @@ class ServerPlacement:
     max_context: int | None
     version: int
     work: Path
+    routed_experts: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -251,6 +257,29 @@ class ServerPlacement:
     def gpu_env(self) -> dict[str, str]:
         """The environment that shows the server its GPUs (none on the CPU)."""
         return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus)} if self.gpus else {}
+
+
+def routed_experts_shape(model: str | Path) -> tuple[int, int] | None:
+    """``(layers, k)`` of the routed experts a server reports for each position of the
+    mixture-of-experts model in directory ``model`` (its ``config.json``, or the
+    ``text_config`` in it): ``num_hidden_layers`` and ``num_experts_per_tok``, the shape
+    of SGLang's and vLLM's capture buffers (every layer, dense ones included). None for
+    a dense model (no ``num_experts_per_tok``), an MoE with dense layers
+    (``mlp_only_layers``, ``decoder_sparse_step`` > 1: the servers' rows would not be
+    the MoE layers alone) or a directory without a config."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or config
+    layers, k = text.get("num_hidden_layers"), text.get("num_experts_per_tok")
+    if not isinstance(layers, int) or not isinstance(k, int) or k < 1:
+        return None
+    if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) not in (None, 1):
+        # Dense layers too: a server's rows hold every layer, the trainer replays the
+        # MoE layers only, so such a model is not asked for them.
+        return None
+    return layers, k
 
 
 class ServerClient(HealthChecked, Protocol):
@@ -293,8 +322,19 @@ class ServerBackend(ABC, Generic[C]):
         """How the server starts at ``place``."""
 
     @abstractmethod
-    def client(self, url: str, *, name: str, capacity: int, api_key: str, version: int) -> C:
-        """A client of the server at ``url``, whose tokens default to ``version``."""
+    def client(
+        self,
+        url: str,
+        *,
+        name: str,
+        capacity: int,
+        api_key: str,
+        version: int,
+        routed_experts: tuple[int, int] | None = None,
+    ) -> C:
+        """A client of the server at ``url``, whose tokens default to ``version``;
+        ``routed_experts``: ``(layers, k)`` of the MoE it serves, to ask for the routed
+        experts of every position (:func:`routed_experts_shape`; None: not asked)."""
 
     def host_client(self, url: str, name: str, place: ServerPlacement) -> C:
         """The client its host drives it with (one request at a time: weights, memory)."""

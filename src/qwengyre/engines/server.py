@@ -13,17 +13,26 @@ Binds 127.0.0.1 by default and requires ``Authorization: Bearer <api key>``.
 new tokens (``output_ids``, ``output_token_logprobs``, ``output_token_versions``;
 ``completion_tokens`` counts all so far), the last with ``finish_reason``, then
 ``data: [DONE]``. A client that hangs up, streaming or not, aborts its engine request.
+
+``return_routed_experts: true`` (an MoE; SGLang's ``GenerateReqInput`` field): the last
+answer, streaming or not, carries ``meta_info.routed_experts`` as SGLang sends it: the
+base64 of an ``int32`` array ``[len(input_ids) + len(output) - 1, layers, k]`` (C order),
+the experts the engine routed every position to (the engine's deltas' rows, joined;
+:mod:`qwengyre.engines.sglang` says more). No key when not asked, or when the engine
+reports none (a dense model), as SGLang without ``--enable-return-routed-experts``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -31,6 +40,7 @@ from qwengyre.engines.base import (
     EngineAborted,
     GenerateRequest,
     GenerateResult,
+    Joined,
     TokenDelta,
     WeightsOnDisk,
     collect,
@@ -61,6 +71,7 @@ class _Generate(BaseModel):
     logprob_start_len: int = -1
     rid: str | None = None
     stream: bool = False
+    return_routed_experts: bool = False
 
 
 class _UpdateFromDisk(BaseModel):
@@ -82,16 +93,27 @@ async def _abort_when(gone: asyncio.Future[None], engine: EmbeddedEngine, rid: s
 class _Answers:
     """SGLang's answers (or stream chunks) to one ``/generate`` request."""
 
-    def __init__(self, rid: str, prompt_tokens: int, logprobs: bool, version: int) -> None:
+    def __init__(
+        self, rid: str, prompt_tokens: int, logprobs: bool, version: int, routing: bool = False
+    ) -> None:
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.logprobs = logprobs
         self.version = version  # for an answer without tokens
         self.tokens = 0  # output tokens answered so far
+        self.routing = Joined() if routing else None  # the deltas so far, if asked
 
     def of(self, part: TokenDelta | GenerateResult) -> dict[str, Any]:
         """The answer carrying ``part``'s tokens, the next of the output."""
         self.tokens += len(part.output_ids)
+        routing: np.ndarray | None = None
+        if self.routing is not None:
+            if isinstance(part, GenerateResult):
+                routing = part.routing
+            else:
+                self.routing.add(part)
+                if part.finish_reason is not None:
+                    routing = self.routing.result().routing
         finish: dict[str, Any] | None = None
         if part.finish_reason is not None:
             finish = {"type": part.finish_reason}
@@ -109,6 +131,9 @@ class _Answers:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(part.logprobs, part.output_ids, strict=True)
             ]
+        if routing is not None:  # SGLang's form: base64 of int32 [rows, layers, k]
+            flat = np.ascontiguousarray(routing, dtype=np.int32).tobytes()
+            meta["routed_experts"] = base64.b64encode(flat).decode()
         return {"text": "", "output_ids": list(part.output_ids), "meta_info": meta}
 
     def aborted(self, message: str) -> dict[str, Any]:
@@ -195,7 +220,13 @@ def engine_app(engine: EmbeddedEngine, api_key: str) -> web.Application:
             stop_token_ids=tuple(s.stop_token_ids or ()),
             ignore_eos=s.ignore_eos,
         )
-        answers = _Answers(rid, len(body.input_ids), body.return_logprob, engine.version)
+        answers = _Answers(
+            rid,
+            len(body.input_ids),
+            body.return_logprob,
+            engine.version,
+            routing=body.return_routed_experts,
+        )
         gone = hang_ups.watch(request)
         hangup = asyncio.ensure_future(_abort_when(gone, engine, rid))
         async with contextlib.aclosing(

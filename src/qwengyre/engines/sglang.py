@@ -55,6 +55,31 @@ retries elsewhere.) The engine sends its integer version as SGLang's
 ``weight_version`` string and reads it back from ``meta_info.weight_version`` when
 the server reports it, falling back to the version it recorded itself.
 
+Routed experts (an MoE's, for rollout routing replay; a client made with
+``routed_experts``): the body adds ``return_routed_experts=true``
+(``GenerateReqInput.return_routed_experts``, sgl-project/sglang#12162; released from
+v0.5.7 on, per areal-project/AReaL#884; the server must run with
+``--enable-return-routed-experts``, which
+:class:`SGLangBackend` adds for an MoE when ``engine.return_routed_experts`` is on).
+SGLang collects them when the request finishes (the scheduler's
+``maybe_collect_routed_experts``, called only for a finished request), so only the
+last chunk carries them, streaming or not: ``meta_info.routed_experts``, the base64
+of an ``int32`` array ``[seqlen - 1, num_hidden_layers, num_experts_per_tok]`` in C
+order (``RoutedExpertsCapturer.get_routed_experts`` reads the host buffer at the
+request's KV-cache slots ``req_to_token[:seqlen - 1]``; the detokenizer encodes it,
+``extract_routed_experts_from_meta_info`` decodes it), ``seqlen`` being prompt plus
+output. The buffer is indexed by KV slot, so prompt positions served from the prefix
+cache carry the routing of the forward that computed them. Its shape is not on the
+wire: the client is given ``(num_hidden_layers, num_experts_per_tok)``
+(:func:`~qwengyre.engines.launch.routed_experts_shape`). By position, the rows are
+``len(input_ids) + len(output) - 1`` as :class:`~qwengyre.engines.base.TokenDelta`
+wants; since they come at the end, the earlier deltas carry zero rows and the last
+all of them. A last chunk without them (a server without the flag, or a dense
+model: SGLang then sends no key) gives that delta no routing, and the result none.
+Newer SGLang takes ``routed_experts_start_len`` (default 0: every position; never sent
+here); a ``meta_info.routed_experts_dtype`` key, which some SGLang code sends beside
+a narrower dtype, is honoured (absent: ``int32``).
+
 Caveat: SGLang's scheduler matches ``/abort_request`` rids by *prefix*
 (``req.rid.startswith(rid)``), so aborting ``"x-1"`` also aborts a running ``"x-10"``.
 The aborted one raises :class:`EngineAborted` and is retried by the router.
@@ -75,6 +100,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import numpy as np
 import yaml
 
 from qwengyre.engines.base import (
@@ -95,7 +121,9 @@ from qwengyre.engines.launch import (
     ServerNotInstalled,
     ServerPlacement,
     ServerSpec,
+    routed_experts_shape,
 )
+from qwengyre.trajectories import routed_experts
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -156,13 +184,21 @@ class SGLangEngine(HTTPEngineClient):
 
     server = "SGLang"
 
-    def __init__(self, *args: Any, tensor_route: TensorRoute | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        tensor_route: TensorRoute | None = None,
+        routed_experts: tuple[int, int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """:class:`~qwengyre.engines.http_client.HTTPEngineClient`'s arguments;
         ``tensor_route``: how weights from tensors (``WeightsInMemory``,
         ``WeightsByName``) reach the server (None: this client loads weights from disk
-        only)."""
+        only). ``routed_experts``: ``(layers, k)`` of the MoE served, to ask for the
+        routed experts of every position (module docstring); None: not asked."""
         super().__init__(*args, **kwargs)
         self.tensor_route = tensor_route
+        self.routed_experts = routed_experts
 
     def _raise_for_status(self, path: str, status: int, text: str) -> None:
         message = error_message(status, text)
@@ -178,8 +214,9 @@ class SGLangEngine(HTTPEngineClient):
     # -- generation ------------------------------------------------------------------
 
     @staticmethod
-    def request_body(request: GenerateRequest) -> dict[str, Any]:
-        """The ``/generate`` body (``GenerateReqInput``) for ``request``."""
+    def request_body(request: GenerateRequest, routed_experts: bool = False) -> dict[str, Any]:
+        """The ``/generate`` body (``GenerateReqInput``) for ``request``, asking for the
+        routed experts if ``routed_experts``."""
         sampling = request.sampling
         params: dict[str, Any] = {
             "max_new_tokens": sampling.max_tokens,
@@ -193,7 +230,7 @@ class SGLangEngine(HTTPEngineClient):
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.ignore_eos:
             params["ignore_eos"] = True
-        return {
+        body: dict[str, Any] = {
             "input_ids": [int(t) for t in request.input_ids],
             "sampling_params": params,
             "return_logprob": True,
@@ -201,9 +238,29 @@ class SGLangEngine(HTTPEngineClient):
             "rid": request.request_id,
             "stream": True,
         }
+        if routed_experts:
+            body["return_routed_experts"] = True
+        return body
 
-    def _delta(self, request_id: str, chunk: Any, yielded: int) -> TokenDelta:
-        """The new tokens of a stream chunk, ``yielded`` tokens having come before."""
+    def _routing(self, meta: Mapping[str, Any], rows: int) -> np.ndarray | None:
+        """The ``rows`` positions' routed experts of a last chunk's ``meta_info`` (None
+        if it has none); ConnectionError if they do not make ``rows`` rows."""
+        encoded = meta.get("routed_experts")
+        if self.routed_experts is None or not isinstance(encoded, str):
+            return None
+        dtype = np.dtype(str(meta.get("routed_experts_dtype") or "int32"))
+        flat = np.frombuffer(base64.b64decode(encoded), dtype=dtype)
+        layers, k = self.routed_experts
+        if flat.size != rows * layers * k:
+            raise ConnectionError(
+                f"SGLang sent {flat.size} routed experts for {rows} positions of"
+                f" {layers} layers x {k}"
+            )
+        return routed_experts.compact(flat.reshape(rows, layers, k))
+
+    def _delta(self, request_id: str, chunk: Any, yielded: int, prompt: int) -> TokenDelta:
+        """The new tokens of a stream chunk, ``yielded`` tokens having come before, of a
+        request with ``prompt`` input ids."""
         if isinstance(chunk, dict) and "error" in chunk:
             raise ValueError(f"SGLang /generate: {error_message(200, json.dumps(chunk))}")
         if not isinstance(chunk, dict) or not isinstance(chunk.get("meta_info"), dict):
@@ -242,7 +299,13 @@ class SGLangEngine(HTTPEngineClient):
             if isinstance(reported, str) and reported.lstrip("-").isdigit():
                 version = int(reported)
             versions = (version,) * fresh
-        return TokenDelta(ids, logprobs, versions, _FINISH_TYPES[kind] if kind else None)
+        routing: np.ndarray | None = None
+        if self.routed_experts is not None:
+            if kind is None:  # the rows come with the last chunk (module docstring)
+                routing = routed_experts.unknown(0, *self.routed_experts)
+            elif yielded + fresh:
+                routing = self._routing(meta, prompt + yielded + fresh - 1)
+        return TokenDelta(ids, logprobs, versions, _FINISH_TYPES[kind] if kind else None, routing)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         return await collect(self.stream(request))
@@ -260,7 +323,8 @@ class SGLangEngine(HTTPEngineClient):
         finished = False
         try:
             async with self._get_session().post(
-                f"{self.base_url}/generate", json=self.request_body(request)
+                f"{self.base_url}/generate",
+                json=self.request_body(request, self.routed_experts is not None),
             ) as resp:
                 if resp.status >= 400:
                     self._raise_for_status("/generate", resp.status, await resp.text())
@@ -272,7 +336,7 @@ class SGLangEngine(HTTPEngineClient):
                             chunk = json.loads(data)
                         except ValueError as exc:
                             raise ConnectionError(f"SGLang /generate sent {data[:200]!r}") from exc
-                        delta = self._delta(rid, chunk, yielded)
+                        delta = self._delta(rid, chunk, yielded, len(request.input_ids))
                         yielded += len(delta.output_ids)
                         finished = delta.finish_reason is not None
                         if delta.output_ids or finished:
@@ -390,13 +454,16 @@ class SGLangServerSpec(ServerSpec):
     ``max_context`` is ``--context-length``. ``weight_version`` (``--weight-version``)
     labels the weights it starts with (SGLang says ``default`` otherwise).
     ``enable_memory_saver`` adds ``--enable-memory-saver``, without which
-    ``/release_memory_occupation`` frees nothing (GPU only). ``extra_args`` pass
+    ``/release_memory_occupation`` frees nothing (GPU only).
+    ``return_routed_experts`` adds ``--enable-return-routed-experts`` (an MoE only:
+    SGLang sizes its capture buffer from ``num_experts_per_tok``). ``extra_args`` pass
     through as given (e.g. ``("--mem-fraction-static", "0.8")``).
     """
 
     tp_size: int = 1
     weight_version: str | None = None
     enable_memory_saver: bool = True
+    return_routed_experts: bool = False
     key_file: str | None = None  # a .yaml or .yml name: SGLang takes only those
 
     server = "SGLang"
@@ -424,6 +491,8 @@ class SGLangServerSpec(ServerSpec):
             argv += ["--weight-version", self.weight_version]
         if self.enable_memory_saver and "--enable-memory-saver" not in self.extra_args:
             argv.append("--enable-memory-saver")
+        if self.return_routed_experts:
+            argv.append("--enable-return-routed-experts")
         if self.key_file is not None:
             argv += ["--config", self.key_file]  # two arguments: SGLang matches "--config"
         return argv
@@ -452,7 +521,9 @@ class SGLangBackend(ServerBackend[SGLangEngine]):
     and server (``/update_weights_from_distributed``) is needed. A server that does not
     take tensors (an older SGLang answers 4xx) gets its weights through disk from then
     on, as on the CPU (``/update_weights_from_disk``). Its sleep
-    (``/release_memory_occupation``) frees the weights and KV cache.
+    (``/release_memory_occupation``) frees the weights and KV cache. An MoE's server
+    runs with ``--enable-return-routed-experts`` when the placement asks for routed
+    experts, and its clients made with their shape ask for them.
     """
 
     api = "sglang"
@@ -469,13 +540,29 @@ class SGLangBackend(ServerBackend[SGLangEngine]):
             tp_size=place.tp_size,
             weight_version=str(place.version) if place.version >= 0 else None,
             enable_memory_saver=place.device != "cpu",
+            return_routed_experts=place.routed_experts
+            and routed_experts_shape(place.model) is not None,
             extra_env=place.gpu_env(),
         )
 
     def client(
-        self, url: str, *, name: str, capacity: int, api_key: str, version: int
+        self,
+        url: str,
+        *,
+        name: str,
+        capacity: int,
+        api_key: str,
+        version: int,
+        routed_experts: tuple[int, int] | None = None,
     ) -> SGLangEngine:
-        return SGLangEngine(url, name, capacity=capacity, api_key=api_key, policy_version=version)
+        return SGLangEngine(
+            url,
+            name,
+            capacity=capacity,
+            api_key=api_key,
+            policy_version=version,
+            routed_experts=routed_experts,
+        )
 
     def host_client(self, url: str, name: str, place: ServerPlacement) -> SGLangEngine:
         client = super().host_client(url, name, place)

