@@ -343,7 +343,7 @@ def test_a_continuation_keeps_the_routing_the_tokens_were_sampled_with() -> None
     a = FakeEngine("a", [[routed((1,), prompt, 3), routed((2,), 1, 3), ConnectionError("x")]])
     b = FakeEngine("b", [[routed((3,), prompt + 2, 5), routed((4,), 1, 5, "stop")]])
     engine, result = asyncio.run(router_with(a, b).generate("ex", request()))
-    assert engine == "b" and b.requests[0].input_ids == (*PROMPT, 1, 2)
+    assert engine == "b" and tuple(b.requests[0].input_ids) == (*PROMPT, 1, 2)
     assert result.output_ids == (1, 2, 3, 4)
     assert result.routing is not None
     assert result.routing[:, 0, 0].tolist() == [3] * (prompt + 1) + [5] * 2
