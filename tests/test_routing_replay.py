@@ -44,10 +44,10 @@ def hf_routing(model_dir: Path, ids: list[int]) -> np.ndarray:
 
 
 def sample(
-    model_dir: Path, prompts: list[tuple[int, ...]], max_tokens: int = 10
+    model_dir: Path, prompts: list[tuple[int, ...]], max_tokens: int = 10, **engine_kw: bool
 ) -> list[GenerateResult]:
-    """Greedy-free samples of ``prompts`` from the embedded engine, all in one batch."""
-    engine = EmbeddedEngine(model_dir, capacity=len(prompts), max_context=256)
+    """Samples of ``prompts`` from the embedded engine, all in one batch."""
+    engine = EmbeddedEngine(model_dir, capacity=len(prompts), max_context=256, **engine_kw)
 
     async def run() -> list[GenerateResult]:
         return await asyncio.gather(
@@ -76,6 +76,9 @@ def test_the_embedded_engine_reports_the_experts_of_every_position(
         assert result.routing.shape == (len(ids) - 1, 2, 2)  # the last token was never input
         np.testing.assert_array_equal(result.routing, hf_routing(tiny_moe_model_dir, ids)[:-1])
     assert all(r.routing is None for r in sample(tiny_model_dir, PROMPTS[:1]))
+    # engine.return_routed_experts=false: an MoE's engine records nothing.
+    unasked = sample(tiny_moe_model_dir, PROMPTS[:1], routed_experts=False)
+    assert unasked[0].output_ids and unasked[0].routing is None
 
 
 def test_deltas_join_their_routing_and_one_without_drops_it() -> None:

@@ -368,6 +368,7 @@ def cmd_engine_serve(args: argparse.Namespace) -> int:
         device=config.run.device,
         dtype=settings.dtype,
         max_context=config.engine.max_context,
+        routed_experts=settings.return_routed_experts,
     )
     if api_key is None:
         api_key = secrets.token_urlsafe(24)

@@ -102,6 +102,7 @@ def model_engine(
             device=device,
             dtype=settings.dtype,
             max_context=max_context,
+            routed_experts=settings.return_routed_experts,
         )
         try:
             yield engine

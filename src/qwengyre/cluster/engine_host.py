@@ -180,6 +180,7 @@ class EngineHost:
             dtype="float32",  # train's cells (engine.dtype's description)
             max_context=max_context,
             seed=seed,
+            routed_experts=routed_experts,
         )
         self.engine.version = version
         self.host = host

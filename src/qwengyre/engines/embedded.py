@@ -118,7 +118,8 @@ class _WeightUpdate:
 
 
 class EmbeddedEngine:
-    """Implements :class:`qwengyre.engines.base.InferenceEngine` in-process."""
+    """Implements :class:`qwengyre.engines.base.InferenceEngine` in-process; an MoE's
+    reports the experts of every position (``routed_experts``; see ``_record``)."""
 
     def __init__(
         self,
@@ -131,6 +132,7 @@ class EmbeddedEngine:
         max_context: int | None = None,
         seed: int = 0,
         cuda_graphs: bool = True,
+        routed_experts: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -166,7 +168,8 @@ class EmbeddedEngine:
         self._update: _WeightUpdate | None = None
         # An MoE's routers record the experts of every position (into a fixed tensor
         # in a decode step, which a captured graph writes too).
-        self._recorder = RoutingRecorder(self.model) if routers(self.model) else None
+        moe = routed_experts and bool(routers(self.model))
+        self._recorder = RoutingRecorder(self.model) if moe else None
         if self._recorder is not None:
             shape = (capacity, self._recorder.layers, self._recorder.k)
             self._decode_routing = torch.zeros(shape, dtype=torch.int16, device=self.device)

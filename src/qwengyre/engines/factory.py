@@ -49,10 +49,13 @@ def embedded_engine(
     dtype: str,
     max_context: int | None,
     seed: int = 0,
+    routed_experts: bool,
 ) -> EmbeddedEngine:
     """The embedded engine of ``model_dir``: ``capacity`` concurrent requests on
     ``device``, weights and KV cache in ``dtype`` (``engine.dtype``), each call capped
-    at ``max_context`` tokens (None: the model's limit), sampling seeded with ``seed``."""
+    at ``max_context`` tokens (None: the model's limit), sampling seeded with ``seed``;
+    an MoE's reports the experts of every position with ``routed_experts``
+    (``engine.return_routed_experts``)."""
     return EmbeddedEngine(
         model_dir,
         name=name,
@@ -61,6 +64,7 @@ def embedded_engine(
         dtype=getattr(torch, dtype),
         max_context=max_context,
         seed=seed,
+        routed_experts=routed_experts,
     )
 
 
