@@ -24,6 +24,7 @@ from qwengyre.training.buffers import (
     TrajectoryBuffer,
 )
 from qwengyre.training.checkpoint import save_checkpoint
+from qwengyre.trajectories import routed_experts
 from test_training_buffers import execution, group
 
 
@@ -241,3 +242,35 @@ def test_a_full_disk_is_one_error_naming_the_group_file_and_loses_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["group-000001.npz"]
     assert [g.group_id for g in ledger.groups()] == [1]
     assert ledger.load(1) == fp32(first)
+
+
+def test_an_moe_group_keeps_its_routing_in_the_ledger_and_a_checkpoint(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    original = sample(4)
+    executions = []
+    for i, e in enumerate(original.executions):
+        routed = []
+        for j, t in enumerate(e.trajectories):
+            # One trajectory served without routing: its rows come back unknown (-1).
+            rows = None
+            if (i, j) != (1, 0):
+                rows = routed_experts.compact(rng.integers(-1, 4, (len(t.input_ids), 2, 2)))
+            routed.append(replace(t, routing=rows))
+        executions.append(replace(e, trajectories=tuple(routed)))
+    moe = replace(original, executions=tuple(executions))
+    trajectories = [t for e in moe.executions for t in e.trajectories]
+
+    ledger = Ledger(tmp_path)
+    ledger.append(moe, {})
+    loaded = [t for e in ledger.load(4).executions for t in e.trajectories]
+    from_json = [
+        t for e in GroupSample.from_json(moe.to_json()).executions for t in e.trajectories
+    ]  # a checkpoint's buffers
+    for t, back, again in zip(trajectories, loaded, from_json, strict=True):
+        assert back.routing is not None
+        expected = t.routing if t.routing is not None else -np.ones_like(back.routing)
+        np.testing.assert_array_equal(back.routing, expected)
+        if t.routing is None:
+            assert again.routing is None
+        else:
+            np.testing.assert_array_equal(again.routing, t.routing)  # type: ignore[arg-type]
