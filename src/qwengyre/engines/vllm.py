@@ -55,6 +55,29 @@ head). :meth:`WorkerExtension.qwengyre_reload_weights` repacks a tied head from 
 reloaded embedding (on a GPU the head reads the shared weight and the repack changes
 nothing). Untied checkpoints carry ``lm_head.weight`` and reload correctly as they are.
 
+Mixture of experts: the CPU MoE kernel (``CPUUnquantizedExperts`` and its x86/Arm/Power
+subclasses, ``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py``) prepacks the
+fused expert weights ``w13_weight`` and ``w2_weight`` into its grouped-GEMM layout
+(``process_weights_after_loading``: ``cpu_prepack_moe_weight``, same shape, other
+order). ``UnquantizedFusedMoEMethod._setup_kernel``
+(``vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py``) calls that
+prepack on the first load only (while ``moe_kernel`` is None); on a reload
+(``vllm/model_executor/model_loader/reload/layerwise.py``: ``_layerwise_process``,
+then ``_copy_and_restore_kernel_tensors``) it copies the checkpoint-layout weights into
+the prepacked tensors, so the kernel read them in the wrong order (measured on vLLM
+0.32 CPU: a reload of the very weights served moved log-probs by 0.07 nat, one of a
+perturbed copy served them 2.5 nat off). The router (``GateLinear``) and the other linear layers are
+repacked by the reload. :meth:`WorkerExtension.qwengyre_reload_weights` reruns the
+experts' prepack after the reload (after it, log-probs are transformers' again). It
+touches the CPU kernels only: a GPU kernel's weights are converted by the reload itself
+(``_setup_kernel`` again), and the CPU prepack must run exactly once on weights in
+checkpoint layout. So it assumes every MoE layer was in the checkpoint (one left out
+keeps its prepacked weights, which a second prepack would scramble). An MoE whose
+intermediate size the CPU kernel pads (``_pad_moe_intermediate``: to a multiple of 32,
+16 on Power) cannot be reloaded at all: the reload copies the unpadded weights into the
+padded tensors (measured: a shape error in ``_copy_and_restore_kernel_tensors``, midway
+through the model), so the extension refuses it before reloading.
+
 Routed experts (an MoE's, for rollout routing replay; a client made with
 ``routed_experts``): a server started with ``--enable-return-routed-experts``
 (``AuxOutputConfig.enable_return_routed_experts``; no per-request field) sends them on a
@@ -414,20 +437,55 @@ class WorkerExtension:
     ``POST /collective_rpc``; ``self`` is vLLM's worker."""
 
     def qwengyre_reload_weights(self: Any, path: str) -> None:
-        """``reload_weights`` from the HuggingFace directory ``path``, then repack a
-        tied ``lm_head`` from the reloaded embedding (module docstring).
+        """``reload_weights`` from the HuggingFace directory ``path`` (a whole
+        checkpoint: every layer's weights), then repack a tied ``lm_head`` from the
+        reloaded embedding and the experts of an MoE on vLLM's CPU kernels (module
+        docstring).
 
         Checks ``path`` first: vLLM's reload takes the layers off their weights before
         it reads the files, and a failed read leaves them so (measured: a plain
         ``reload_weights`` from a missing path kills the engine at its next step); a
-        checkpoint of another shape still kills it.
+        checkpoint of another shape still kills it. For the same reason it refuses
+        (``NotImplementedError``, the old weights still served) an MoE whose CPU kernel
+        padded the experts, which vLLM 0.32 cannot reload.
         """
         if not any(Path(path).glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors in {path}")
-        self.reload_weights(weights_path=path)
         model = self.model_runner.get_model()
+        cpu_experts = _cpu_experts(model)
+        for _, experts in cpu_experts:
+            size = experts.moe_config.intermediate_size_per_partition
+            padded = experts._padded_intermediate_size(experts.moe_config)
+            if padded != size:
+                raise NotImplementedError(
+                    f"vLLM's CPU MoE kernel padded the experts' intermediate size {size} "
+                    f"to {padded}; its reload_weights cannot refill padded experts"
+                )
+        self.reload_weights(weights_path=path)
         if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
             model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+        for module, experts in cpu_experts:
+            experts.process_weights_after_loading(module)
+
+
+def _cpu_experts(model: Any) -> list[tuple[Any, Any]]:
+    """The MoE layers of ``model`` (vLLM's) that run on vLLM's CPU kernel for
+    unquantized experts, each with that kernel (module docstring, "Mixture of
+    experts"); none for a dense model or on a GPU."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+            CPUUnquantizedExperts,
+        )
+    except ImportError:  # a vLLM build without the CPU experts
+        return []
+    found = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        # Not the GPU kernels: they are not prepacked, and need nothing after a reload.
+        if isinstance(experts, CPUUnquantizedExperts):
+            found.append((module, experts))
+    return found
 
 
 class RequireApiKey:
