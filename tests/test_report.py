@@ -62,6 +62,7 @@ def _step(step: int, time_s: float) -> StepRecord:
         staleness_mean=1.5,
         ratio_mean=1.0,
         kl=0.001 * step,
+        routing_drift=0.02 * step,
         micro_step_s=25.0,
         update_s=2.0,
     )
