@@ -20,6 +20,7 @@ handling) stays in that engine's own tests.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -86,9 +87,14 @@ def long(subject: Subject, rid: str) -> GenerateRequest:
     return GenerateRequest(rid, PROMPT, sampling)
 
 
+_NOISE_SEEDS = itertools.count(1)
+"""Every moved copy differs from the others: tests that share a server must not load
+the weights an earlier test left it with (an update would then change nothing)."""
+
+
 def moved(model: Path) -> Callable[[Path], WeightSource]:
     """Writes ``model``'s weights, moved by noise, into a directory."""
-    return lambda out: WeightsOnDisk(str(perturbed_copy(model, out)))
+    return lambda out: WeightsOnDisk(str(perturbed_copy(model, out, next(_NOISE_SEEDS))))
 
 
 @asynccontextmanager

@@ -283,11 +283,11 @@ def test_a_consumer_that_leaves_frees_the_server(server: Server) -> None:
     run(server, t)
 
 
-def perturbed_copy(model: Path, out: Path) -> Path:
-    """``model`` with noise on every parameter (far from their old values: std 0.05
-    against 0.02)."""
+def perturbed_copy(model: Path, out: Path, seed: int = 1) -> Path:
+    """``model`` with noise drawn from ``seed`` on every parameter (far from their old
+    values: std 0.05 against 0.02)."""
     perturbed = type(hf_model(model)).from_pretrained(model, dtype=torch.float32)
-    noise = torch.Generator().manual_seed(1)
+    noise = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(torch.randn(p.shape, generator=noise) * 0.05)
