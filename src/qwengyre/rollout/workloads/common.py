@@ -34,7 +34,14 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
 from qwengyre.rollout.environments import EnvironmentSpec
-from qwengyre.rollout.tasks import TASK_ID_PATTERN, Task, TaskFileError, read_record, read_records
+from qwengyre.rollout.tasks import (
+    TASK_ID_PATTERN,
+    CommandEvaluator,
+    Task,
+    TaskFileError,
+    read_record,
+    read_records,
+)
 
 __all__ = [
     "CRITIQUE_CHARS",
@@ -43,7 +50,7 @@ __all__ = [
     "TestReport",
     "critique",
     "graded_copy",
-    "grader_command",
+    "grader",
     "load_dataset",
     "pytest_command",
     "read_numbered_line",
@@ -123,17 +130,16 @@ def read_numbered_line(model: type[M], path: Path, line: int, task_id: str) -> M
     return record
 
 
-def grader_command(kind: str, *args: str | int | Path) -> list[str]:
-    """The argv of a workload's command evaluator: this interpreter running
-    :mod:`qwengyre.rollout.workloads.grade` (run by :mod:`qwengyre.rollout.evaluation`
-    with the workspace as its working directory)."""
-    return [
-        sys.executable,
-        "-m",
-        "qwengyre.rollout.workloads.grade",
-        kind,
-        *(str(arg) for arg in args),
-    ]
+def grader(kind: str, tests_timeout_s: float, *args: str | int | Path) -> CommandEvaluator:
+    """A workload's command evaluator: this interpreter running
+    :mod:`qwengyre.rollout.workloads.grade` ``kind`` ``args`` (run by
+    :mod:`qwengyre.rollout.evaluation` with the workspace as its working directory),
+    within the tests' own timeout plus :data:`GRADE_MARGIN_S`."""
+    command = [sys.executable, "-m", "qwengyre.rollout.workloads.grade", kind]
+    return CommandEvaluator(
+        command=[*command, *(str(arg) for arg in args)],
+        timeout_s=tests_timeout_s + GRADE_MARGIN_S,
+    )
 
 
 def pytest_command(*targets: str) -> list[str]:

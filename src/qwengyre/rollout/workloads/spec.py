@@ -50,18 +50,16 @@ from pydantic import StrictStr, ValidationInfo, field_validator, model_validator
 
 from qwengyre.jsonl import resolved
 from qwengyre.rollout.tasks import (
-    CommandEvaluator,
     EvaluatorSpec,
     Task,
     TaskFileError,
 )
 from qwengyre.rollout.workloads.common import (
-    GRADE_MARGIN_S,
     DatasetLine,
     TestReport,
     critique,
     graded_copy,
-    grader_command,
+    grader,
     load_dataset,
     pytest_command,
     run_logged,
@@ -153,10 +151,7 @@ def _task(spec: SpecTask, path: Path, line: int) -> Task:
         ) from None
     if not text.strip():
         raise TaskFileError(path, "field 'specification_file': the file is empty", line)
-    evaluator = spec.evaluator or CommandEvaluator(
-        command=grader_command("spec", path.resolve(), line, spec.id),
-        timeout_s=spec.timeout_s + GRADE_MARGIN_S,
-    )
+    evaluator = spec.evaluator or grader("spec", spec.timeout_s, path.resolve(), line, spec.id)
     return Task(
         id=spec.id,
         instructions=text,

@@ -53,16 +53,14 @@ from pydantic import AliasChoices, Field, StrictStr, ValidationInfo, field_valid
 from qwengyre.jsonl import resolved
 from qwengyre.rollout.tasks import (
     TASK_ID_PATTERN,
-    CommandEvaluator,
     Task,
 )
 from qwengyre.rollout.workloads.common import (
-    GRADE_MARGIN_S,
     DatasetLine,
     TestReport,
     critique,
     graded_copy,
-    grader_command,
+    grader,
     load_dataset,
     pytest_command,
     run_logged,
@@ -179,10 +177,7 @@ def _task(instance: SweInstance, path: Path, line: int) -> Task:
         id=instance.id,
         instructions=instance.problem_statement,
         setup=setup_command(instance),
-        evaluator=CommandEvaluator(
-            command=grader_command("swe", path.resolve(), line, instance.id),
-            timeout_s=instance.timeout_s + GRADE_MARGIN_S,
-        ),
+        evaluator=grader("swe", instance.timeout_s, path.resolve(), line, instance.id),
         environment=instance.environment,
         metadata=metadata,
     )

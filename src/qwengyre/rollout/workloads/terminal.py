@@ -49,12 +49,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qwengyre.jsonl import describe
 from qwengyre.rollout.environments import EnvironmentSpec, ImageEnvironment, RootfsEnvironment
-from qwengyre.rollout.tasks import CommandEvaluator, Task, TaskFileError, _rewrite
+from qwengyre.rollout.tasks import Task, TaskFileError, _rewrite
 from qwengyre.rollout.workloads.common import (
-    GRADE_MARGIN_S,
     critique,
     graded_copy,
-    grader_command,
+    grader,
     run_logged,
 )
 
@@ -212,10 +211,7 @@ def _task(terminal: TerminalTask) -> Task:
             id=terminal.id,
             instructions=terminal.instructions,
             workspace_template=workspace if workspace.is_dir() else None,
-            evaluator=CommandEvaluator(
-                command=grader_command("terminal", terminal.directory),
-                timeout_s=terminal.timeout_s + GRADE_MARGIN_S,
-            ),
+            evaluator=grader("terminal", terminal.timeout_s, terminal.directory),
             environment=terminal.environment,
             metadata=metadata,
         )
