@@ -282,60 +282,41 @@ async def _run_command(
     output: list[str] | None = None,
     sandbox: Sandbox | None = None,
 ) -> tuple[float | None, str, str]:
-    """(score, detail, critique) of one run of ``spec``, in ``sandbox`` (the task's
-    environment) when given; ``output``, when given, receives the command's stdout and
-    then its stderr once it has exited."""
-    if sandbox is not None:  # in the task's environment, with a private home
-        with tempfile.TemporaryDirectory(prefix="qwengyre-evaluator-") as home:
-            return await _run_in(spec, sandbox, workspace, Path(home), timeout_s, output)
-    try:
-        if isinstance(spec.command, str):
-            proc = await asyncio.create_subprocess_shell(
-                spec.command,
-                cwd=workspace,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
-        else:
-            proc = await asyncio.create_subprocess_exec(
-                *spec.command,
-                cwd=workspace,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
-    except OSError as error:
-        return None, f"cannot start evaluator command: {error}", ""
-    return await _communicate(proc, timeout_s, output)
+    """(score, detail, critique) of one run of ``spec`` (a string by ``/bin/sh -c``), in
+    ``sandbox`` (the task's environment, with a private home and no network) when given;
+    ``output``, when given, receives the command's stdout and then its stderr once it
+    has exited."""
+    argv = ["/bin/sh", "-c", spec.command] if isinstance(spec.command, str) else spec.command
+    if sandbox is None:
+        return await _spawn(argv, workspace, None, timeout_s, output, "evaluator command")
+    with tempfile.TemporaryDirectory(prefix="qwengyre-evaluator-") as home:
+        wrapped = sandbox.wrap(argv, workspace=workspace, home=Path(home), hidden=(), env=("HOME",))
+        env = {**os.environ, "HOME": home}
+        what = "evaluator command in its environment"
+        return await _spawn(wrapped, workspace, env, timeout_s, output, what)
 
 
-async def _run_in(
-    spec: CommandEvaluator,
-    sandbox: Sandbox,
+async def _spawn(
+    argv: Sequence[str],
     workspace: Path,
-    home: Path,
+    env: dict[str, str] | None,
     timeout_s: float,
     output: list[str] | None,
+    what: str,
 ) -> tuple[float | None, str, str]:
-    """``spec``'s command run by ``sandbox`` (a string by ``/bin/sh -c`` inside), with
-    ``home`` as its HOME and no network."""
-    argv = ["/bin/sh", "-c", spec.command] if isinstance(spec.command, str) else spec.command
-    wrapped = sandbox.wrap(argv, workspace=workspace, home=home, hidden=(), env=("HOME",))
+    """Run ``argv`` in ``workspace`` in a session of its own, as :func:`_communicate` says."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            *wrapped,
+            *argv,
             cwd=workspace,
-            env={**os.environ, "HOME": str(home)},
+            env=env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
     except OSError as error:
-        return None, f"cannot start evaluator command in its environment: {error}", ""
+        return None, f"cannot start {what}: {error}", ""
     return await _communicate(proc, timeout_s, output)
 
 
