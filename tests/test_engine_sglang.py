@@ -65,12 +65,18 @@ def req(rid: str, ids: list[int] = PROMPT, **sampling: Any) -> GenerateRequest:
 
 
 def run_with_fake(
-    test: Callable[[FakeSGLang, SGLangEngine], Awaitable[None]], **fake_kwargs: Any
+    test: Callable[[FakeSGLang, SGLangEngine], Awaitable[None]],
+    *,
+    shape: tuple[int, int] | None = None,
+    **fake_kwargs: Any,
 ) -> None:
+    """``test`` against the fake made with ``fake_kwargs``, its client asking for
+    routed experts of ``shape`` (None: not asked)."""
+
     async def main() -> None:
         fake = FakeSGLang(**fake_kwargs)
         await fake.start()
-        engine = SGLangEngine(fake.base_url, "sg0", api_key=fake.api_key)
+        engine = SGLangEngine(fake.base_url, "sg0", api_key=fake.api_key, routed_experts=shape)
         try:
             await asyncio.wait_for(test(fake, engine), timeout=10)
         finally:
@@ -219,26 +225,6 @@ def test_request_body_uses_sglang_field_names() -> None:
     run_with_fake(t)
 
 
-def run_routed(
-    test: Callable[[FakeSGLang, SGLangEngine], Awaitable[None]],
-    shape: tuple[int, int] | None,
-    **fake_kwargs: Any,
-) -> None:
-    """``test`` against the fake, with a client asking for routed experts of ``shape``."""
-
-    async def main() -> None:
-        fake = FakeSGLang(**fake_kwargs)
-        await fake.start()
-        engine = SGLangEngine(fake.base_url, "sg0", api_key=fake.api_key, routed_experts=shape)
-        try:
-            await asyncio.wait_for(test(fake, engine), timeout=10)
-        finally:
-            await engine.close()
-            await fake.stop()
-
-    asyncio.run(main())
-
-
 @pytest.mark.parametrize("incremental", [False, True])
 def test_routed_experts_come_by_position_with_the_last_chunk(incremental: bool) -> None:
     """SGLang sends them once, on its last chunk: the earlier deltas carry zero rows, the
@@ -259,7 +245,7 @@ def test_routed_experts_come_by_position_with_the_last_chunk(incremental: bool) 
         assert result.output_ids == tuple(out)
         assert result.routing is not None and np.array_equal(result.routing, expected)
 
-    run_routed(t, (3, 2), routed_experts=(3, 2), incremental_streaming_output=incremental)
+    run_with_fake(t, shape=(3, 2), routed_experts=(3, 2), incremental_streaming_output=incremental)
 
 
 def test_routed_experts_not_asked_or_not_sent_are_none() -> None:
@@ -274,8 +260,8 @@ def test_routed_experts_not_asked_or_not_sent_are_none() -> None:
         assert fake.bodies("/generate")[0]["return_routed_experts"] is True
         assert len(result.output_ids) == 3 and result.routing is None
 
-    run_routed(unasked, None, routed_experts=(3, 2))
-    run_routed(unsent, (3, 2))
+    run_with_fake(unasked, routed_experts=(3, 2))
+    run_with_fake(unsent, shape=(3, 2))
 
 
 def test_routed_experts_of_another_shape_are_a_connection_error() -> None:
@@ -283,13 +269,30 @@ def test_routed_experts_of_another_shape_are_a_connection_error() -> None:
         with pytest.raises(ConnectionError, match="routed experts"):
             await engine.generate(req("w", max_tokens=3, ignore_eos=True))
 
-    run_routed(t, (4, 2), routed_experts=(3, 2))
+    run_with_fake(t, shape=(4, 2), routed_experts=(3, 2))
 
 
 def write_config(directory: Path, **config: Any) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def placed(model: Path, work: Path, routed_experts: bool, device: str) -> ServerPlacement:
+    """A server of ``model`` on ``device`` (one GPU, or the CPU), asked for routed
+    experts or not."""
+    return ServerPlacement(
+        model=str(model),
+        host="127.0.0.1",
+        port=1,
+        api_key="k",
+        device=device,
+        gpus=("0",) if device != "cpu" else (),
+        max_context=None,
+        version=-1,
+        work=work,
+        routed_experts=routed_experts,
+    )
 
 
 def test_routed_experts_shape_and_the_servers_flag(tmp_path: Path) -> None:
@@ -306,19 +309,7 @@ def test_routed_experts_shape_and_the_servers_flag(tmp_path: Path) -> None:
     assert routed_experts_shape(tmp_path / "missing") is None
 
     def argv(model: Path, asked: bool, device: str = "cuda:0") -> list[str]:
-        place = ServerPlacement(
-            model=str(model),
-            host="127.0.0.1",
-            port=1,
-            api_key="k",
-            device=device,
-            gpus=("0",) if device != "cpu" else (),
-            max_context=None,
-            version=-1,
-            work=tmp_path,
-            routed_experts=asked,
-        )
-        return SGLangBackend().spec(place).command()
+        return SGLangBackend().spec(placed(model, tmp_path, asked, device)).command()
 
     flag = "--enable-return-routed-experts"
     assert flag in argv(moe, True) and flag in argv(moe, True, "cpu")

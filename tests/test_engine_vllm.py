@@ -38,9 +38,10 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
+from tests.test_engine_sglang import placed
 
 from qwengyre.engines.base import GenerateRequest, WeightsOnDisk, collect
-from qwengyre.engines.launch import ServerPlacement, launch, wait_until_healthy
+from qwengyre.engines.launch import launch, wait_until_healthy
 from qwengyre.engines.vllm import VLLMBackend, VLLMEngine, VLLMServerSpec, vllm_available
 from qwengyre.models import cached_tiny_model
 from qwengyre.proxy.routing import Router
@@ -521,19 +522,7 @@ def test_the_routed_experts_flag_goes_to_an_moe_on_a_gpu_only(tmp_path: Path) ->
     (dense / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
 
     def spec(model: Path, asked: bool, device: str) -> VLLMServerSpec:
-        place = ServerPlacement(
-            model=str(model),
-            host="127.0.0.1",
-            port=1,
-            api_key="k",
-            device=device,
-            gpus=("0",) if device != "cpu" else (),
-            max_context=None,
-            version=-1,
-            work=tmp_path,
-            routed_experts=asked,
-        )
-        return VLLMBackend().spec(place)
+        return VLLMBackend().spec(placed(model, tmp_path, asked, device))
 
     flag = "--enable-return-routed-experts"
     on = spec(moe, True, "cuda:0")
