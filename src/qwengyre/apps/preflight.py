@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwengyre.cluster.devices import require_device
-from qwengyre.config import Config
+from qwengyre.config import Config, HarnessConfig
 from qwengyre.engines.factory import server_backend
 from qwengyre.report.sinks import check_metrics
 from qwengyre.rollout.environments import EnvironmentOptions
 from qwengyre.rollout.harness import HarnessSpec, harness_spec
 from qwengyre.rollout.limits import Limits
-from qwengyre.rollout.sandbox import Sandbox, sandbox
+from qwengyre.rollout.sandbox import sandbox, warn_on_stderr
 from qwengyre.rollout.tasks import Task
 from qwengyre.rollout.workloads import load_task_source
 
@@ -37,8 +37,7 @@ class Preflight:
     """What the checks built: the tasks, the harness (confined and bounded)."""
 
     tasks: list[Task]
-    harness: HarnessSpec
-    sandbox: Sandbox
+    harness: HarnessSpec  # its sandbox: the one checked
 
 
 def load_task_set(config: Config) -> list[Task]:
@@ -71,6 +70,26 @@ def require_program(spec: HarnessSpec, name: str) -> None:
         raise PreflightError(f"harness {name!r} needs {program!r}, which is not found: {hint}")
 
 
+def checked_harness(
+    harness: HarnessConfig, *, warn: Callable[[str], None] = warn_on_stderr
+) -> HarnessSpec:
+    """The harness ``harness.name`` names, confined by the sandbox ``harness`` asks for
+    (checked to run here: :class:`~qwengyre.rollout.sandbox.SandboxUnavailable`
+    otherwise), bounded by its limits, its tasks' environments prepared as it says;
+    :class:`PreflightError` if its program is not installed."""
+    confine = sandbox(harness.sandbox, harness.sandbox_hide, harness.sandbox_expose, warn=warn)
+    confine.check()
+    spec = harness_spec(
+        harness.name,
+        harness.deadline_s,
+        confine,
+        Limits.of(harness.limits),
+        EnvironmentOptions.of(harness),
+    )
+    require_program(spec, harness.name)
+    return spec
+
+
 def preflight(config: Config, *, warn: Callable[[str], None]) -> Preflight:
     """Check what ``qwengyre train`` with ``config`` needs (see the module docstring):
     metric sinks, tasks, harness program, sandbox, engine backend, devices, Ray."""
@@ -79,16 +98,7 @@ def preflight(config: Config, *, warn: Callable[[str], None]) -> Preflight:
     if not tasks:
         raise PreflightError(f"{config.harness.tasks}: no tasks to train on")
     h = config.harness
-    confine = sandbox(h.sandbox, h.sandbox_hide, h.sandbox_expose, warn=warn)
-    confine.check()
-    spec = harness_spec(
-        h.name,
-        h.deadline_s,
-        confine,
-        Limits.of(h.limits),
-        EnvironmentOptions.of(h),
-    )
-    require_program(spec, h.name)
+    spec = checked_harness(h, warn=warn)
     if config.engine.backend != "embedded":
         server_backend(config.engine.backend).require_installed()
     if config.run.placement == "local":  # under Ray the GPUs may be on other nodes
@@ -104,4 +114,4 @@ def preflight(config: Config, *, warn: Callable[[str], None]) -> Preflight:
         from qwengyre.cluster.ray_harness import require_ray
 
         require_ray()  # run.placement=ray starts Ray later
-    return Preflight(tasks=tasks, harness=spec, sandbox=confine)
+    return Preflight(tasks=tasks, harness=spec)

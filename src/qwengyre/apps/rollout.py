@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from qwengyre.apps.preflight import require_program
+from qwengyre.apps.preflight import checked_harness
 from qwengyre.apps.serve import close_engine, load_tokenizer, model_dir, model_engine
 from qwengyre.config import Config, GroupsConfig
 from qwengyre.engines.factory import server_backend
@@ -39,12 +39,9 @@ from qwengyre.proxy.build import build_proxy
 from qwengyre.proxy.server import ProxyServer
 from qwengyre.records.assessments import ASSESSMENTS_FILE, AssessmentLog
 from qwengyre.records.trace import TraceWriter
-from qwengyre.rollout.environments import EnvironmentOptions
 from qwengyre.rollout.execution import Budgets, ExecutionResult, run_execution, trace_record
 from qwengyre.rollout.groups import group_advantages
-from qwengyre.rollout.harness import HarnessSpec, harness_spec, kill_orphaned_harnesses
-from qwengyre.rollout.limits import Limits
-from qwengyre.rollout.sandbox import sandbox
+from qwengyre.rollout.harness import HarnessSpec, kill_orphaned_harnesses
 from qwengyre.rollout.tasks import Task
 from qwengyre.rollout.toy_tasks import toy_tasks_path
 from qwengyre.rollout.workloads import load_task_source
@@ -146,16 +143,7 @@ async def rollout(options: RolloutOptions) -> list[tuple[str, int, str, float | 
     harness = config.harness
     # What can be checked in seconds, before the model loads (as train's preflight).
     tasks = load_task_source(harness.tasks or toy_tasks_path())
-    confine = sandbox(harness.sandbox, harness.sandbox_hide, harness.sandbox_expose)
-    confine.check()
-    spec = harness_spec(
-        harness.name,
-        harness.deadline_s,
-        confine,
-        Limits.of(harness.limits),
-        EnvironmentOptions.of(harness),
-    )
-    require_program(spec, harness.name)
+    spec = checked_harness(harness)
     if config.engine.backend != "embedded":
         server_backend(config.engine.backend).require_installed()
     with lock_run_dir(options.run_dir, new=not options.resume):

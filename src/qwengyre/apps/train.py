@@ -445,7 +445,8 @@ async def _train_once(options: TrainOptions, restarts: int) -> Controller:
     try:
         engines = await _start_engines(config, resumed, run_dir, proxy)
         hosts = _harness_hosts(config, run_dir, proxy)  # after the cells: Ray is up
-        await hosts.check_sandbox(checked.sandbox)  # on every node (a Ray node may lack bwrap)
+        # on every node (a Ray node may lack bwrap)
+        await hosts.check_sandbox(checked.harness.sandbox)
         taken_over = None
         if options.resume:
             settled = {g.id for g in resumed.ready} | set(resumed.trained)

@@ -502,7 +502,8 @@ UNCONFINED = (
 )
 
 
-def _stderr(message: str) -> None:
+def warn_on_stderr(message: str) -> None:
+    """A warning, one line on stderr (the default of :func:`sandbox`)."""
     print(f"qwengyre: warning: {message}", file=sys.stderr)
 
 
@@ -511,7 +512,7 @@ def sandbox(
     hide: Sequence[Path] = (),
     expose: Sequence[Path] = (),
     *,
-    warn: Callable[[str], None] = _stderr,
+    warn: Callable[[str], None] = warn_on_stderr,
 ) -> Sandbox:
     """The sandbox ``harness.sandbox`` names, hiding ``hide`` and showing ``expose``
     (``harness.sandbox_hide`` / ``sandbox_expose``: ``~`` expanded; each must exist, so
