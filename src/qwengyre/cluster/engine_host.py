@@ -29,7 +29,6 @@ from qwengyre.cluster.weights import BoardShards
 from qwengyre.config import EngineBackend
 from qwengyre.engines.base import InferenceEngine
 from qwengyre.engines.factory import embedded_engine, server_backend, server_engine
-from qwengyre.engines.launch import routed_experts_shape
 from qwengyre.engines.server import engine_app
 
 __all__ = ["Endpoint", "EngineHost", "RolloutHost", "rollout_host"]
@@ -171,7 +170,6 @@ class EngineHost:
         host: str = "127.0.0.1",
         routed_experts: bool = False,
     ) -> None:
-        self.routed_experts = routed_experts_shape(model_dir) if routed_experts else None
         self.engine = embedded_engine(
             model_dir,
             name=name,
@@ -183,6 +181,7 @@ class EngineHost:
             routed_experts=routed_experts,
         )
         self.engine.version = version
+        self.routed_experts = self.engine.routed_experts  # what its clients ask for
         self.host = host
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="engine-http", daemon=True).start()

@@ -183,6 +183,12 @@ class EmbeddedEngine:
     # ------------------------------------------------------------ the interface
 
     @property
+    def routed_experts(self) -> tuple[int, int] | None:
+        """``(MoE layers, k)`` of the routed experts it reports (None: it reports none)."""
+        recorder = self._recorder
+        return None if recorder is None else (recorder.layers, recorder.k)
+
+    @property
     def load(self) -> int:
         with self._lock:
             return len(self._pending) + len(self._active)
