@@ -95,3 +95,23 @@ def test_the_store_keeps_a_node_s_routing_and_opens_a_store_written_before_it(
     later = routed(1)
     store.add_call("ex", *later)
     assert [node for node, _ in store.calls("ex")] == [call(0)[0], later[0]]
+
+
+def test_a_call_whose_routing_does_not_fit_is_recorded_without_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from qwengyre.engines.base import GenerateResult
+    from qwengyre.proxy.tito import _node_routing
+
+    call = SimpleNamespace(  # 6 prompt tokens, 2 of them new after the parent's context
+        prompt_ids=[1] * 6, input_ids=(1, 1), request_class=SimpleNamespace(name="main.task")
+    )
+    rows = rx.compact(np.arange(8).reshape(8, 1, 1))  # 6 + 3 - 1 positions
+    fits = GenerateResult((5, 6, 7), (-1.0,) * 3, (0,) * 3, "stop", rows)
+    node = _node_routing(call, fits)  # type: ignore[arg-type]
+    assert node is not None and node[:, 0, 0].tolist() == [3, 4, 5, 6, 7]
+    short = GenerateResult((5, 6, 7), (-1.0,) * 3, (0,) * 3, "stop", rows[:-1])
+    assert _node_routing(call, short) is None  # type: ignore[arg-type]
+    assert "routed experts for 7 positions, the call ran 8; not recorded" in caplog.text

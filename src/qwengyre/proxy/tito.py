@@ -444,7 +444,8 @@ def _node_routing(call: PreparedCall, result: GenerateResult) -> np.ndarray | No
     count = len(call.input_ids) + len(result.output_ids)
     if len(result.routing) != start + count - 1:  # an engine's bug: keep the call
         log.warning(
-            "%s reported routed experts for %d positions of a %d-token call; not recorded",
+            "%s: the engine reported routed experts for %d positions, the call ran %d;"
+            " not recorded",
             call.request_class.name,
             len(result.routing),
             start + count - 1,
