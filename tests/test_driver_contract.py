@@ -270,6 +270,9 @@ class IdleEngine:
     name: str
     capacity: int
 
+    async def health(self) -> bool:
+        return True
+
 
 class IdleEndpoint:
     """A scripted cell's engine, as its host starts it."""

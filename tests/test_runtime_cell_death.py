@@ -245,6 +245,8 @@ def test_a_publication_that_finds_a_server_crashed_has_it_revived(tmp_path: Path
     controller = asyncio.run(run(script_config("async"), tmp_path, cells))
     assert cells.crashed is not None and cells.crashed in cells.revived  # drained, revived
     assert not controller.supervisor.lost
+    # Taken back as it was started again: this proxy has no periodic health check.
+    assert controller.proxy.router.failed() == []
 
 
 def test_the_core_dying_while_a_satellite_is_replaced_is_replaced_too(

@@ -139,7 +139,7 @@ class Supervisor:
     def _revive_failed_engines(self) -> None:
         """A rollout cell (or the standalone pool) whose engine the proxy drained for
         failing asks its host to start the server again if it crashed; the proxy takes
-        it back once healthy."""
+        it back as soon as it is started (or at its next check, if it was not down)."""
         engines = {engine_name(c): c for c in range(len(self.cells))}
         if self.standalone is not None:
             engines[engine_name(STANDALONE)] = STANDALONE
@@ -157,6 +157,7 @@ class Supervisor:
         try:
             if await actor.revive_engine():
                 log.warning("%s: its engine crashed and was started again", engine_name(engine))
+                await self.router.recover()  # serving now, not at the proxy's next check
         except ActorDied as died:
             if engine == STANDALONE:
                 raise
