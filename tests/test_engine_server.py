@@ -16,11 +16,12 @@ import torch
 from aiohttp import web
 from tests.test_engine_embedded import idle, running, slow_and_counted
 
-from qwengyre.engines.base import GenerateRequest, GenerateResult, TokenDelta
+from qwengyre.engines.base import EngineAborted, GenerateRequest, GenerateResult, TokenDelta
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
 from qwengyre.engines.launch import routed_experts_shape
 from qwengyre.engines.server import engine_app
 from qwengyre.engines.sglang import SGLangEngine
+from qwengyre.proxy.routing import Router
 from qwengyre.types import SamplingParams
 
 KEY = "engine-key-0123456789"
@@ -231,6 +232,75 @@ def test_an_moes_routed_experts_through_the_server_are_the_engines_own(tiny_moe_
         with httpx2.stream("POST", url + "/generate", json=body, headers=headers) as answer:
             lines = [line for line in answer.iter_lines() if line.startswith("data: {")]
         assert len(lines) > 1 and not any("routed_experts" in line for line in lines)
+
+
+def test_an_aborted_moe_request_sends_the_routing_of_the_tokens_it_answered(
+    tiny_moe_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drain aborts a call mid-stream: before :class:`EngineAborted`, the client yields
+    a delta without tokens whose rows are the positions before the tokens answered, the
+    engine's own (the router keeps them for the continuation elsewhere)."""
+    with serving(tiny_moe_model_dir) as (url, engine):
+
+        async def scenario() -> tuple[list[TokenDelta], np.ndarray]:
+            full = await engine.generate(greedy("ref", 200))
+            assert full.routing is not None
+            slow_and_counted(engine, monkeypatch)
+            deltas: list[TokenDelta] = []
+            async with SGLangEngine(url, "cell-0", api_key=KEY, routed_experts=(2, 2)) as client:
+                with pytest.raises(EngineAborted):
+                    async for delta in client.stream(greedy("drained", 200)):
+                        deltas.append(delta)
+                        if sum(len(d.output_ids) for d in deltas) >= 3:
+                            await client.abort("drained")
+            return deltas, full.routing
+
+        deltas, reference = asyncio.run(scenario())
+    *answered, last = deltas
+    tokens = sum(len(d.output_ids) for d in answered)
+    assert 3 <= tokens < 200 and not last.output_ids and last.finish_reason is None
+    assert last.routing is not None
+    np.testing.assert_array_equal(last.routing, reference[: len(GREEDY_PROMPT) + tokens - 1])
+
+
+def test_a_call_continued_after_a_drain_keeps_the_first_engines_routing(
+    tiny_moe_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two cells' servers, the second with other router weights: a call drained from the
+    first after a few tokens ends on the second, and its rows before those tokens are
+    the first engine's (they were sampled under them), not the second's recompute."""
+    with serving(tiny_moe_model_dir) as (url_a, a), serving(tiny_moe_model_dir) as (url_b, b):
+        with torch.no_grad():
+            for name, weight in b.model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    weight.add_(torch.randn_like(weight), alpha=10.0)
+
+        async def scenario() -> tuple[GenerateResult, np.ndarray, np.ndarray]:
+            own_a = (await a.generate(greedy("a", 8))).routing
+            own_b = (await b.generate(greedy("b", 8))).routing
+            assert own_a is not None and own_b is not None
+            sampled = slow_and_counted(a, monkeypatch)
+            async with (
+                SGLangEngine(url_a, "cell-0", api_key=KEY, routed_experts=(2, 2)) as first,
+                SGLangEngine(url_b, "cell-1", api_key=KEY, routed_experts=(2, 2)) as second,
+            ):
+                router = Router()
+                router.register(first, preference=2)
+                router.register(second, preference=1)
+                call = asyncio.create_task(router.generate("exec", greedy("call", 40)))
+                while len(sampled) < 3:
+                    await asyncio.sleep(0.001)
+                await router.drain("cell-0")
+                name, result = await call
+            assert name == "cell-1"
+            return result, own_a, own_b
+
+        result, own_a, own_b = asyncio.run(scenario())
+    prompt = len(GREEDY_PROMPT)
+    assert result.routing is not None and len(result.routing) == prompt + 40 - 1
+    first = prompt + 3 - 1  # rows before the first engine's tokens (at least 3 answered)
+    np.testing.assert_array_equal(result.routing[:first], own_a[:first])
+    assert not np.array_equal(own_a[:prompt], own_b[:prompt])  # the second routes otherwise
 
 
 def test_a_dense_model_and_an_unasking_client_get_no_routed_experts(served, tiny_moe_model_dir):

@@ -20,6 +20,9 @@ base64 of an ``int32`` array ``[len(input_ids) + len(output) - 1, layers, k]`` (
 the experts the engine routed every position to (the engine's deltas' rows, joined;
 :mod:`qwengyre.engines.sglang` says more). No key when not asked, or when the engine
 reports none (a dense model), as SGLang without ``--enable-return-routed-experts``.
+An aborted request's last answer carries them too, for the positions before the tokens
+it answered (``len(input_ids) + answered - 1`` rows): a continuation elsewhere keeps
+the routing those tokens were sampled under (:meth:`~qwengyre.proxy.routing.Router.stream`).
 """
 
 from __future__ import annotations
@@ -131,23 +134,30 @@ class _Answers:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(part.logprobs, part.output_ids, strict=True)
             ]
-        if routing is not None:  # SGLang's form: base64 of int32 [rows, layers, k]
-            flat = np.ascontiguousarray(routing, dtype=np.int32).tobytes()
-            meta["routed_experts"] = base64.b64encode(flat).decode()
+        _add_routing(meta, routing)
         return {"text": "", "output_ids": list(part.output_ids), "meta_info": meta}
 
     def aborted(self, message: str) -> dict[str, Any]:
-        return {
-            "text": "",
-            "output_ids": [],
-            "meta_info": {
-                "id": self.rid,
-                "finish_reason": {"type": "abort", "message": message},
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.tokens,
-                "output_token_logprobs": [],
-            },
+        """The last answer of a request aborted after the tokens answered so far (with
+        their routed experts, if asked and streamed)."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": {"type": "abort", "message": message},
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.tokens,
+            "output_token_logprobs": [],
         }
+        if self.routing is not None:
+            _add_routing(meta, self.routing.result(otherwise="abort").routing)
+        return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+def _add_routing(meta: dict[str, Any], routing: np.ndarray | None) -> None:
+    """``meta_info.routed_experts`` in SGLang's form (base64 of int32 ``[rows, layers,
+    k]``), if there are any."""
+    if routing is not None:
+        flat = np.ascontiguousarray(routing, dtype=np.int32).tobytes()
+        meta["routed_experts"] = base64.b64encode(flat).decode()
 
 
 async def _plain_answer(deltas: AsyncIterator[TokenDelta], answers: _Answers) -> web.Response:

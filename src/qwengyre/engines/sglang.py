@@ -76,6 +76,10 @@ wire: the client is given ``(num_hidden_layers, num_experts_per_tok)``
 wants; since they come at the end, the earlier deltas carry zero rows and the last
 all of them. A last chunk without them (a server without the flag, or a dense
 model: SGLang then sends no key) gives that delta no routing, and the result none.
+An abort's chunk that carries them (qwengyre's engine server; whether SGLang's does
+is not checked) yields, before :class:`EngineAborted`, a delta without tokens whose
+rows are the positions before the tokens answered: the router keeps them when it
+continues the call elsewhere, so those tokens keep the routing they were sampled under.
 Newer SGLang takes ``routed_experts_start_len`` (default 0: every position; never sent
 here); a ``meta_info.routed_experts_dtype`` key, which some SGLang code sends beside
 a narrower dtype, is honoured (absent: ``int32``).
@@ -242,21 +246,45 @@ class SGLangEngine(HTTPEngineClient):
             body["return_routed_experts"] = True
         return body
 
-    def _routing(self, meta: Mapping[str, Any], rows: int) -> np.ndarray | None:
+    def _routing(
+        self, meta: Mapping[str, Any], rows: int, *, at_least: bool = False
+    ) -> np.ndarray | None:
         """The ``rows`` positions' routed experts of a last chunk's ``meta_info`` (None
-        if it has none); ConnectionError if they do not make ``rows`` rows."""
+        if it has none); ConnectionError if they do not make ``rows`` rows. ``at_least``
+        (an abort's, which may cover tokens never answered): the first ``rows`` of
+        them, None if there are fewer."""
         encoded = meta.get("routed_experts")
         if self.routed_experts is None or not isinstance(encoded, str):
             return None
         dtype = np.dtype(str(meta.get("routed_experts_dtype") or "int32"))
         flat = np.frombuffer(base64.b64decode(encoded), dtype=dtype)
         layers, k = self.routed_experts
+        whole = flat.size % (layers * k) == 0
+        if at_least and whole:
+            sent = flat.size // (layers * k)
+            return (
+                routed_experts.compact(flat.reshape(sent, layers, k)[:rows])
+                if sent >= rows
+                else None
+            )
         if flat.size != rows * layers * k:
             raise ConnectionError(
                 f"SGLang sent {flat.size} routed experts for {rows} positions of"
                 f" {layers} layers x {k}"
             )
         return routed_experts.compact(flat.reshape(rows, layers, k))
+
+    def _routing_before_abort(self, chunk: Any, answered: int, prompt: int) -> np.ndarray | None:
+        """The routed experts an abort's chunk carries for the positions before the
+        ``answered`` tokens (qwengyre's engine server sends them), None for any other
+        chunk or if it carries too few: a continuation elsewhere then recomputes them."""
+        meta = chunk.get("meta_info") if isinstance(chunk, dict) else None
+        if not answered or not isinstance(meta, dict):
+            return None
+        finish = meta.get("finish_reason")
+        if not isinstance(finish, dict) or finish.get("type") != "abort":
+            return None
+        return self._routing(meta, prompt + answered - 1, at_least=True)
 
     def _delta(self, request_id: str, chunk: Any, yielded: int, prompt: int) -> TokenDelta:
         """The new tokens of a stream chunk, ``yielded`` tokens having come before, of a
@@ -336,7 +364,11 @@ class SGLangEngine(HTTPEngineClient):
                             chunk = json.loads(data)
                         except ValueError as exc:
                             raise ConnectionError(f"SGLang /generate sent {data[:200]!r}") from exc
-                        delta = self._delta(rid, chunk, yielded, len(request.input_ids))
+                        prompt = len(request.input_ids)
+                        rows = self._routing_before_abort(chunk, yielded, prompt)
+                        if rows is not None:  # kept by the router for a continuation
+                            yield TokenDelta((), (), (), None, rows)
+                        delta = self._delta(rid, chunk, yielded, prompt)  # an abort raises
                         yielded += len(delta.output_ids)
                         finished = delta.finish_reason is not None
                         if delta.output_ids or finished:
