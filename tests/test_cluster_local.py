@@ -1,8 +1,10 @@
-"""Local placement's actor processes: named, so that they can be told apart."""
+"""Local placement's actor processes: named, so that they can be told apart; forked
+from a fork server that imported what a cell needs, with the caller's environment."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,12 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="ne
 class Pid:
     def pid(self) -> int:
         return os.getpid()
+
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    def imported(self, module: str) -> bool:
+        return module in sys.modules
 
 
 def test_an_actor_process_goes_by_its_name_not_its_pid_order() -> None:
@@ -38,3 +46,27 @@ def test_a_long_name_keeps_its_first_15_bytes() -> None:
         assert actor_processes(os.getpid()) == {"cell-12.3-with-": pid}
     finally:
         actor.close()
+
+
+def test_an_actor_has_the_callers_environment_as_it_starts_and_what_a_cell_imports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fork server started with the first actor; a later one still sees the
+    environment its caller has when it starts it (a server it launches inherits it),
+    not the fork server's. Both come with torch and the cell's modules imported."""
+    first = ProcessActor(Pid, name="first")
+    try:
+        assert first.call_sync("env", "QWENGYRE_LOCAL_TEST") is None
+        monkeypatch.setenv("QWENGYRE_LOCAL_TEST", "later")
+        monkeypatch.delenv("HOME", raising=False)
+        second = ProcessActor(Pid, name="second")
+        try:
+            assert second.call_sync("env", "QWENGYRE_LOCAL_TEST") == "later"
+            assert second.call_sync("env", "HOME") is None
+            assert first.call_sync("env", "QWENGYRE_LOCAL_TEST") is None  # its own, kept
+            assert second.call_sync("imported", "torch")
+            assert second.call_sync("imported", "qwengyre.cluster.cell")
+        finally:
+            second.close()
+    finally:
+        first.close()
