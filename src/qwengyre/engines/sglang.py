@@ -259,14 +259,9 @@ class SGLangEngine(HTTPEngineClient):
         dtype = np.dtype(str(meta.get("routed_experts_dtype") or "int32"))
         flat = np.frombuffer(base64.b64decode(encoded), dtype=dtype)
         layers, k = self.routed_experts
-        whole = flat.size % (layers * k) == 0
-        if at_least and whole:
-            sent = flat.size // (layers * k)
-            return (
-                routed_experts.compact(flat.reshape(sent, layers, k)[:rows])
-                if sent >= rows
-                else None
-            )
+        if at_least and flat.size % (layers * k) == 0:
+            sent = flat.reshape(-1, layers, k)
+            return routed_experts.compact(sent[:rows]) if len(sent) >= rows else None
         if flat.size != rows * layers * k:
             raise ConnectionError(
                 f"SGLang sent {flat.size} routed experts for {rows} positions of"
