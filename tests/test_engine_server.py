@@ -16,7 +16,13 @@ import torch
 from aiohttp import web
 from tests.test_engine_embedded import idle, running, slow_and_counted
 
-from qwengyre.engines.base import EngineAborted, GenerateRequest, GenerateResult, TokenDelta
+from qwengyre.engines.base import (
+    EngineAborted,
+    GenerateRequest,
+    GenerateResult,
+    Joined,
+    TokenDelta,
+)
 from qwengyre.engines.embedded import EmbeddedEngine, behaviour_logprobs
 from qwengyre.engines.launch import routed_experts_shape
 from qwengyre.engines.server import engine_app
@@ -275,11 +281,12 @@ def test_a_call_continued_after_a_drain_keeps_the_first_engines_routing(
                 if name.endswith("mlp.gate.weight"):
                     weight.add_(torch.randn_like(weight), alpha=10.0)
 
-        async def scenario() -> tuple[GenerateResult, np.ndarray, np.ndarray]:
-            own_a = (await a.generate(greedy("a", 8))).routing
+        async def scenario() -> tuple[GenerateResult, int, np.ndarray, np.ndarray]:
+            own_a = (await a.generate(greedy("a", 40))).routing
             own_b = (await b.generate(greedy("b", 8))).routing
             assert own_a is not None and own_b is not None
-            sampled = slow_and_counted(a, monkeypatch)
+            slow_and_counted(a, monkeypatch)
+            joined, by_first, drain = Joined(), 0, None
             async with (
                 SGLangEngine(url_a, "cell-0", api_key=KEY, routed_experts=(2, 2)) as first,
                 SGLangEngine(url_b, "cell-1", api_key=KEY, routed_experts=(2, 2)) as second,
@@ -287,18 +294,21 @@ def test_a_call_continued_after_a_drain_keeps_the_first_engines_routing(
                 router = Router()
                 router.register(first, preference=2)
                 router.register(second, preference=1)
-                call = asyncio.create_task(router.generate("exec", greedy("call", 40)))
-                while len(sampled) < 3:
-                    await asyncio.sleep(0.001)
-                await router.drain("cell-0")
-                name, result = await call
-            assert name == "cell-1"
-            return result, own_a, own_b
+                async for name, delta in router.stream("exec", greedy("call", 40)):
+                    joined.add(delta)
+                    if name == "cell-0":
+                        by_first += len(delta.output_ids)
+                    if by_first >= 3 and drain is None:  # a task: the drain waits for us
+                        drain = asyncio.ensure_future(router.drain("cell-0"))
+                assert drain is not None
+                await drain
+            return joined.result(), by_first, own_a, own_b
 
-        result, own_a, own_b = asyncio.run(scenario())
+        result, by_first, own_a, own_b = asyncio.run(scenario())
     prompt = len(GREEDY_PROMPT)
+    assert 3 <= by_first < 40 and len(result.output_ids) == 40
     assert result.routing is not None and len(result.routing) == prompt + 40 - 1
-    first = prompt + 3 - 1  # rows before the first engine's tokens (at least 3 answered)
+    first = prompt + by_first - 1  # the rows before the first engine's tokens
     np.testing.assert_array_equal(result.routing[:first], own_a[:first])
     assert not np.array_equal(own_a[:prompt], own_b[:prompt])  # the second routes otherwise
 
