@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -162,3 +164,54 @@ def test_a_new_daemon_marks_what_a_dead_one_ran_lost(daemon: HarnessDaemon, tmp_
         assert not alive(pid)
 
     asyncio.run(go())
+
+
+def test_clients_that_start_the_daemon_at_once_are_all_answered(tmp_path: Path):
+    """Hosts of one machine share a directory: several clients finding no daemon start
+    one each at the same moment. One serves; the others wait for it (they used to give
+    up before it bound its socket, and their client found none)."""
+    clients = [HarnessDaemon(tmp_path, idle_exit_s=30) for _ in range(4)]
+
+    async def all_at_once() -> list[int]:
+        return [len(s) for s in await asyncio.gather(*(c.states() for c in clients))]
+
+    try:
+        assert asyncio.run(all_at_once()) == [0] * len(clients)
+    finally:
+        asyncio.run(clients[0].shutdown())
+
+
+def test_a_daemon_started_while_another_stops_waits_for_its_lock(tmp_path: Path):
+    """A daemon that is stopping (idle) has removed its socket but still holds the
+    directory's lock: a client finding no socket starts a new daemon, which waits for
+    the lock rather than leaving the client with no socket to reach."""
+    directory = tmp_path / DAEMON_DIR
+    directory.mkdir(mode=0o700)
+    lock = directory / "lock"
+    held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # the stopping daemon's
+    client = HarnessDaemon(tmp_path, idle_exit_s=30)
+
+    def waiting_for_it() -> bool:
+        """A process other than this one has the lock file open: the new daemon."""
+        for fd in Path("/proc").glob("[0-9]*/fd/*"):
+            with contextlib.suppress(OSError):
+                if fd.parts[2] != str(os.getpid()) and fd.resolve() == lock.resolve():
+                    return True
+        return False
+
+    async def scenario() -> list[object]:
+        asking = asyncio.ensure_future(client.states())
+        deadline = time.monotonic() + 30
+        while not asking.done() and not waiting_for_it():
+            assert time.monotonic() < deadline, "no daemon was started"
+            await asyncio.sleep(0.05)
+        assert not asking.done(), asking  # it gave up while the lock was held
+        fcntl.flock(held, fcntl.LOCK_UN)  # the stopping daemon exits
+        os.close(held)
+        return list(await asking)
+
+    try:
+        assert asyncio.run(scenario()) == []
+    finally:
+        asyncio.run(client.shutdown())

@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 DAEMON_DIR = "harnessd"
 IDLE_EXIT_S = 120.0
 """A daemon with nothing running and no request for this long stops itself."""
+START_WAIT_S = 30.0
+"""How long a daemon being started waits for another that holds the directory: one
+starting (until its socket is bound) or stopping (until it lets the lock go)."""
 _MAX_LINE = 16 * 1024 * 1024  # a launch carries the instructions: long, but bounded
 
 
@@ -295,7 +298,8 @@ def daemon_pid(root: Path) -> int | None:
 
 def _daemonize(directory: Path) -> bool:
     """Fork; the parent returns False once the child serves (or found another daemon
-    serving), the child returns True holding the lock. Called in a process of its own
+    serving, waiting for one that starts or stops: :data:`START_WAIT_S`), the child
+    returns True holding the lock. Called in a process of its own
     session (the client starts it so), whose parent is the client."""
     ready_r, ready_w = os.pipe()
     if os.fork():
@@ -304,10 +308,18 @@ def _daemonize(directory: Path) -> bool:
         return False
     os.close(ready_r)
     lock = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # another daemon serves this directory
-        os._exit(0)
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            # Another daemon holds the directory. Serving (its socket is there): done.
+            # Starting (not yet bound) or stopping (socket gone, lock not yet): wait,
+            # or the client that started this one would find no socket.
+            if (directory / "sock").exists() or time.monotonic() > deadline:
+                os._exit(0)
+            time.sleep(0.02)
     os.ftruncate(lock, 0)
     os.write(lock, str(os.getpid()).encode())
     os.environ["_QWENGYRE_HARNESSD_READY_FD"] = str(ready_w)
