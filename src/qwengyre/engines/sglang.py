@@ -246,40 +246,48 @@ class SGLangEngine(HTTPEngineClient):
             body["return_routed_experts"] = True
         return body
 
-    def _routing(
-        self, meta: Mapping[str, Any], rows: int, *, at_least: bool = False
-    ) -> np.ndarray | None:
-        """The ``rows`` positions' routed experts of a last chunk's ``meta_info`` (None
-        if it has none); ConnectionError if they do not make ``rows`` rows. ``at_least``
-        (an abort's, which may cover tokens never answered): the first ``rows`` of
-        them, None if there are fewer."""
+    def _sent_routing(self, meta: Mapping[str, Any]) -> np.ndarray | None:
+        """Every row of routed experts a chunk's ``meta_info`` carries (None if it has
+        none, or none were asked for); ConnectionError if they are not whole rows."""
         encoded = meta.get("routed_experts")
         if self.routed_experts is None or not isinstance(encoded, str):
             return None
         dtype = np.dtype(str(meta.get("routed_experts_dtype") or "int32"))
         flat = np.frombuffer(base64.b64decode(encoded), dtype=dtype)
         layers, k = self.routed_experts
-        if at_least and flat.size % (layers * k) == 0:
-            sent = flat.reshape(-1, layers, k)
-            return routed_experts.compact(sent[:rows]) if len(sent) >= rows else None
-        if flat.size != rows * layers * k:
+        if flat.size % (layers * k):
             raise ConnectionError(
-                f"SGLang sent {flat.size} routed experts for {rows} positions of"
+                f"SGLang sent {flat.size} routed experts: not whole positions of"
                 f" {layers} layers x {k}"
             )
-        return routed_experts.compact(flat.reshape(rows, layers, k))
+        return routed_experts.compact(flat.reshape(-1, layers, k))
+
+    def _routing(self, meta: Mapping[str, Any], rows: int) -> np.ndarray | None:
+        """The ``rows`` positions' routed experts of a last chunk's ``meta_info`` (None
+        if it has none); ConnectionError if they do not make ``rows`` rows."""
+        sent = self._sent_routing(meta)
+        if sent is not None and len(sent) != rows:
+            layers, k = sent.shape[1:]
+            raise ConnectionError(
+                f"SGLang sent routed experts for {len(sent)} positions of {layers} layers"
+                f" x {k}, not {rows}"
+            )
+        return sent
 
     def _routing_before_abort(self, chunk: Any, answered: int, prompt: int) -> np.ndarray | None:
         """The routed experts an abort's chunk carries for the positions before the
-        ``answered`` tokens (qwengyre's engine server sends them), None for any other
-        chunk or if it carries too few: a continuation elsewhere then recomputes them."""
+        ``answered`` tokens (qwengyre's engine server sends them; an abort's may cover
+        tokens never answered), None for any other chunk or if it carries too few: a
+        continuation elsewhere then recomputes them."""
         meta = chunk.get("meta_info") if isinstance(chunk, dict) else None
         if not answered or not isinstance(meta, dict):
             return None
         finish = meta.get("finish_reason")
         if not isinstance(finish, dict) or finish.get("type") != "abort":
             return None
-        return self._routing(meta, prompt + answered - 1, at_least=True)
+        sent = self._sent_routing(meta)
+        rows = prompt + answered - 1
+        return None if sent is None or len(sent) < rows else sent[:rows]
 
     def _delta(self, request_id: str, chunk: Any, yielded: int, prompt: int) -> TokenDelta:
         """The new tokens of a stream chunk, ``yielded`` tokens having come before, of a
@@ -344,6 +352,7 @@ class SGLangEngine(HTTPEngineClient):
         self._inflight.add(rid)
         yielded = 0
         finished = False
+        prompt = len(request.input_ids)
         try:
             async with self._get_session().post(
                 f"{self.base_url}/generate",
@@ -359,7 +368,6 @@ class SGLangEngine(HTTPEngineClient):
                             chunk = json.loads(data)
                         except ValueError as exc:
                             raise ConnectionError(f"SGLang /generate sent {data[:200]!r}") from exc
-                        prompt = len(request.input_ids)
                         rows = self._routing_before_abort(chunk, yielded, prompt)
                         if rows is not None:  # kept by the router for a continuation
                             yield TokenDelta((), (), (), None, rows)
