@@ -187,6 +187,7 @@ class Driver:
         self._check(event, actions, outstanding_before, roles_before)
         if self.params.dispatch == "boundary":
             self._check_burst(event, actions, w_before, quota_before, owed_before, assigned_before)
+        assert s.stalls == self.stalls  # the scheduler counts exactly the stalls seen here
         return actions
 
     def start(self) -> list[Action]:

@@ -77,6 +77,7 @@ def _synthetic(spans: list[RoleSpan], cells: int, end_s: float) -> SimResult:
         reroutes=0,
         publications=1,
         core_kept=0,
+        stalls=0,
         role_spans=spans,
         load=load,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -217,3 +218,15 @@ def test_colocate_trains_the_other_groups_instead_of_waiting_for_top_ups():
     assert result.groups_dropped == 0
     first = {g.group_id: g for g in sim.scheduler.consumed()}[0]
     assert first.v_d == 0 and first.v_t >= 1  # trained in a later batch
+
+
+def test_stalled_bursts_are_counted_where_invalid_results_outrun_the_extra_groups():
+    """Without extra groups (phi = 0) and with most evaluations invalid, short groups stall
+    bursts, which dispatch their owed top-ups mid-burst; every result valid, none does."""
+    config = small("scheduler.mu=2", "scheduler.phi=0", "groups.min_valid=null", "sim.steps=20")
+    flaky = dataclasses.replace(ParametricWorkload.paper_122b(seed=4), eval_failure_prob=0.6)
+    stalled = simulate(config, flaky)
+    assert stalled.stalls > 0
+    assert stalled.summary()["stalled_dispatches"] == stalled.stalls
+    valid = dataclasses.replace(flaky, eval_failure_prob=0.0)
+    assert simulate(config, valid).stalls == 0

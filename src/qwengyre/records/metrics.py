@@ -246,6 +246,11 @@ class LoadRecord(_Record):
     capacity: int
     reserved: int = 0
     """Quota held for top-ups (``groups.reserve``), counted in the waterlevel."""
+    stalls: int = 0
+    """Stalled bursts' dispatches so far (the scheduler's ``stalls``): a burst whose groups
+    could no longer fill its step dispatched owed top-ups and dropped groups' slots at
+    once, the only way the waterlevel rises within a burst. Many of them say that
+    ``scheduler.phi`` or ``groups.reserve`` is too small for the invalid results."""
 
     @property
     def waterlevel(self) -> int:

@@ -198,6 +198,7 @@ class ScalarStream:
                 values["load/queued"] = record.queued
                 values["load/capacity"] = record.capacity
                 values["load/waterlevel"] = record.waterlevel
+                values["load/stalls"] = record.stalls
             case PublicationRecord():
                 values["publication/seconds"] = record.seconds
             case GroupRecord():

@@ -47,7 +47,7 @@ class Observer:
         self.now = now
         self.step_records: list[StepRecord] = []
         self._roles = list(scheduler.roles)
-        self._last_load = (-1, -1, -1, -1)
+        self._last_load = (-1, -1, -1, -1, -1)
         self._busy_s = [0.0] * len(self._roles)  # per cell, see UsageRecord
         self._serving = [False] * len(self._roles)  # rollout with executions routed to it
         self._accounted_at = 0.0
@@ -78,10 +78,10 @@ class Observer:
                 self._roles[cell] = role
                 self.metrics.write(RoleRecord(now, cell, role.value))
         c = s.counters
-        sample = (c.running, c.queued, s.capacity, c.reserved)
+        sample = (c.running, c.queued, s.capacity, c.reserved, s.stalls)
         if sample != self._last_load:
             self._last_load = sample
-            running, queued, capacity, reserved = sample
+            running, queued, capacity, reserved, stalls = sample
             self.metrics.write(
                 LoadRecord(
                     time_s=self.now(),
@@ -89,6 +89,7 @@ class Observer:
                     queued=queued,
                     capacity=capacity,
                     reserved=reserved,
+                    stalls=stalls,
                 )
             )
 

@@ -370,6 +370,7 @@ class Scheduler:
         self.version = 0  # optimizer steps done
         self.published = 0  # latest published version
         self.core_kept = 0  # publications after which Eq 6 kept the core unit in training
+        self.stalls = 0  # stalled bursts' mid-burst dispatches: the only rises of w in a burst
         self._batch: list[int] = []  # groups assigned to the current step
         self._wanted = 0  # groups the packing buffer asked for and has not received
         self._steps_in_burst = 0
@@ -804,10 +805,13 @@ class Scheduler:
         if self._steps_in_burst and not self._batch:
             self._end_burst()
             return
+        dispatched = self._d
         self._dispatch_owed()
         for _ in range(self._dropped_in_burst):
             self._dispatch_group()
         self._dropped_in_burst = 0
+        if self._d > dispatched:
+            self.stalls += 1
 
     def _refill(self) -> None:
         """Eq 1 (boundary) or the continuous slot rule: dispatch up to the queue depth."""

@@ -112,6 +112,8 @@ class SimResult:
     ``bound`` is this run's lower bound on ``end_to_end_s`` (:mod:`qwengyre.sim.bound`).
     ``core_kept`` of the run's ``publications`` ended with Eq 6 keeping the core unit in
     training for the next burst (always 0 for async, whose split never moves).
+    ``stalls`` counts bursts that dispatched mid-burst because their groups could no
+    longer fill a step (:attr:`Scheduler.stalls`): the only rises of w within a burst.
     """
 
     policy: str
@@ -133,6 +135,7 @@ class SimResult:
     reroutes: int
     publications: int
     core_kept: int
+    stalls: int
     role_spans: list[RoleSpan] = field(repr=False)
     load: list[LoadSample] = field(repr=False)
 
@@ -166,6 +169,7 @@ class SimResult:
             "reroutes": self.reroutes,
             "publications": self.publications,
             "eq6_core_kept": self.core_kept,
+            "stalled_dispatches": self.stalls,
         }
 
 
@@ -425,6 +429,7 @@ class Simulation:
             reroutes=self.reroutes,
             publications=self.publications,
             core_kept=self.scheduler.core_kept,
+            stalls=self.scheduler.stalls,
             role_spans=self.role_spans,
             load=self.load,
         )
