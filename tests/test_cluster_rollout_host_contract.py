@@ -14,6 +14,7 @@ A case an implementation cannot meet is marked in its parametrisation with the r
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -32,6 +33,7 @@ from qwengyre.cluster.engine_host import Endpoint, RolloutHost, rollout_host
 from qwengyre.cluster.server_host import ServerHost
 from qwengyre.cluster.weights import BoardShards, SharedWeights
 from qwengyre.engines.base import EngineAborted
+from qwengyre.engines.http_client import HTTPEngineClient
 from qwengyre.engines.vllm import vllm_available
 from qwengyre.models import cached_tiny_model
 
@@ -145,9 +147,22 @@ def test_a_released_host_serves_nothing_and_resumes_with_the_newest(cell: Cell) 
     assert generate(cell.endpoint).versions == (version,) * 6
 
 
+def healthy(endpoint: Endpoint) -> bool:
+    """The health check of the proxy's client of ``endpoint`` (it may raise)."""
+
+    async def main() -> bool:
+        engine = endpoint.client("proxy", 1, version=-1)
+        assert isinstance(engine, HTTPEngineClient)
+        async with engine:
+            return await engine.health()
+
+    return asyncio.run(main())
+
+
 @backends()
 def test_revive_leaves_a_serving_host_alone(cell: Cell) -> None:
     served = generate(cell.endpoint)
+    assert healthy(cell.endpoint)
     assert not cell.host.revive(cell.boards)
     assert generate(cell.endpoint) == served
 
@@ -158,12 +173,16 @@ def test_a_crashed_server_is_revived_at_its_endpoint_with_the_newest(cell: Cell)
     cell.crash()
     with pytest.raises(OSError):
         generate(cell.endpoint)
+    # The proxy's periodic check tells it from a server that answers unhealthy.
+    with pytest.raises(ConnectionRefusedError):
+        healthy(cell.endpoint)
     version = cell.publish()  # and the core published meanwhile
     # A publication that comes before the revival calls no dead server, and fails nothing.
     assert cell.host.load_newest(cell.boards) < version
     assert cell.host.revive(cell.boards)
     # the proxy's client of the same endpoint (address and key) is served again
     assert generate(cell.endpoint).versions == (version,) * 6
+    assert healthy(cell.endpoint)
     assert not cell.host.revive(cell.boards)
 
 

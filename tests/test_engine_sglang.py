@@ -603,13 +603,16 @@ def test_release_with_requests_in_flight_is_refused() -> None:
     run_with_fake(t, token_delay_s=0.02)
 
 
-def test_health_false_when_server_down_or_unhealthy() -> None:
+def test_health_false_when_unhealthy_and_refused_when_the_server_is_gone() -> None:
     async def t(fake: FakeSGLang, engine: SGLangEngine) -> None:
         assert await engine.health()
         fake.healthy = False
         assert not await engine.health()
         fake.healthy = True
         await fake.stop()
+        with pytest.raises(ConnectionRefusedError, match="nothing answers at"):
+            await engine.health()
+        engine.released = True  # a released engine does not ask
         assert not await engine.health()
 
     run_with_fake(t)

@@ -83,8 +83,11 @@ class FakeEngine:
     async def resume_memory(self) -> None: ...
 
     healthy: bool = True
+    gone: bool = False  # its server: nothing answers at its address
 
     async def health(self) -> bool:
+        if self.gone:
+            raise ConnectionRefusedError(f"nothing answers for {self.name}")
         return self.healthy
 
 
@@ -216,7 +219,7 @@ def test_a_replacement_takes_a_drained_engines_place_and_preference() -> None:
     assert asyncio.run(scenario()) == [("a", delta((4,), "stop"))]  # preferred, as "a" was
 
 
-def test_keep_recovering_takes_an_engine_back_on_its_own() -> None:
+def test_keep_checking_takes_an_engine_back_on_its_own() -> None:
     a = FakeEngine("a", [[ConnectionResetError("gone")]], healthy=True)
     b = FakeEngine("b", [[((2,), "stop")]])
     router = router_with(a, b)
@@ -224,12 +227,86 @@ def test_keep_recovering_takes_an_engine_back_on_its_own() -> None:
     async def scenario() -> str:
         await consume(router, 2)
         assert router.route("x") == "b"
-        task = asyncio.ensure_future(router.keep_recovering(every_s=0.01))
+        task = asyncio.ensure_future(router.keep_checking(every_s=0.01))
         await asyncio.sleep(0.1)
         task.cancel()
         return router.route("y")
 
     assert asyncio.run(scenario()) == "a"
+
+
+def test_a_serving_engine_whose_server_is_gone_is_drained_without_a_failed_call() -> None:
+    """A crashed server that gets no call is still noticed (and so started again): its
+    calls in flight continue elsewhere, and it is taken back once its check passes."""
+    a = FakeEngine("a", [[((1,), None), WAIT]])
+    b = FakeEngine("b", [[((2,), "stop")]])
+    router = router_with(a, b)
+
+    async def crash() -> None:
+        a.gone = True
+        assert await router.check() == ["a"]
+        assert router.failed() == ["a"] and router.route("new") == "b"
+        assert await router.check() == []  # failed already: still down, not failed again
+
+    items = asyncio.run(consume(router, 2, after_first=crash))
+    assert [(engine, d.output_ids) for engine, d in items] == [("a", (1,)), ("b", (2,))]
+    a.gone = False
+    assert asyncio.run(router.check()) == [] and router.failed() == []
+    assert router.route("newer") == "a"
+
+
+def test_a_serving_engine_that_answers_unhealthy_keeps_its_calls() -> None:
+    """A server that answers its health check unhealthy (SGLang's check times out while
+    it loads a publication's weights) is no crashed one: nothing is drained."""
+    a = FakeEngine("a", [[((1,), None), ((2,), "stop")]], healthy=False)
+    router = router_with(a, FakeEngine("b", []))
+
+    async def check() -> None:
+        assert await router.check() == []
+
+    items = asyncio.run(consume(router, 2, after_first=check))
+    assert [engine for engine, _ in items] == ["a", "a"] and a.aborted == []
+    assert router.failed() == [] and router.route("new") == "a"
+
+
+def test_an_engine_drained_for_a_move_is_not_failed_by_its_health_check() -> None:
+    """A cell that moved to training released its engine (or stopped its server): that
+    is no failure, and nothing starts it again."""
+    a = FakeEngine("a", [], gone=True)
+    router = router_with(a, FakeEngine("b", []))
+
+    async def scenario() -> list[str]:
+        await router.drain("a")
+        return await router.check()
+
+    assert asyncio.run(scenario()) == [] and router.failed() == []
+    router.resume("a")
+    assert router.route("new") == "a"
+
+
+@dataclass
+class HangingEngine(FakeEngine):
+    """Its health check never answers (a server stuck on a long prefill)."""
+
+    async def health(self) -> bool:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def test_a_health_check_that_hangs_delays_no_other_engines_check() -> None:
+    slow = HangingEngine("slow", [])
+    down = FakeEngine("down", [], gone=True)
+    router = router_with(slow, down)
+
+    async def scenario() -> list[str]:
+        check = asyncio.ensure_future(router.check())
+        await asyncio.sleep(0.05)
+        failed = router.failed()
+        assert not check.done()
+        check.cancel()
+        return failed
+
+    assert asyncio.run(scenario()) == ["down"]
 
 
 @pytest.mark.parametrize(

@@ -232,4 +232,9 @@ class InferenceEngine(Protocol):
         """Restore what :meth:`release_memory` freed (the cell is back in rollout)."""
         ...
 
-    async def health(self) -> bool: ...
+    async def health(self) -> bool:
+        """Whether it can serve now (False while released). A server engine's client
+        raises ``ConnectionRefusedError`` when nothing answers at the server's address:
+        its server is gone, which the router tells from a server that answers unhealthy
+        (busy loading weights past its own check) -- only the first is started again."""
+        ...

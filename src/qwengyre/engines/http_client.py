@@ -157,6 +157,23 @@ class HTTPEngineClient:
         self._raise_for_status(path, status, text)
         return status, text
 
+    async def health(self) -> bool:
+        """``GET /health``: True on 200; False while released (the server cannot serve
+        then: SGLang's check generates a token), on another answer, a timeout or a lost
+        connection. Raises ``ConnectionRefusedError`` when no connection can be made:
+        nothing listens at ``base_url`` (the server is gone, or not started yet)."""
+        if self.released:
+            return False
+        try:
+            status, _ = await self._call("GET", "/health", timeout_s=30)
+        except aiohttp.ClientConnectorError as exc:
+            raise ConnectionRefusedError(
+                f"{self.server} {self.name}: nothing answers at {self.base_url} ({exc})"
+            ) from exc
+        except (OSError, ValueError):
+            return False
+        return status == 200
+
     async def _json(
         self,
         method: str,

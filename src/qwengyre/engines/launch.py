@@ -210,8 +210,9 @@ async def wait_until_healthy(
                 f"server {engine.name} exited with code {process.returncode} "
                 "before becoming healthy"
             )
-        if await engine.health():
-            return
+        with contextlib.suppress(ConnectionRefusedError):  # not listening yet
+            if await engine.health():
+                return
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"server {engine.name} at {engine.base_url} was not healthy within {timeout_s:.0f}s"

@@ -458,20 +458,6 @@ class SGLangEngine(HTTPEngineClient):
         await self._json("POST", "/resume_memory_occupation", {})
         self.released = False
 
-    async def health(self) -> bool:
-        """``GET /health``; False on errors and while released.
-
-        SGLang's ``/health`` generates one token, which a released server cannot do,
-        so a released engine answers False without asking.
-        """
-        if self.released:
-            return False
-        try:
-            status, _ = await self._call("GET", "/health", timeout_s=30)
-        except (TimeoutError, OSError, ValueError, EngineAborted):
-            return False
-        return status == 200
-
 
 # -- launching a server ----------------------------------------------------------------
 

@@ -418,16 +418,6 @@ class VLLMEngine(HTTPEngineClient):
         await self._json("POST", "/wake_up")
         self.released = False
 
-    async def health(self) -> bool:
-        """``GET /health``; False on errors and while released."""
-        if self.released:
-            return False
-        try:
-            await self._call("GET", "/health", timeout_s=30)
-        except (TimeoutError, OSError, ValueError):
-            return False
-        return True
-
 
 # -- inside the server -------------------------------------------------------------------
 

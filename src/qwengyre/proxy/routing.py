@@ -6,9 +6,10 @@ stops it accepting, moves the routes of its executions to other engines (standal
 first, then rollout cells in descending index, as the scheduler orders them), and
 aborts its in-flight requests; each aborted call is retried transparently at its new
 engine, so the harness sees one successful answer and the tree gets one record.
-An engine that fails outright is drained the same way (:meth:`Router.fail`), and taken
-back once its health check passes again (:meth:`Router.recover`, which the proxy runs
-every :data:`RECOVER_S`): a timeout or a restarted server does not cost an engine for
+An engine that fails a call, or whose server is found gone while it serves
+(:meth:`Router.check`, which the proxy runs every :data:`RECOVER_S`), is drained the same way
+(:meth:`Router.fail`), and taken back once its health check passes again
+(:meth:`Router.recover`): a timeout or a restarted server does not cost an engine for
 the rest of the run. An engine drained for a move is never taken back that way. A call
 that finds no engine accepting waits up to ``engine_wait_s`` for one to accept again (a
 cell on its way back to rollout after the last serving one was lost, a crashed server
@@ -51,7 +52,7 @@ DRAIN_TIMEOUT_S = 60.0
 """How long a drain waits for its aborted calls to end at the engine."""
 
 RECOVER_S = 2.0
-"""How often the proxy checks whether an engine that failed is healthy again."""
+"""How often the proxy checks its engines' health (:meth:`Router.check`)."""
 
 
 class Handoff(Protocol):
@@ -326,23 +327,55 @@ class Router:
     async def recover(self) -> list[str]:
         """Engines that failed and pass their health check now accept again; their
         names. A health check that raises counts as failed."""
-        back = []
-        for name, slot in self._slots.items():
-            if not slot.failed:
-                continue
-            try:
-                healthy = await slot.engine.health()
-            except Exception:
-                healthy = False
-            if healthy and slot.failed:  # not drained for a move meanwhile
-                slot.accepting, slot.failed = True, False
-                log.info("engine %s is healthy again: it accepts calls", name)
-                back.append(name)
-                self._wake_waiting()
-        return back
+        failed = [name for name, slot in self._slots.items() if slot.failed]
+        back = await asyncio.gather(*(self._take_back(name) for name in failed))
+        return list(itertools.compress(failed, back))
 
-    async def keep_recovering(self, every_s: float = RECOVER_S) -> None:
-        """:meth:`recover` every ``every_s`` seconds, until cancelled."""
+    async def check(self) -> list[str]:
+        """Engines that accept calls and whose server is gone (their health check finds
+        nothing answering, see :meth:`InferenceEngine.health`) are failed (see
+        :meth:`fail`), so a crashed server is noticed, and started again, without waiting
+        for a call to fail there (a rollout cell may get none for a long time); their
+        names. A server that answers unhealthy (loading weights past its own check) keeps
+        its calls. Then :meth:`recover`. Every engine is checked at once: a slow health
+        check delays no other engine's."""
+        serving = [name for name, slot in self._slots.items() if slot.accepting]
+        down, _ = await asyncio.gather(
+            asyncio.gather(*(self._fail_if_gone(name) for name in serving)), self.recover()
+        )
+        return list(itertools.compress(serving, down))
+
+    async def _take_back(self, name: str) -> bool:
+        slot = self._slots[name]
+        if not await self._healthy(name) or not slot.failed:  # drained for a move meanwhile
+            return False
+        slot.accepting, slot.failed = True, False
+        log.info("engine %s is healthy again: it accepts calls", name)
+        self._wake_waiting()
+        return True
+
+    async def _fail_if_gone(self, name: str) -> bool:
+        try:
+            await self._slots[name].engine.health()
+            return False
+        except ConnectionRefusedError as gone:
+            if not self._slots[name].accepting:  # drained meanwhile
+                return False
+            log.warning("engine %s is gone (%s): draining it", name, gone)
+        except Exception:
+            return False  # not known to be gone: its calls say more
+        await self.fail(name)
+        return True
+
+    async def _healthy(self, name: str) -> bool:
+        """The health check of ``name``; one that raises counts as failed."""
+        try:
+            return await self._slots[name].engine.health() is True
+        except Exception:
+            return False
+
+    async def keep_checking(self, every_s: float = RECOVER_S) -> None:
+        """:meth:`check` every ``every_s`` seconds, until cancelled."""
         while True:
             await asyncio.sleep(every_s)
-            await self.recover()
+            await self.check()

@@ -214,12 +214,12 @@ class ProxyServer:
         return app
 
     async def _background(self, app: web.Application) -> AsyncIterator[None]:
-        """While the app runs: :meth:`Residency.sweep`, and an engine that failed a call
-        is taken back once it is healthy again
-        (:meth:`~qwengyre.proxy.routing.Router.recover`)."""
+        """While the app runs: :meth:`Residency.sweep`, and the engines' health checks
+        (:meth:`~qwengyre.proxy.routing.Router.check`): a serving engine that fails one
+        is drained, one that failed is taken back once it passes again."""
         tasks = [
             asyncio.ensure_future(self.residency.sweep()),
-            asyncio.ensure_future(self.router.keep_recovering()),
+            asyncio.ensure_future(self.router.keep_checking()),
         ]
         yield
         for task in tasks:
