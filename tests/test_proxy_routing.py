@@ -285,28 +285,51 @@ def test_an_engine_drained_for_a_move_is_not_failed_by_its_health_check() -> Non
 
 
 @dataclass
-class HangingEngine(FakeEngine):
-    """Its health check never answers (a server stuck on a long prefill)."""
+class DyingEngine(FakeEngine):
+    """Its health check finds the server gone, once ``answer`` is set."""
+
+    asked: asyncio.Event = field(default_factory=asyncio.Event)
+    answer: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def health(self) -> bool:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
+        self.asked.set()
+        await self.answer.wait()
+        raise ConnectionRefusedError(f"nothing answers for {self.name}")
 
 
 def test_a_health_check_that_hangs_delays_no_other_engines_check() -> None:
-    slow = HangingEngine("slow", [])
+    slow = DyingEngine("slow", [])  # never answers: a server stuck on a long prefill
     down = FakeEngine("down", [], gone=True)
-    router = router_with(slow, down)
+    router = router_with(down, slow)  # the slow one is asked first
 
     async def scenario() -> list[str]:
         check = asyncio.ensure_future(router.check())
-        await asyncio.sleep(0.05)
-        failed = router.failed()
+        await slow.asked.wait()
+        while not router.failed():
+            await asyncio.sleep(0)
         assert not check.done()
         check.cancel()
-        return failed
+        return router.failed()
 
-    assert asyncio.run(scenario()) == ["down"]
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == ["down"]
+
+
+def test_a_replacement_that_takes_the_place_during_a_check_is_not_failed_for_the_old() -> None:
+    """The old server's check ends in a refused connection after its cell's replacement
+    took its place (a dead cell's): the replacement keeps serving."""
+    old = DyingEngine("a", [])
+    router = router_with(old, FakeEngine("b", []))
+
+    async def scenario() -> list[str]:
+        check = asyncio.ensure_future(router.check())
+        await old.asked.wait()  # the check is asking the old server
+        await router.drain("a")
+        await router.replace(FakeEngine("a", []))
+        old.answer.set()
+        return await check
+
+    assert asyncio.run(scenario()) == [] and router.failed() == []
+    assert router.route("new") == "a"
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,14 @@ RECOVER_S = 2.0
 """How often the proxy checks its engines' health (:meth:`Router.check`)."""
 
 
+async def _healthy(engine: InferenceEngine) -> bool:
+    """``engine``'s health check; one that raises counts as failed."""
+    try:
+        return await engine.health() is True
+    except Exception:
+        return False
+
+
 class Handoff(Protocol):
     """How a call moved from one engine to another continues there."""
 
@@ -347,7 +355,7 @@ class Router:
 
     async def _take_back(self, name: str) -> bool:
         slot = self._slots[name]
-        if not await self._healthy(name) or not slot.failed:  # drained for a move meanwhile
+        if not await _healthy(slot.engine) or not self._still(name, slot, failed=True):
             return False
         slot.accepting, slot.failed = True, False
         log.info("engine %s is healthy again: it accepts calls", name)
@@ -355,11 +363,12 @@ class Router:
         return True
 
     async def _fail_if_gone(self, name: str) -> bool:
+        slot = self._slots[name]
         try:
-            await self._slots[name].engine.health()
+            await slot.engine.health()
             return False
         except ConnectionRefusedError as gone:
-            if not self._slots[name].accepting:  # drained meanwhile
+            if not self._still(name, slot, failed=False):
                 return False
             log.warning("engine %s is gone (%s): draining it", name, gone)
         except Exception:
@@ -367,12 +376,10 @@ class Router:
         await self.fail(name)
         return True
 
-    async def _healthy(self, name: str) -> bool:
-        """The health check of ``name``; one that raises counts as failed."""
-        try:
-            return await self._slots[name].engine.health() is True
-        except Exception:
-            return False
+    def _still(self, name: str, slot: _Slot, *, failed: bool) -> bool:
+        """After a health check of ``slot``: it is still ``name``'s (not replaced) and
+        still failed (``failed``), or still accepting (not drained for a move)."""
+        return self._slots.get(name) is slot and (slot.failed if failed else slot.accepting)
 
     async def keep_checking(self, every_s: float = RECOVER_S) -> None:
         """:meth:`check` every ``every_s`` seconds, until cancelled."""
