@@ -288,13 +288,14 @@ def test_an_engine_drained_for_a_move_is_not_failed_by_its_health_check() -> Non
 class DyingEngine(FakeEngine):
     """Its health check finds the server gone, once ``answer`` is set."""
 
+    gone: bool = True
     asked: asyncio.Event = field(default_factory=asyncio.Event)
     answer: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def health(self) -> bool:
         self.asked.set()
         await self.answer.wait()
-        raise ConnectionRefusedError(f"nothing answers for {self.name}")
+        return await super().health()
 
 
 def test_a_health_check_that_hangs_delays_no_other_engines_check() -> None:

@@ -355,8 +355,9 @@ class Router:
 
     async def _take_back(self, name: str) -> bool:
         slot = self._slots[name]
-        if not await _healthy(slot.engine) or not self._still(name, slot, failed=True):
-            return False
+        healthy = await _healthy(slot.engine)
+        if not healthy or self._slots[name] is not slot or not slot.failed:
+            return False  # still down, replaced, or drained for a move meanwhile
         slot.accepting, slot.failed = True, False
         log.info("engine %s is healthy again: it accepts calls", name)
         self._wake_waiting()
@@ -366,20 +367,14 @@ class Router:
         slot = self._slots[name]
         try:
             await slot.engine.health()
-            return False
         except ConnectionRefusedError as gone:
-            if not self._still(name, slot, failed=False):
-                return False
-            log.warning("engine %s is gone (%s): draining it", name, gone)
+            if self._slots[name] is slot and slot.accepting:  # not replaced nor drained
+                log.warning("engine %s is gone (%s): draining it", name, gone)
+                await self.fail(name)
+                return True
         except Exception:
-            return False  # not known to be gone: its calls say more
-        await self.fail(name)
-        return True
-
-    def _still(self, name: str, slot: _Slot, *, failed: bool) -> bool:
-        """After a health check of ``slot``: it is still ``name``'s (not replaced) and
-        still failed (``failed``), or still accepting (not drained for a move)."""
-        return self._slots.get(name) is slot and (slot.failed if failed else slot.accepting)
+            pass  # not known to be gone: its calls say more
+        return False
 
     async def keep_checking(self, every_s: float = RECOVER_S) -> None:
         """:meth:`check` every ``every_s`` seconds, until cancelled."""
