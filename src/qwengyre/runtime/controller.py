@@ -169,6 +169,7 @@ class _Step:
     step: int
     workers: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     window_open: bool = True  # cells may still join this batch
+    joined: asyncio.Event = field(default_factory=asyncio.Event)  # set as a worker starts
     updating: bool = False  # the update's collectives began: no cell can leave any more
     results: list[MicroStepResult] = field(default_factory=list)
     started_s: float = 0.0
@@ -589,6 +590,7 @@ class Controller:
         if cell in step.workers and not step.workers[cell].done():
             return
         step.workers[cell] = self._spawn(self._work(cell, step))
+        step.joined.set()
 
     async def _work(self, cell: int, step: _Step) -> None:
         """A cell in training claims micro-steps until the batch is drained. A cell that
@@ -648,6 +650,12 @@ class Controller:
     async def _finish_step(self, step: _Step) -> None:
         while True:
             summary = await self.queue.wait_drained()
+            # The update needs a training cell. A batch with nothing to train (no learning
+            # signal) drains at once, maybe before any cell of the prefix trains: a
+            # colocated pool's core may end its move after the others.
+            while not step.workers:
+                step.joined.clear()
+                await step.joined.wait()
             step.window_open = False  # the joining window closes before the update
             if step.workers:
                 await asyncio.wait([*step.workers.values()])
