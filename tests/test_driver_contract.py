@@ -22,6 +22,7 @@ itself, so it is always the one cancelled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,9 +79,9 @@ SURPLUS_S = 1e6
 PROMPT_TOKENS = 8
 
 
-def script_config(policy: str) -> Config:
+def script_config(policy: str, *overrides: str) -> Config:
     """The run: every time in it (cell moves, micro-steps, updates, publications) is a
-    few milliseconds, as are the executions' (:class:`Script`)."""
+    few milliseconds, as are the executions' (:class:`Script`); then ``overrides``."""
     return load_config(
         preset_path("embedded"),
         [
@@ -106,6 +107,7 @@ def script_config(policy: str) -> Config:
             "sim.train_tokens_per_cell_s=20000",
             "sim.train_step_overhead_s=0.005",
             "sim.publish_s=0.01",
+            *overrides,
         ],
     )
 
@@ -581,3 +583,33 @@ def test_both_drivers_keep_the_contract_and_agree(policy: str, tmp_path: Path) -
         for g in a.group_ids
     ]
     assert runs["live"].trained == assigned  # the cells trained what was assigned, in order
+
+
+class LateCore(ScriptedCell):
+    """A scripted cell; the core (cell 0) ends its move to training well after the rest."""
+
+    async def release_engine(self) -> str:
+        if self.index == 0:
+            await asyncio.sleep(0.2)
+        return await super().release_engine()
+
+
+def test_a_batch_with_nothing_to_train_is_updated_once_the_late_core_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every reward 0: no batch packs a micro-step, so each drains at once. A colocated
+    pool assigns it as soon as a cell trains; its update must wait for the core, which
+    ends its move last (it ran with no cell: IndexError)."""
+    scripted = Script.execution
+    monkeypatch.setattr(
+        Script,
+        "execution",
+        lambda self, q, i: dataclasses.replace(scripted(self, q, i), reward=0.0),
+    )
+    config = script_config("colocate", "scheduler.streaming=false")
+    scheduler = RecordingScheduler(config.scheduler_params())
+    costs, board = SimCosts.from_config(config), Board()
+    cells = [CellClient(LateCore(i, costs, board)) for i in range(config.cells.count)]
+    controller = asyncio.run(drive(config, tmp_path, scheduler, cells))
+    assert board.version == STEPS  # the core updated once a step
+    assert len(controller.trained) == STEPS * BATCH
