@@ -138,8 +138,12 @@ class ProcessActor:
     def _receive(self) -> Any:
         try:
             ok, value = self._conn.recv()
-        except (EOFError, ConnectionError) as exc:
-            raise self._died() from exc
+        except (EOFError, OSError) as exc:
+            # A broken pipe, or the pipe closed under this call (EBADF) by close() once
+            # the process had died.
+            if isinstance(exc, EOFError | ConnectionError) or not self._process.is_alive():
+                raise self._died() from exc
+            raise
         if not ok:
             raise value if isinstance(value, DiskFullError) else ActorError(f"{self.name}: {value}")
         return value

@@ -145,7 +145,7 @@ class Supervisor:
             engines[engine_name(STANDALONE)] = STANDALONE
         for name in self.router.failed():
             engine = engines.get(name)
-            if engine is None or engine in self.lost or engine in self._reviving:
+            if engine is None or self.gone(engine) or engine in self._reviving:
                 continue
             if engine == STANDALONE or self.scheduler.roles[engine] is Role.ROLLOUT:
                 self._reviving.add(engine)
